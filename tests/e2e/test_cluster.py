@@ -1,0 +1,85 @@
+"""Smoke test of the e2e control plane: GPU node pool, scheduling, KWOK."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kubernetes import client
+
+pytestmark = pytest.mark.e2e
+
+GPU = "nvidia.com/gpu"
+GPU_TOLERATION = client.V1Toleration(key=GPU, operator="Exists", effect="NoSchedule")
+
+
+def gpu_pod(name: str, gpus: int | None, tolerate_gpu: bool = True) -> client.V1Pod:
+    limits = {"cpu": "1", "memory": "1Gi"}
+    if gpus:
+        limits[GPU] = str(gpus)
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels={"app": name}),
+        spec=client.V1PodSpec(
+            # KWOK fakes the containers: the image is never pulled.
+            containers=[
+                client.V1Container(
+                    name="main",
+                    image="registry.k8s.io/pause:3.10",
+                    resources=client.V1ResourceRequirements(limits=limits, requests=limits),
+                )
+            ],
+            tolerations=[GPU_TOLERATION] if tolerate_gpu else None,
+            termination_grace_period_seconds=0,
+        ),
+    )
+
+
+def test_node_pool(kube):
+    nodes = {n.metadata.name: n for n in kube.core.list_node().items}
+    gpu_nodes = [n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") == "true"]
+    cpu_nodes = [n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") != "true"]
+    assert len(gpu_nodes) == 2, sorted(nodes)
+    assert len(cpu_nodes) >= 1, sorted(nodes)
+    for node in nodes.values():
+        assert node.metadata.annotations.get("kwok.x-k8s.io/node") == "fake"
+        ready = [c for c in node.status.conditions or [] if c.type == "Ready"]
+        assert ready and ready[0].status == "True", (node.metadata.name, node.status.conditions)
+    for node in gpu_nodes:
+        assert node.status.capacity[GPU] == "8"
+        assert node.status.allocatable[GPU] == "8"
+        assert node.metadata.labels[f"{GPU}.product"] == "NVIDIA-H100-80GB-HBM3"
+        taints = [(t.key, t.value, t.effect) for t in node.spec.taints or []]
+        assert (GPU, "present", "NoSchedule") in taints
+
+
+def test_gpu_pod_runs_on_gpu_node(kube, namespace, timeouts):
+    kube.core.create_namespaced_pod(namespace, gpu_pod("two-gpus", 2))
+    pod = kube.wait_pod_phase(namespace, "two-gpus", "Running", timeouts.POD_RUNNING)
+    node = kube.core.read_node(pod.spec.node_name)
+    assert node.metadata.labels.get(f"{GPU}.present") == "true", pod.spec.node_name
+    scheduled = kube.pod_condition(pod, "PodScheduled")
+    assert scheduled is not None and scheduled.status == "True"
+    kube.wait_pod_condition(namespace, "two-gpus", "Ready", "True", timeouts.POD_RUNNING)
+
+
+def test_pod_without_toleration_avoids_gpu_nodes(kube, namespace, timeouts):
+    kube.core.create_namespaced_pod(namespace, gpu_pod("cpu-only", None, tolerate_gpu=False))
+    pod = kube.wait_pod_phase(namespace, "cpu-only", "Running", timeouts.POD_RUNNING)
+    node = kube.core.read_node(pod.spec.node_name)
+    assert node.metadata.labels.get(f"{GPU}.present") != "true", pod.spec.node_name
+
+
+def test_oversized_gpu_pod_stays_pending(kube, namespace, timeouts):
+    kube.core.create_namespaced_pod(namespace, gpu_pod("sixteen-gpus", 16))
+    pod = kube.wait_pod_condition(
+        namespace, "sixteen-gpus", "PodScheduled", "False", timeouts.POD_UNSCHEDULABLE, reason="Unschedulable"
+    )
+    assert "nvidia.com/gpu" in (kube.pod_condition(pod, "PodScheduled").message or "")
+    time.sleep(timeouts.STAYS_PENDING)
+    pod = kube.core.read_namespaced_pod("sixteen-gpus", namespace)
+    assert pod.status.phase == "Pending"
+    assert not pod.spec.node_name
+    events = kube.core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=sixteen-gpus,reason=FailedScheduling"
+    )
+    assert events.items, "scheduler recorded no FailedScheduling event"
