@@ -118,6 +118,14 @@ class UpdateTicket:
             raise PermanentError(f"update_info lacks field {e.args[0]!r}") from None
 
 
+def init_field(init: Mapping[str, Any], key: str, channel: Channel) -> Any:
+    """A required ``init_info`` field, or an error naming it."""
+    try:
+        return init[key]
+    except KeyError:
+        raise PermanentError(f"{channel.value} channel: init_info lacks {key!r} (got {sorted(init)})") from None
+
+
 def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
     """Digest each received tensor and compare with the trainer's; raise naming the first mismatch."""
     from weightsync.channels import digests
@@ -151,16 +159,38 @@ class Sender(ABC):
         """Release connections; the default holds none."""
 
 
+@dataclass(frozen=True)
+class WorkerContext:
+    """Where a receiver runs: one worker of one replica (tensor-parallel rank ``rank`` of ``world_size``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+
+
 class Receiver(ABC):
-    """Engine side of a channel."""
+    """Engine side of a channel.
+
+    Built inside a vLLM worker from the plain-dict ``init_info`` the trainer side handed
+    out (``from_init``), then fed one ``UpdateTicket`` per version.
+    """
 
     channel: ClassVar[Channel]
 
+    @classmethod
     @abstractmethod
-    def receive(self, ticket: UpdateTicket) -> Iterator[Group]:
+    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> Receiver:
+        """Build (and rendezvous) from vLLM's ``init_info``; raise naming a missing or bad field."""
+
+    @abstractmethod
+    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
         """Yield each group of ``ticket.table`` in order, verified when ``ticket.verify`` is set.
 
-        Views yielded may be reused for the next group: consume them before advancing.
+        ``destinations`` maps trainer tensor names to views of the engine's own
+        parameters (fused q/k/v and gate/up row slices included) with the same dtype and
+        shape. A channel that can receive in place writes those tensors straight into
+        their views and does not yield them; the others ignore it. Views yielded may be
+        reused for the next group: consume them before advancing.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook

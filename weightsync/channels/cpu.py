@@ -21,8 +21,8 @@ group is then unusable and must be rebuilt with the new member list.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator, Sequence
-from typing import ClassVar
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,10 @@ from weightsync.channels.base import (
     Receiver,
     Sender,
     UpdateTicket,
+    WorkerContext,
     as_bytes,
     check_tensor,
+    init_field,
     verify_group,
     view_from_bytes,
 )
@@ -211,7 +213,19 @@ class CpuReceiver(Receiver):
         self._group = _Group(host, int(port), world_size, rank, timeout_s)
         self._group.connect()
 
-    def receive(self, ticket: UpdateTicket) -> Iterator[Group]:
+    @classmethod
+    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> CpuReceiver:
+        """``init_info``: address (the sender's host:port), world_size, rank_offset (this
+        replica's first rank in the group), timeout_s, bucket_bytes."""
+        return cls(
+            address=str(init_field(init, "address", Channel.CPU)),
+            world_size=int(init_field(init, "world_size", Channel.CPU)),
+            rank=int(init_field(init, "rank_offset", Channel.CPU)) + ctx.rank,
+            timeout_s=float(init.get("timeout_s", 120.0)),
+            bucket_bytes=int(init.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
+        )
+
+    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
         buckets = plan_buckets(ticket.table, bucket_bytes)
         buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]

@@ -22,7 +22,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,15 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from weightsync.channels import digests
-from weightsync.channels.base import Group, Receiver, Sender, UpdateTicket, check_tensor, verify_group
+from weightsync.channels.base import (
+    Group,
+    Receiver,
+    Sender,
+    UpdateTicket,
+    WorkerContext,
+    check_tensor,
+    verify_group,
+)
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
@@ -275,7 +283,12 @@ class VolumeReceiver(Receiver):
             raise PermanentError("volume channel: no volume root in the ticket's params or the receiver")
         return version_dir(Path(root), ticket.version)
 
-    def receive(self, ticket: UpdateTicket) -> Iterator[Group]:
+    @classmethod
+    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> VolumeReceiver:
+        """``init_info``: root (the volume's mount path; a ticket may name another)."""
+        return cls(root=init.get("root"))
+
+    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
         directory = self._directory(ticket)
         manifest = Manifest.load(directory)
         if manifest.version != ticket.version:

@@ -1,0 +1,1 @@
+"""The ``weightsync`` command line: one module per command, composed in ``main``."""
