@@ -18,6 +18,7 @@ from collections.abc import Sequence
 # command name -> module with `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, str] = {
     "models": "weightsync.cli.models",
+    "crds": "weightsync.cli.crds",
     "sandbox": "weightsync.cli.sandbox",
 }
 

@@ -1,0 +1,108 @@
+"""The CRDs on the real API server: accepted, defaults applied, bad specs rejected naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import Kube
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def crds_installed(kube: Kube) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    kube.kubectl("wait", "--for=condition=Established", "crd/rljobs.weightsync.io", "crd/weightversions.weightsync.io")
+
+
+def _apply(kube: Kube, namespace: str, body: dict[str, Any], dry_run: bool = True) -> Any:
+    args = ["apply", "-n", namespace, "--server-side", "-f", "-", "-o", "json"]
+    return kube.kubectl(*args, *(["--dry-run=server"] if dry_run else []), input=json.dumps(body), check=False)
+
+
+def _with(change: dict[str, Any]) -> dict[str, Any]:
+    body = copy.deepcopy(EXAMPLE)
+    for dotted, value in change.items():
+        node = body
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return body
+
+
+def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_installed: None) -> None:
+    proc = _apply(kube, namespace, EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)["spec"]
+    assert spec["suspend"] is False and spec["inference"]["port"] == 8000
+    assert spec["sync"]["checkpointVolume"]["accessMode"] == "ReadWriteMany"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"spec.inference.replicas": 0}, "spec.inference.replicas"),
+        ({"spec.sync.channels": ["nccl", "rdma"]}, 'spec.sync.channels[1]: Unsupported value: "rdma"'),
+        ({"spec.sync.ackPolicy": "Quorum"}, "spec.sync.quorum is required"),
+        ({"spec.sync.ackPolicy": "Quorum", "spec.sync.quorum": 5}, "spec.sync.quorum must not exceed"),
+        ({"spec.inference.tensorParallelSize": 2, "spec.inference.gpusPerReplica": 3}, "spec.inference.gpusPerReplica"),
+        ({"spec.trainer.command": []}, "spec.trainer.command"),
+    ],
+    ids=["zero-replicas", "unknown-channel", "quorum-missing", "quorum-too-big", "tp-gpus", "no-command"],
+)
+def test_invalid_specs_are_rejected_naming_the_field(
+    kube: Kube, namespace: str, crds_installed: None, change: dict[str, Any], expected: str
+) -> None:
+    proc = _apply(kube, namespace, _with(change))
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"spec.trainer.worldSize": 4}, "spec.trainer.worldSize"),
+        ({"spec.placement.mode": "Colocate"}, "spec.placement.mode"),
+        ({"spec.sync.checkpointVolume": {"size": "1Ti"}}, "spec.sync.checkpointVolume"),
+    ],
+    ids=["world-size", "placement-mode", "checkpoint-volume"],
+)
+def test_immutable_fields_cannot_change(
+    kube: Kube, namespace: str, crds_installed: None, change: dict[str, Any], field: str
+) -> None:
+    created = _apply(kube, namespace, EXAMPLE, dry_run=False)
+    assert created.returncode == 0, created.stderr
+    proc = _apply(kube, namespace, _with(change))
+    assert proc.returncode != 0
+    assert f"{field}: Invalid value" in proc.stderr and "is immutable" in proc.stderr, proc.stderr
+
+
+def test_weightversion_spec_is_immutable(kube: Kube, namespace: str, crds_installed: None) -> None:
+    wv = {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightVersion",
+        "metadata": {"name": "grpo-qwen-v1", "labels": {"weightsync.io/job": "grpo-qwen"}},
+        "spec": {
+            "job": "grpo-qwen",
+            "version": 1,
+            "step": 4,
+            "bytes": 1024,
+            "channelPlan": [{"channel": "nccl", "replicas": 2}],
+        },
+    }
+    assert _apply(kube, namespace, wv, dry_run=False).returncode == 0
+    wv["spec"]["step"] = 8
+    proc = _apply(kube, namespace, wv)
+    assert proc.returncode != 0 and "is immutable" in proc.stderr, proc.stderr
+    got = kube.kubectl("get", "wv", "-n", namespace, "grpo-qwen-v1").stdout
+    assert "VERSION" in got.splitlines()[0] and "grpo-qwen" in got

@@ -1,0 +1,259 @@
+"""The RLJob resource: one RL training run with its vLLM fleet and how weights flow between them.
+
+The spec is what a user writes in ``rljob.yaml``; the status is written by the
+operator only. Rules that span fields (a quorum no larger than the fleet, GPUs a
+multiple of the tensor-parallel size) and fields that may never change (the
+trainer's world size, the checkpoint volume, the placement mode) are CEL rules in
+the schema, so ``kubectl apply`` rejects a bad spec with a message naming the field
+before any controller sees it. Phase is derived from the conditions, never set on
+its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import Field
+
+from weightsync.resources._base import (
+    ARG_LENGTH,
+    DNS_LABEL,
+    DNS_NAME,
+    IMAGE_LENGTH,
+    MAX_ARGS,
+    Arg,
+    Model,
+    immutable,
+    rules,
+)
+from weightsync.resources.conditions import Condition, is_true
+from weightsync.vocabulary import Channel
+
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+class EnvVar(Model):
+    name: str = Field(description="Variable name.", min_length=1, max_length=DNS_NAME)
+    value: str = Field(default="", description="Literal value.", max_length=ARG_LENGTH)
+
+
+class Resources(Model):
+    """CPU and memory for one pod's main container; GPUs have their own fields."""
+
+    cpu: str | None = Field(default=None, description="CPU request and limit, e.g. 8.", pattern=QUANTITY, max_length=32)
+    memory: str | None = Field(
+        default=None, description="Memory request and limit, e.g. 64Gi.", pattern=QUANTITY, max_length=32
+    )
+
+
+class Trainer(Model):
+    """The trainer ranks: one pod per rank with a stable name, gang-restarted on failure."""
+
+    image: str = Field(
+        description="Trainer image (weightsync[trainer] installed).", min_length=1, max_length=IMAGE_LENGTH
+    )
+    command: list[Arg] = Field(
+        description="Command each rank runs; it calls weightsync's publish().", min_length=1, max_length=MAX_ARGS
+    )
+    world_size: int = immutable("Number of trainer ranks (pods); immutable.", default=1, ge=1, le=1024)
+    gpus_per_worker: int = Field(default=1, ge=0, le=64, description="nvidia.com/gpu per rank; 0 runs on the CPU.")
+    resources: Resources = Field(default_factory=Resources, description="CPU and memory per rank.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+
+
+class Inference(Model):
+    """The vLLM replicas: a StatefulSet whose pods run vLLM, the weightsync agent and the OpenAI proxy."""
+
+    image: str = Field(
+        description="Inference image (vLLM with weightsync[inference]).", min_length=1, max_length=IMAGE_LENGTH
+    )
+    model: str = Field(description="Model name or path vLLM serves.", min_length=1, max_length=ARG_LENGTH)
+    replicas: int = Field(default=1, ge=1, le=1024, description="Number of vLLM replicas.")
+    gpus_per_replica: int = Field(default=1, ge=0, le=64, description="nvidia.com/gpu per replica; 0 for CPU vLLM.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM --tensor-parallel-size.")
+    vllm_args: list[Arg] = Field(default_factory=list, max_length=MAX_ARGS, description="Extra vLLM server arguments.")
+    port: int = Field(default=8000, ge=1024, le=65535, description="Port of the OpenAI-facing proxy and Service.")
+    resources: Resources = Field(default_factory=Resources, description="CPU and memory of the vLLM container.")
+
+
+class AckPolicy(enum.StrEnum):
+    ALL = "All"
+    QUORUM = "Quorum"
+
+
+class CheckpointVolume(Model):
+    """The shared volume for checkpoints: the source for late joiners and recovery."""
+
+    size: str = Field(default="50Gi", pattern=QUANTITY, max_length=32, description="Requested size of the claim.")
+    storage_class_name: str | None = Field(
+        default=None, max_length=DNS_NAME, description="StorageClass of the claim; the cluster default when unset."
+    )
+    access_mode: str = Field(
+        default="ReadWriteMany",
+        description="Access mode of the claim.",
+        json_schema_extra={"enum": ["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod"]},
+    )
+    existing_claim: str | None = Field(
+        default=None, max_length=DNS_NAME, description="Use this PersistentVolumeClaim instead of creating one."
+    )
+
+
+_IMMUTABLE_VOLUME = rules(("self == oldSelf", "is immutable; delete and re-create the RLJob to change it"))
+
+
+class Sync(Model):
+    """How and how often weights move from the trainer to the replicas."""
+
+    every_steps: int = Field(default=1, ge=1, description="Publish a version every N training steps.")
+    channels: list[Channel] = Field(
+        default=list(Channel),
+        min_length=1,
+        max_length=len(Channel),
+        description="Channels in order of preference; the coordinator picks the first both sides reach.",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    ack_policy: AckPolicy = Field(
+        default=AckPolicy.ALL, description="When a version is Ready: All live replicas, or a Quorum of them."
+    )
+    quorum: int | None = Field(default=None, ge=1, description="Replicas that must ack when ackPolicy is Quorum.")
+    timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
+    retention: int = Field(default=3, ge=1, le=100, description="WeightVersion objects (and volume copies) kept.")
+    checkpoint_volume: CheckpointVolume = Field(
+        default_factory=CheckpointVolume,
+        description="The checkpoint volume; immutable.",
+        json_schema_extra=_IMMUTABLE_VOLUME,
+    )
+
+
+class PlacementMode(enum.StrEnum):
+    COLOCATE = "Colocate"
+    SPREAD = "Spread"
+
+
+class Toleration(Model):
+    key: str | None = Field(default=None, max_length=DNS_NAME, description="Taint key.")
+    operator: str | None = Field(
+        default=None, description="Exists or Equal.", json_schema_extra={"enum": ["Exists", "Equal"]}
+    )
+    value: str | None = Field(default=None, max_length=DNS_LABEL, description="Taint value.")
+    effect: str | None = Field(
+        default=None,
+        description="Taint effect.",
+        json_schema_extra={"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
+    )
+    toleration_seconds: int | None = Field(default=None, description="How long a NoExecute taint is tolerated.")
+
+
+class Placement(Model):
+    """Where GPU pods go: colocate trainer and replicas on one node (IPC/NVLink) or spread the replicas."""
+
+    mode: PlacementMode = immutable("Colocate or Spread; immutable.", default=PlacementMode.SPREAD)
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels GPU pods require.", json_schema_extra={"maxProperties": 32}
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Tolerations of GPU pods (e.g. the GPU pool's taint)."
+    )
+
+
+class FailurePolicy(Model):
+    max_restarts: int = Field(
+        default=3, ge=0, le=1000, description="Trainer gang restarts allowed before the job is Failed."
+    )
+
+
+class Coordinator(Model):
+    image: str | None = Field(
+        default=None, max_length=IMAGE_LENGTH, description="Coordinator image; the operator's default when unset."
+    )
+
+
+class RLJobSpec(Model):
+    trainer: Trainer
+    inference: Inference
+    sync: Sync = Field(default_factory=Sync, description="Sync policy.")
+    placement: Placement = Field(default_factory=Placement, description="GPU pod placement.")
+    coordinator: Coordinator = Field(default_factory=Coordinator, description="The coordinator.")
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy, description="Restart budget.")
+    suspend: bool = Field(default=False, description="True removes every pod; false brings them back.")
+
+
+RLJOB_SPEC_RULES = rules(
+    (
+        "self.sync.ackPolicy != 'Quorum' || has(self.sync.quorum)",
+        "spec.sync.quorum is required when spec.sync.ackPolicy is Quorum",
+        ".sync.quorum",
+    ),
+    (
+        "!has(self.sync.quorum) || self.sync.quorum <= self.inference.replicas",
+        "spec.sync.quorum must not exceed spec.inference.replicas",
+        ".sync.quorum",
+    ),
+    (
+        "self.inference.gpusPerReplica == 0 || self.inference.gpusPerReplica % self.inference.tensorParallelSize == 0",
+        "spec.inference.gpusPerReplica must be a multiple of spec.inference.tensorParallelSize",
+        ".inference.gpusPerReplica",
+    ),
+)
+
+
+class JobPhase(enum.StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class ConditionType(enum.StrEnum):
+    """RLJob condition types; the phase is derived from them (see ``derive_phase``)."""
+
+    RUNNING = "Running"  # every child up: trainer ranks and replicas ready
+    SCHEDULED = "Scheduled"  # False when a pod cannot be placed, saying why
+    SUSPENDED = "Suspended"
+    SYNCED = "Synced"  # the newest version is Ready on the fleet
+    SUCCEEDED = "Succeeded"  # terminal: every trainer rank exited 0
+    FAILED = "Failed"  # terminal: restart budget spent
+
+
+class RLJobStatus(Model):
+    phase: JobPhase = Field(default=JobPhase.PENDING, description="Derived from the conditions.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    observed_generation: int = Field(default=0, ge=0, description="metadata.generation last reconciled.")
+    replicas: int = Field(default=0, ge=0, description="Desired vLLM replicas.")
+    ready_replicas: int = Field(default=0, ge=0, description="vLLM replicas ready.")
+    ready: str = Field(default="0/0", max_length=32, description="Ready/desired replicas, for kubectl get.")
+    trainer_ready: int = Field(default=0, ge=0, description="Trainer ranks running.")
+    current_version: int | None = Field(default=None, ge=0, description="Newest Ready weight version.")
+    replicas_loaded: int = Field(default=0, ge=0, description="Replicas that loaded the current version.")
+    replicas_failed: int = Field(default=0, ge=0, description="Replicas that failed the current version.")
+    last_sync_seconds: float | None = Field(
+        default=None, ge=0, description="Total seconds of the current version's sync."
+    )
+    last_failed_version: int | None = Field(default=None, ge=0, description="Newest Failed weight version.")
+    restarts: int = Field(default=0, ge=0, description="Trainer gang restarts so far; never reset.")
+
+
+def derive_phase(status: RLJobStatus) -> JobPhase:
+    """Phase from conditions: terminal ones win, then Suspended, then Running; else Pending."""
+    for ctype, phase in (
+        (ConditionType.FAILED, JobPhase.FAILED),
+        (ConditionType.SUCCEEDED, JobPhase.SUCCEEDED),
+        (ConditionType.SUSPENDED, JobPhase.SUSPENDED),
+        (ConditionType.RUNNING, JobPhase.RUNNING),
+    ):
+        if is_true(status.conditions, ctype):
+            return phase
+    return JobPhase.PENDING
+
+
+class RLJob(Model):
+    api_version: str = Field(default="weightsync.io/v1alpha1", description="weightsync.io/v1alpha1")
+    kind: str = Field(default="RLJob", description="RLJob")
+    metadata: dict[str, object] = Field(default_factory=dict)
+    spec: RLJobSpec
+    status: RLJobStatus | None = None
