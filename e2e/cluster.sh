@@ -119,7 +119,8 @@ build_kine() {
   mkdir -p "$KINE_BIN" "$GOMODCACHE" "$GOCACHE"
   log "building kine $KINE_VERSION (cgo, SQLite)"
   local t0=$SECONDS
-  CGO_ENABLED=1 GOBIN="$KINE_BIN" "$GO" install -trimpath -ldflags "-s -w" \
+  CGO_ENABLED=1 GOBIN="$KINE_BIN" "$GO" install -trimpath \
+    -ldflags "-s -w -X github.com/k3s-io/kine/pkg/version.Version=$KINE_VERSION" \
     "github.com/k3s-io/kine@$KINE_VERSION" || die "building kine $KINE_VERSION failed"
   log "built kine in $((SECONDS - t0)) s -> $KINE_BIN/kine"
   echo "$((SECONDS - t0))" > "$CACHE/kine-$KINE_VERSION/build-seconds"
@@ -350,6 +351,7 @@ spec:
     value: present
     effect: NoSchedule
 status:
+  addresses: [{type: InternalIP, address: 10.0.0.1$i}, {type: Hostname, address: gpu-node-$i}]
   capacity: {cpu: "96", memory: 1536Gi, pods: "110", ephemeral-storage: 2Ti, nvidia.com/gpu: "8"}
   allocatable: {cpu: "96", memory: 1536Gi, pods: "110", ephemeral-storage: 2Ti, nvidia.com/gpu: "8"}
   nodeInfo: {architecture: amd64, operatingSystem: linux, kubeletVersion: fake, kubeProxyVersion: fake}
@@ -372,6 +374,7 @@ metadata:
     topology.kubernetes.io/zone: e2e-a
     weightsync.io/pool: cpu
 status:
+  addresses: [{type: InternalIP, address: 10.0.0.20}, {type: Hostname, address: cpu-node-0}]
   capacity: {cpu: "32", memory: 128Gi, pods: "110", ephemeral-storage: 1Ti}
   allocatable: {cpu: "32", memory: 128Gi, pods: "110", ephemeral-storage: 1Ti}
   nodeInfo: {architecture: amd64, operatingSystem: linux, kubeletVersion: fake, kubeProxyVersion: fake}
@@ -388,6 +391,21 @@ ports_free() {
 }
 
 cmd_up() {
+  # On failure stop what was started (logs stay in $LOGS for the post-mortem).
+  # (Not `if ! (...)`: errexit is ignored in a condition, even in a subshell.)
+  local rc
+  set +e
+  (set -e; up_inner)
+  rc=$?
+  set -e
+  if (( rc != 0 )); then
+    stop_components
+    echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
+    exit 1
+  fi
+}
+
+up_inner() {
   local t0=$SECONDS
   cmd_tools >/dev/null
   if cluster_healthy; then
@@ -454,7 +472,28 @@ cmd_up() {
     --profiling=false \
     --v=1
   {
-    printf 'apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n'
+    # Options are spelled out: a KwokConfiguration read from --config is not
+    # defaulted (seen with v0.8.0: "playStageParallelism must be greater than 0").
+    cat <<EOF
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  cidr: 10.244.0.1/16
+  nodeIP: 10.0.0.1
+  serverAddress: $HOST:$KWOK_PORT
+  manageAllNodes: false
+  manageNodesWithAnnotationSelector: kwok.x-k8s.io/node=fake
+  enableDebuggingHandlers: true
+  enableContentionProfiling: false
+  enableProfilingHandler: false
+  podPlayStageParallelism: 4
+  nodePlayStageParallelism: 4
+  nodeLeaseDurationSeconds: 40
+  nodeLeaseParallelism: 4
+  podsOnNodeSyncParallelism: 1
+  enablePodsOnNodeSyncListPager: true
+  enablePodsOnNodeSyncStreamWatch: false
+EOF
     local f
     for f in "$KWOK_STAGES"/*.yaml; do printf -- '---\n'; cat "$f"; done
   } > "$STATE/kwok.yaml"
@@ -514,16 +553,32 @@ export PATH=$KUBECTL_BIN:\$PATH
 EOF
 }
 
-cmd_down() {
-  local c pid i
-  for c in kwok kube-scheduler kube-controller-manager kube-apiserver kine; do
-    if pid="$(component_pid "$c")"; then
-      kill -TERM "$pid" 2>/dev/null || true
-      for i in $(seq 50); do [[ -d "/proc/$pid" ]] || break; sleep 0.1; done
-      if [[ -d "/proc/$pid" ]]; then kill -KILL "$pid" 2>/dev/null || true; fi
-      log "stopped $c (pid $pid)"
-    fi
+stop_components() {
+  local c pid i pids=() names=()
+  # TERM everything that talks to the apiserver first, then the apiserver, then kine.
+  for group in "kwok kube-scheduler kube-controller-manager" "kube-apiserver" "kine"; do
+    pids=(); names=()
+    for c in $group; do
+      if pid="$(component_pid "$c")"; then
+        kill -TERM "$pid" 2>/dev/null || true
+        pids+=("$pid"); names+=("$c")
+      fi
+    done
+    for i in $(seq 100); do
+      local alive=0
+      for pid in "${pids[@]}"; do [[ -d "/proc/$pid" ]] && alive=1; done
+      (( alive )) || break
+      sleep 0.1
+    done
+    for i in "${!pids[@]}"; do
+      if [[ -d "/proc/${pids[$i]}" ]]; then kill -KILL "${pids[$i]}" 2>/dev/null || true; fi
+      log "stopped ${names[$i]} (pid ${pids[$i]})"
+    done
   done
+}
+
+cmd_down() {
+  stop_components
   if [[ -d "$STATE" ]]; then
     case "$STATE" in
       /|"$HOME"|"$CACHE") die "refusing to remove state dir $STATE" ;;

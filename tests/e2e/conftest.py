@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,7 +92,9 @@ class ClusterInfo:
         return env
 
 
-def _cluster_sh(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _cluster_sh(
+    *args: str, timeout: float, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     if not CLUSTER_SH.exists():
         raise RuntimeError(f"{CLUSTER_SH} is missing")
     return subprocess.run(
@@ -102,6 +104,12 @@ def _cluster_sh(*args: str, timeout: float, check: bool = True) -> subprocess.Co
         timeout=timeout,
         check=check,
     )
+
+
+def _text(data: str | bytes | None) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""
 
 
 def _parse_env(text: str) -> dict[str, str]:
@@ -131,7 +139,7 @@ def _bring_up() -> ClusterInfo:
             up = _cluster_sh("up", timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise RuntimeError(
-                f"e2e/cluster.sh up did not finish within {timeout:.0f}s\n{exc.stderr or ''}"
+                f"e2e/cluster.sh up did not finish within {timeout:.0f}s\n{_text(exc.stderr)}"
             ) from exc
         if up.returncode != 0:
             logs = _cluster_sh("logs", "40", timeout=60, check=False).stdout
@@ -173,7 +181,9 @@ class Kube:
         from kubernetes import client, config
 
         self.cluster = cluster
-        self.api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        self.api_client = config.new_client_from_config(
+            config_file=str(cluster.kubeconfig)
+        )
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.batch = client.BatchV1Api(self.api_client)
@@ -184,12 +194,20 @@ class Kube:
 
     # -- subprocess tools
     def kubectl(
-        self, *args: str, check: bool = True, timeout: float = Timeouts.KUBECTL, input: str | None = None
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float = Timeouts.KUBECTL,
+        input: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         return self._run([str(self.cluster.kubectl), *args], check, timeout, input)
 
     def helm(
-        self, *args: str, check: bool = True, timeout: float = Timeouts.HELM, input: str | None = None
+        self,
+        *args: str,
+        check: bool = True,
+        timeout: float = Timeouts.HELM,
+        input: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
         return self._run([str(self.cluster.helm), *args], check, timeout, input)
 
@@ -197,7 +215,13 @@ class Kube:
         self, cmd: list[str], check: bool, timeout: float, input: str | None
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            cmd, text=True, capture_output=True, timeout=timeout, env=self.cluster.env(), input=input
+            cmd,
+            check=False,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+            env=self.cluster.env(),
+            input=input,
         )
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -224,7 +248,9 @@ class Kube:
             except Exception as exc:  # noqa: BLE001 - reported on timeout
                 last = exc
             if time.monotonic() >= deadline:
-                raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+                raise WaitTimeout(
+                    f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}"
+                )
             time.sleep(interval)
 
     def pod_condition(self, pod: Any, ctype: str) -> Any | None:
@@ -233,7 +259,9 @@ class Kube:
                 return cond
         return None
 
-    def wait_pod_phase(self, namespace: str, name: str, phase: str, timeout: float) -> Any:
+    def wait_pod_phase(
+        self, namespace: str, name: str, phase: str, timeout: float
+    ) -> Any:
         def check() -> Any:
             pod = self.core.read_namespaced_pod(name, namespace)
             return pod if pod.status and pod.status.phase == phase else None
@@ -241,17 +269,29 @@ class Kube:
         return self.wait_for(check, timeout, f"pod {namespace}/{name} phase {phase}")
 
     def wait_pod_condition(
-        self, namespace: str, name: str, ctype: str, status: str, timeout: float, reason: str | None = None
+        self,
+        namespace: str,
+        name: str,
+        ctype: str,
+        status: str,
+        timeout: float,
+        reason: str | None = None,
     ) -> Any:
         def check() -> Any:
             pod = self.core.read_namespaced_pod(name, namespace)
             cond = self.pod_condition(pod, ctype)
-            if cond and cond.status == status and (reason is None or cond.reason == reason):
+            if (
+                cond
+                and cond.status == status
+                and (reason is None or cond.reason == reason)
+            ):
                 return pod
             return None
 
         return self.wait_for(
-            check, timeout, f"pod {namespace}/{name} condition {ctype}={status} reason={reason}"
+            check,
+            timeout,
+            f"pod {namespace}/{name} condition {ctype}={status} reason={reason}",
         )
 
     # -- diagnostics
@@ -265,18 +305,41 @@ class Kube:
 
         section("nodes", "get", "nodes", "-o", "wide", "--show-labels")
         if namespace:
-            section(f"pods in {namespace}", "get", "pods", "-n", namespace, "-o", "wide")
-            section(f"describe pods in {namespace}", "describe", "pods", "-n", namespace)
             section(
-                f"events in {namespace}", "get", "events", "-n", namespace, "--sort-by=.lastTimestamp"
+                f"pods in {namespace}", "get", "pods", "-n", namespace, "-o", "wide"
             )
-        section("events (all namespaces, warnings)", "get", "events", "-A", "--field-selector=type=Warning")
+            section(
+                f"describe pods in {namespace}", "describe", "pods", "-n", namespace
+            )
+            section(
+                f"events in {namespace}",
+                "get",
+                "events",
+                "-n",
+                namespace,
+                "--sort-by=.lastTimestamp",
+            )
+        section(
+            "events (all namespaces, warnings)",
+            "get",
+            "events",
+            "-A",
+            "--field-selector=type=Warning",
+        )
         logs = self.cluster.logs_dir
-        for name in ("kube-apiserver", "kwok", "kube-scheduler", "kube-controller-manager", "kine"):
+        for name in (
+            "kube-apiserver",
+            "kwok",
+            "kube-scheduler",
+            "kube-controller-manager",
+            "kine",
+        ):
             path = logs / f"{name}.log"
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-60:]
-                parts.append(f"===== {path} (last {len(lines)} lines)\n" + "\n".join(lines))
+                parts.append(
+                    f"===== {path} (last {len(lines)} lines)\n" + "\n".join(lines)
+                )
         return "\n".join(parts)
 
 
@@ -302,7 +365,9 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
 
     name = f"e2e-{_slug(request.node.name)}-{uuid.uuid4().hex[:5]}"
     kube.core.create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={E2E_LABEL: "true"}))
+        client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=name, labels={E2E_LABEL: "true"})
+        )
     )
     # Pods are refused until the controller-manager made the default SA.
     kube.wait_for(
@@ -324,15 +389,23 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "e2e: needs the real control plane from e2e/cluster.sh (select with -m e2e)"
+        "markers",
+        "e2e: needs the real control plane from e2e/cluster.sh (select with -m e2e)",
     )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    selected = "e2e" in (config.getoption("markexpr", "") or "") or os.environ.get("WEIGHTSYNC_E2E") == "1"
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    selected = (
+        "e2e" in (config.getoption("markexpr", "") or "")
+        or os.environ.get("WEIGHTSYNC_E2E") == "1"
+    )
     if selected:
         return
-    skip = pytest.mark.skip(reason="e2e test: run with `-m e2e` (brings up e2e/cluster.sh)")
+    skip = pytest.mark.skip(
+        reason="e2e test: run with `-m e2e` (brings up e2e/cluster.sh)"
+    )
     for item in items:
         if item.get_closest_marker("e2e"):
             item.add_marker(skip)
@@ -348,16 +421,25 @@ def _artifacts_dir() -> Path:
     return Path(cache) / "e2e-artifacts"
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    rep = outcome.get_result()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    rep = yield
+    _attach_dump(item, rep)
+    return rep
+
+
+def _attach_dump(item: pytest.Item, rep: pytest.TestReport) -> None:
     if not rep.failed or rep.when not in ("setup", "call"):
         return
     funcargs = getattr(item, "funcargs", {})
     kube_obj = funcargs.get("kube")
+    cluster = funcargs.get("e2e_cluster")
     if not isinstance(kube_obj, Kube):
-        return
+        if not isinstance(cluster, ClusterInfo):
+            return
+        kube_obj = Kube(cluster)
     try:
         text = kube_obj.dump(getattr(item, "_e2e_namespace", None))
     except Exception as exc:  # noqa: BLE001 - never mask the test's own failure
@@ -371,4 +453,3 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         rep.sections.append(("e2e cluster dump file", str(path)))
     except OSError:
         pass
-

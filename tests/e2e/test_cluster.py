@@ -25,7 +25,9 @@ def gpu_pod(name: str, gpus: int | None, tolerate_gpu: bool = True) -> client.V1
                 client.V1Container(
                     name="main",
                     image="registry.k8s.io/pause:3.10",
-                    resources=client.V1ResourceRequirements(limits=limits, requests=limits),
+                    resources=client.V1ResourceRequirements(
+                        limits=limits, requests=limits
+                    ),
                 )
             ],
             tolerations=[GPU_TOLERATION] if tolerate_gpu else None,
@@ -36,14 +38,21 @@ def gpu_pod(name: str, gpus: int | None, tolerate_gpu: bool = True) -> client.V1
 
 def test_node_pool(kube):
     nodes = {n.metadata.name: n for n in kube.core.list_node().items}
-    gpu_nodes = [n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") == "true"]
-    cpu_nodes = [n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") != "true"]
+    gpu_nodes = [
+        n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") == "true"
+    ]
+    cpu_nodes = [
+        n for n in nodes.values() if n.metadata.labels.get(f"{GPU}.present") != "true"
+    ]
     assert len(gpu_nodes) == 2, sorted(nodes)
     assert len(cpu_nodes) >= 1, sorted(nodes)
     for node in nodes.values():
         assert node.metadata.annotations.get("kwok.x-k8s.io/node") == "fake"
         ready = [c for c in node.status.conditions or [] if c.type == "Ready"]
-        assert ready and ready[0].status == "True", (node.metadata.name, node.status.conditions)
+        assert ready and ready[0].status == "True", (
+            node.metadata.name,
+            node.status.conditions,
+        )
     for node in gpu_nodes:
         assert node.status.capacity[GPU] == "8"
         assert node.status.allocatable[GPU] == "8"
@@ -59,11 +68,15 @@ def test_gpu_pod_runs_on_gpu_node(kube, namespace, timeouts):
     assert node.metadata.labels.get(f"{GPU}.present") == "true", pod.spec.node_name
     scheduled = kube.pod_condition(pod, "PodScheduled")
     assert scheduled is not None and scheduled.status == "True"
-    kube.wait_pod_condition(namespace, "two-gpus", "Ready", "True", timeouts.POD_RUNNING)
+    kube.wait_pod_condition(
+        namespace, "two-gpus", "Ready", "True", timeouts.POD_RUNNING
+    )
 
 
 def test_pod_without_toleration_avoids_gpu_nodes(kube, namespace, timeouts):
-    kube.core.create_namespaced_pod(namespace, gpu_pod("cpu-only", None, tolerate_gpu=False))
+    kube.core.create_namespaced_pod(
+        namespace, gpu_pod("cpu-only", None, tolerate_gpu=False)
+    )
     pod = kube.wait_pod_phase(namespace, "cpu-only", "Running", timeouts.POD_RUNNING)
     node = kube.core.read_node(pod.spec.node_name)
     assert node.metadata.labels.get(f"{GPU}.present") != "true", pod.spec.node_name
@@ -72,7 +85,12 @@ def test_pod_without_toleration_avoids_gpu_nodes(kube, namespace, timeouts):
 def test_oversized_gpu_pod_stays_pending(kube, namespace, timeouts):
     kube.core.create_namespaced_pod(namespace, gpu_pod("sixteen-gpus", 16))
     pod = kube.wait_pod_condition(
-        namespace, "sixteen-gpus", "PodScheduled", "False", timeouts.POD_UNSCHEDULABLE, reason="Unschedulable"
+        namespace,
+        "sixteen-gpus",
+        "PodScheduled",
+        "False",
+        timeouts.POD_UNSCHEDULABLE,
+        reason="Unschedulable",
     )
     assert "nvidia.com/gpu" in (kube.pod_condition(pod, "PodScheduled").message or "")
     time.sleep(timeouts.STAYS_PENDING)
@@ -80,6 +98,7 @@ def test_oversized_gpu_pod_stays_pending(kube, namespace, timeouts):
     assert pod.status.phase == "Pending"
     assert not pod.spec.node_name
     events = kube.core.list_namespaced_event(
-        namespace, field_selector="involvedObject.name=sixteen-gpus,reason=FailedScheduling"
+        namespace,
+        field_selector="involvedObject.name=sixteen-gpus,reason=FailedScheduling",
     )
     assert events.items, "scheduler recorded no FailedScheduling event"
