@@ -10,6 +10,7 @@ construction, so a malformed table fails where it enters, naming the field.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -55,8 +56,7 @@ class TensorSpec:
             raise PermanentError("tensor name is empty")
         if self.dtype not in ITEMSIZE:
             raise PermanentError(
-                f"tensor {self.name!r}: dtype {self.dtype!r} is not supported; "
-                f"supported: {', '.join(ITEMSIZE)}"
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not supported; supported: {', '.join(ITEMSIZE)}"
             )
         if any((not isinstance(d, int)) or d < 0 for d in self.shape):
             raise PermanentError(f"tensor {self.name!r}: shape {self.shape!r} must be non-negative ints")
@@ -123,8 +123,9 @@ class TensorTable:
             end = spec.end
             self._index[spec.name] = i
         starts = self.group_starts
-        if self.tensors and (not starts or starts[0] != 0 or list(starts) != sorted(set(starts))
-                             or starts[-1] >= len(self.tensors)):
+        if self.tensors and (
+            not starts or starts[0] != 0 or list(starts) != sorted(set(starts)) or starts[-1] >= len(self.tensors)
+        ):
             raise PermanentError(f"group_starts {starts!r} do not partition {len(self.tensors)} tensors")
 
     @classmethod
@@ -167,7 +168,7 @@ class TensorTable:
 
     def groups(self) -> list[tuple[TensorSpec, ...]]:
         bounds = [*self.group_starts, len(self.tensors)]
-        return [self.tensors[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        return [self.tensors[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
     def with_digests(self, digests: Mapping[str, str]) -> TensorTable:
         missing = [s.name for s in self.tensors if s.name not in digests]

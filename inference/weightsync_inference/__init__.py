@@ -1,1 +1,1 @@
-"""placeholder"""
+"""weightsync vLLM plugin (engines registered per channel) and the replica agent."""

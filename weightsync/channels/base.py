@@ -176,6 +176,8 @@ class Receiver(ABC):
     """
 
     channel: ClassVar[Channel]
+    verified: dict[str, str]
+    """Digests checked during the last ``receive`` (tensor name -> digest); reset by each ``receive``."""
 
     @classmethod
     @abstractmethod

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 
 from weightsync.channels import digests
 from weightsync.channels.base import (
@@ -43,6 +43,10 @@ from weightsync.channels.base import (
 from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
+
+# The store and backend classes used here are public in practice but missing from torch's
+# type stubs; typing them as Any keeps the rest of the module strictly checked.
+dist: Any = torch.distributed
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -106,12 +110,12 @@ class _Group:
                 f"within {self.timeout.total_seconds():.0f}s: {e}"
             ) from e
 
-    def broadcast(self, tensor: torch.Tensor) -> dist.Work:
+    def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.pg is None:
             raise PermanentError("cpu channel: connect() was not called")
         return self.pg.broadcast(tensor, 0)
 
-    def wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: Any, what: str) -> None:
         try:
             work.wait()  # bounded by the group timeout; wait(timeout) returns early on gloo
         except RuntimeError as e:
@@ -160,7 +164,7 @@ class CpuSender(Sender):
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
         found: dict[str, str] = {}
         source = iter(groups)
-        in_flight: list[tuple[dist.Work, str]] = []
+        in_flight: list[tuple[Any, str]] = []
         for i, bucket in enumerate(plan_buckets(ticket.table, bucket_bytes)):
             base, end = _span(bucket)
             buf = self._buffer(i % 2, end - base)
@@ -171,7 +175,9 @@ class CpuSender(Sender):
             for specs in bucket:
                 tensors = next(source)
                 if len(tensors) != len(specs):
-                    raise PermanentError(f"group starting at {specs[0].name!r}: {len(tensors)} tensors, expected {len(specs)}")
+                    raise PermanentError(
+                        f"group starting at {specs[0].name!r}: {len(tensors)} tensors, expected {len(specs)}"
+                    )
                 for spec, tensor in zip(specs, tensors, strict=True):
                     check_tensor(spec, tensor)
                     dst = buf[spec.offset - base : spec.offset - base + spec.nbytes]
@@ -209,6 +215,7 @@ class CpuReceiver(Receiver):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.bucket_bytes = bucket_bytes
+        self.verified = {}
         host, _, port = address.rpartition(":")
         self._group = _Group(host, int(port), world_size, rank, timeout_s)
         self._group.connect()
@@ -226,11 +233,12 @@ class CpuReceiver(Receiver):
         )
 
     def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
+        self.verified = {}
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
         buckets = plan_buckets(ticket.table, bucket_bytes)
         buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
 
-        def post(i: int) -> tuple[torch.Tensor, dist.Work, torch.Tensor | None, dist.Work | None]:
+        def post(i: int) -> tuple[torch.Tensor, Any, torch.Tensor | None, Any | None]:
             base, end = _span(buckets[i])
             if buffers[i % 2].numel() < end - base:
                 buffers[i % 2] = torch.empty(end - base, dtype=torch.uint8)
@@ -256,7 +264,7 @@ class CpuReceiver(Receiver):
             for specs in bucket:
                 group: Group = [(s, view_from_bytes(buf, s, base)) for s in specs]
                 if ticket.verify:
-                    verify_group(group, expected)
+                    self.verified.update(verify_group(group, expected))
                 yield group
 
     def close(self) -> None:

@@ -64,6 +64,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -185,13 +189,15 @@ class VolumeSender(Sender):
                 f.flush()
                 os.fsync(f.fileno())
             shards[name] = (len(data), "")
-            futures.append((name, hashing.submit(lambda d=data: hashlib.sha256(d).hexdigest())))
+            futures.append((name, hashing.submit(_sha256_bytes, data)))
             pending, pending_bytes = {}, 0
 
         try:
             for specs, tensors in zip(ticket.table.groups(), groups, strict=True):
                 if len(specs) != len(tensors):
-                    raise PermanentError(f"group starting at {specs[0].name!r}: {len(tensors)} tensors, expected {len(specs)}")
+                    raise PermanentError(
+                        f"group starting at {specs[0].name!r}: {len(tensors)} tensors, expected {len(specs)}"
+                    )
                 for spec, tensor in zip(specs, tensors, strict=True):
                     check_tensor(spec, tensor)
                     t = tensor.detach().contiguous().cpu()
@@ -206,8 +212,12 @@ class VolumeSender(Sender):
             for name, fut in futures:
                 shards[name] = (shards[name][0], fut.result())
             manifest = Manifest(
-                ticket.version, ticket.step, ticket.table.with_digests(found) if found else ticket.table,
-                shard_of, shards, time.time(),
+                ticket.version,
+                ticket.step,
+                ticket.table.with_digests(found) if found else ticket.table,
+                shard_of,
+                shards,
+                time.time(),
             )
             with (tmp / MANIFEST).open("w") as f:
                 f.write(manifest.to_json())
@@ -258,11 +268,15 @@ def verify_version(directory: Path, manifest: Manifest) -> None:
         actual = path.stat().st_size
         if actual != size:
             where = _name_damaged_tensor(path, actual, manifest, file)
-            raise IntegrityError(f"{path}: shard is truncated ({actual} of {size} bytes): {where}; the version is refused")
+            raise IntegrityError(
+                f"{path}: shard is truncated ({actual} of {size} bytes): {where}; the version is refused"
+            )
         got = _sha256_file(path)
         if got != sha:
             where = _name_damaged_tensor(path, actual, manifest, file)
-            raise IntegrityError(f"{path}: sha256 {got} does not match the manifest's {sha}: {where}; the version is refused")
+            raise IntegrityError(
+                f"{path}: sha256 {got} does not match the manifest's {sha}: {where}; the version is refused"
+            )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         for _ in pool.map(check, manifest.shards.items()):
@@ -276,6 +290,7 @@ class VolumeReceiver(Receiver):
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root) if root else None
+        self.verified = {}
 
     def _directory(self, ticket: UpdateTicket) -> Path:
         root = ticket.params.get("root") or self.root
@@ -289,6 +304,7 @@ class VolumeReceiver(Receiver):
         return cls(root=init.get("root"))
 
     def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
+        self.verified = {}
         directory = self._directory(ticket)
         manifest = Manifest.load(directory)
         if manifest.version != ticket.version:
@@ -304,10 +320,10 @@ class VolumeReceiver(Receiver):
                 for spec in specs:
                     file = manifest.shard_of[spec.name]
                     if file not in handles:
-                        handles[file] = safe_open(str(directory / file), framework="pt").__enter__()
+                        handles[file] = safe_open(str(directory / file), framework="pt").__enter__()  # type: ignore[no-untyped-call]
                     group.append((spec, handles[file].get_tensor(spec.name)))
                 if ticket.verify and expected:
-                    verify_group(group, expected)
+                    self.verified.update(verify_group(group, expected))
                 yield group
         finally:
             for h in handles.values():

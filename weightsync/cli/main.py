@@ -19,6 +19,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "models": "weightsync.cli.models",
     "crds": "weightsync.cli.crds",
+    "operator": "weightsync.cli.operator",
     "sandbox": "weightsync.cli.sandbox",
 }
 
@@ -28,7 +29,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 class _EnvDefaults(argparse.ArgumentParser):
     """An ArgumentParser whose options default to ``WEIGHTSYNC_<OPTION>`` when set."""
 
-    def _add_action(self, action: argparse.Action) -> argparse.Action:
+    def _add_action(self, action: argparse.Action) -> argparse.Action:  # type: ignore[override]
         if action.option_strings and action.dest not in ("help",):
             env = "WEIGHTSYNC_" + action.dest.upper()
             if env in os.environ:

@@ -1,0 +1,186 @@
+"""The weight-transfer engine that vLLM runs in each worker, one subclass per channel.
+
+vLLM drives it through its lifecycle (init -> start -> update* -> finish). The engine
+builds the channel's receiver from the plain-dict ``init_info``, turns each
+``update_info`` into an ``UpdateTicket``, and loads what the receiver yields through
+vLLM's layerwise reload (``start`` initialises it, ``finish`` finalises it), which is
+what makes the CPU backend's repacked linear layers and quantised layers load
+correctly. Receivers verify each group against the trainer's digests before it is
+handed over, so a refused group never touches a parameter.
+
+Once a group has been loaded the update cannot be rolled back: if a later group
+fails, vLLM marks the update inactive and the model holds a mix. The engine records
+that (``torn``); the replica agent must keep the replica paused and load a whole
+version (start -> update -> finish) before serving again. A receipt of the digests the
+engine saw is written per version when ``init_info`` names a ``receipt_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from weightsync import channels
+from weightsync.channels.base import Receiver, UpdateTicket, WorkerContext
+from weightsync.errors import IntegrityError, PermanentError
+from weightsync.vocabulary import Channel
+from weightsync_inference.lifecycle import UNTOUCHED
+
+
+@dataclass
+class InitInfo(WeightTransferInitInfo):  # type: ignore[misc]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class UpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
+    ticket: UpdateTicket | None = None
+
+
+class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ignore[misc]
+    channel: ClassVar[Channel]
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.receiver: Receiver | None = None
+        self.receipt_dir: Path | None = None
+        self.torn = False
+        self._ticket: UpdateTicket | None = None
+        self._loaded: dict[str, str] = {}
+        self._seconds = 0.0
+        self._reloading = False
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
+        return InitInfo(fields=dict(init_dict))
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> UpdateInfo:
+        return UpdateInfo(ticket=UpdateTicket.from_update_info(update_dict))
+
+    def _context(self) -> WorkerContext:
+        pc = self.parallel_config
+        return WorkerContext(rank=int(getattr(pc, "rank", 0)), world_size=int(pc.world_size), device=str(self.device))
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        init = dict(init_info.fields)
+        receipt_dir = init.pop("receipt_dir", None)
+        self.receipt_dir = Path(receipt_dir) if receipt_dir else None
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = channels.receiver_class(self.channel).from_init(init, self._context())
+
+    def start_weight_update(self) -> None:
+        # The layerwise reload moves layers to the meta device; it starts only when the
+        # first verified group is about to load, so a version refused earlier leaves the
+        # serving weights exactly as they were.
+        self._ticket, self._loaded, self._seconds, self._reloading = None, {}, 0.0, False
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._reloading:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+            self.torn = True
+        self.model.load_weights(weights)
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        ticket = update_info.ticket
+        if ticket is None:
+            raise PermanentError("update_info carried no ticket")
+        if ticket.channel != self.channel:
+            raise PermanentError(
+                f"this engine receives over {self.channel.value!r}; the update is for {ticket.channel.value!r}"
+            )
+        if self.receiver is None:
+            raise PermanentError(f"{self.channel.engine_name}: init_weight_transfer_engine was not called")
+        if self._ticket is not None and self._ticket.version != ticket.version:
+            raise PermanentError(f"update for version {ticket.version} inside the update of {self._ticket.version}")
+        self._ticket = ticket
+        t0 = time.perf_counter()
+        try:
+            for group in self.receiver.receive(ticket):
+                self._load([(spec.name, tensor) for spec, tensor in group])
+                for spec, _ in group:
+                    self._loaded[spec.name] = ""
+        except Exception as e:
+            if not self._reloading:
+                raise type(e)(f"{e} {UNTOUCHED}") from e
+            raise
+        finally:
+            self._seconds += time.perf_counter() - t0
+        if ticket.verify:
+            unverified = [n for n in self._loaded if n not in self.receiver.verified]
+            if unverified:
+                raise IntegrityError(f"tensors {unverified[:5]!r} were loaded without a digest to check them against")
+            self._loaded.update(self.receiver.verified)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        ticket = self._ticket
+        if ticket is not None:
+            missing = [s.name for s in ticket.table if s.name not in self._loaded]
+            if missing:
+                raise PermanentError(
+                    f"version {ticket.version} is incomplete: {len(missing)} tensors never arrived "
+                    f"(first: {missing[:3]!r}); the replica must stay paused until a whole version loads"
+                )
+        if self._reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
+        self.torn = False
+        if ticket is not None and self.receipt_dir is not None:
+            self._write_receipt(ticket)
+
+    def _write_receipt(self, ticket: UpdateTicket) -> None:
+        assert self.receipt_dir is not None
+        self.receipt_dir.mkdir(parents=True, exist_ok=True)
+        rank = self._context().rank
+        path = self.receipt_dir / f"v{ticket.version:08d}-rank{rank}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "version": ticket.version,
+                    "channel": ticket.channel.value,
+                    "tensors": len(self._loaded),
+                    "digests": self._loaded if ticket.verify else {},
+                    "receive_seconds": self._seconds,
+                }
+            )
+        )
+        os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+class CpuEngine(WeightsyncEngine):
+    channel = Channel.CPU
+
+
+class VolumeEngine(WeightsyncEngine):
+    channel = Channel.VOLUME
+
+
+class NcclEngine(WeightsyncEngine):
+    channel = Channel.NCCL
+
+
+class IpcEngine(WeightsyncEngine):
+    channel = Channel.IPC
+
+
+__all__ = ["CpuEngine", "IpcEngine", "NcclEngine", "VolumeEngine", "WeightsyncEngine"]

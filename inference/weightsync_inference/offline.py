@@ -1,0 +1,70 @@
+"""An in-process vLLM engine (``vllm.LLM``) behind the lifecycle's ``EngineControl``.
+
+Used by the sandbox and the tests, where trainer and engine share one process. The
+offline API has no request queue to pause, so pause/resume are no-ops; everything
+else is vLLM's own weight-transfer lifecycle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from weightsync.vocabulary import Channel
+
+
+class OfflineEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        channel: Channel,
+        memory_fraction: float = 0.1,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(model),
+            dtype="bfloat16",
+            enforce_eager=True,
+            gpu_memory_utilization=memory_fraction,
+            seed=seed,
+            weight_transfer_config={"backend": channel.engine_name},
+            **llm_kwargs,
+        )
+
+    def pause(self) -> None:
+        """Nothing to pause: the offline engine serves no concurrent requests."""
+
+    def resume(self) -> None:
+        """Nothing to resume (see pause)."""
+
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start(self) -> None:
+        self.llm.start_weight_update()
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish(self, version: str) -> None:
+        self.llm.finish_weight_update(weight_version=version)
+
+    def weight_version(self) -> str:
+        return str(self.llm.get_weight_version())
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Greedy token ids and their log-probabilities for each token-id prompt."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            lps = [step[tok].logprob for step, tok in zip(comp.logprobs or [], ids, strict=True)]
+            result.append((ids, lps))
+        return result

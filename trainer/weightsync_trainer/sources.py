@@ -1,0 +1,112 @@
+"""Weight sources: what a trainer publishes, gathered one layer group at a time.
+
+A source describes its tensors up front (``layout``: wire names, wire dtypes, full
+shapes — without gathering anything) and then yields them group by group
+(``groups``), already materialised and cast to the wire dtype. Materialising is a
+collective for sharded trainers (FSDP2's ``DTensor.full_tensor()``), so every rank
+iterates every group in the same order; the extra memory a rank holds at once is one
+group, not the model.
+
+Sources:
+- ``ModuleSource``: any ``nn.Module`` — plain, transformers, FSDP2-sharded (DTensor)
+  or ``torch.compile``d. Tied embeddings travel once (``named_parameters`` already
+  de-duplicates shared tensors, and vLLM ties the head itself).
+- ``LoraMergedSource``: a PEFT model published as merged base weights
+  (W + scale * B @ A computed per group, the training model untouched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from weightsync.channels.base import dtype_name
+from weightsync.tensors import TensorTable
+from weightsync_trainer import naming
+
+Layout = list[list[tuple[str, str, tuple[int, ...]]]]
+
+
+class WeightSource(Protocol):
+    def table(self) -> TensorTable: ...
+
+    def groups(self) -> Iterator[list[torch.Tensor]]: ...
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (an all-gather, collective across its mesh), or the tensor itself."""
+    full = getattr(t, "full_tensor", None)
+    if callable(full):
+        gathered: torch.Tensor = full()
+        return gathered
+    return t
+
+
+class ModuleSource:
+    """Publishes ``module.named_parameters()`` under checkpoint names, cast to ``wire_dtype``."""
+
+    def __init__(self, module: torch.nn.Module, wire_dtype: torch.dtype | None = torch.bfloat16) -> None:
+        self.module = module
+        self.wire_dtype = wire_dtype
+        self._params = self._select()
+        self._groups = naming.layer_groups(list(self._params))
+
+    def _select(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.module.named_parameters():
+            wire = naming.to_checkpoint_name(name)
+            if naming.is_skipped(wire):
+                continue
+            out[wire] = param
+        return out
+
+    def _wire_dtype(self, t: torch.Tensor) -> torch.dtype:
+        if self.wire_dtype is not None and t.dtype.is_floating_point:
+            return self.wire_dtype
+        return t.dtype
+
+    def table(self) -> TensorTable:
+        return TensorTable.build(
+            [
+                [(n, dtype_name(self._wire_dtype(self._params[n])), tuple(self._params[n].shape)) for n in g]
+                for g in self._groups
+            ]
+        )
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = _materialize(self._params[name].detach())
+        return t.to(self._wire_dtype(t))
+
+    def groups(self) -> Iterator[list[torch.Tensor]]:
+        with torch.no_grad():
+            for group in self._groups:
+                yield [self.tensor(n) for n in group]
+
+
+class LoraMergedSource(ModuleSource):
+    """A PEFT LoRA model published as merged base weights; adapter tensors never travel."""
+
+    def _select(self) -> dict[str, torch.Tensor]:
+        self._lora_layers: dict[str, Any] = {}  # PEFT LoraLayer modules (untyped)
+        for mod_name, mod in self.module.named_modules():
+            if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer"):
+                wire = naming.to_checkpoint_name(mod_name + ".base_layer.weight")
+                self._lora_layers[wire] = mod
+        out = {}
+        for name, t in super()._select().items():
+            if ".lora_" in name or "lora_embedding" in name:
+                continue
+            out[name] = t
+        return out
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = _materialize(self._params[name].detach())
+        layer = self._lora_layers.get(name)
+        if layer is not None:
+            for adapter in getattr(layer, "active_adapters", []):
+                if adapter in getattr(layer, "lora_A", {}):
+                    delta: torch.Tensor = layer.get_delta_weight(adapter)
+                    t = t + delta.to(t.dtype)
+        return t.to(self._wire_dtype(t))
