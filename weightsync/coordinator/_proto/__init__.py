@@ -1,0 +1,1 @@
+"""Generated protobuf code; import only through weightsync.coordinator.serde."""

@@ -1,0 +1,149 @@
+"""The gRPC servicer: wire requests in, ``Coordinator`` calls, wire responses out.
+
+Each method validates its request through ``serde`` (INVALID_ARGUMENT naming the
+field), calls the core, and maps the core's ``faults`` to their status codes.
+Nothing here holds state. The replica stream (``WatchVersions``) blocks on the
+member's event queue with a bounded wait, ends when the lease is dropped or
+replaced (the client re-registers and re-watches), and is cancelled cleanly when
+the client goes away.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc  # type: ignore[import-untyped,unused-ignore]  # types-grpcio is not a dependency yet
+
+from weightsync.coordinator import faults, serde
+from weightsync.coordinator._proto import coordinator_pb2 as pb
+from weightsync.coordinator.core import Coordinator
+from weightsync.coordinator.models import JobPolicy, Role
+from weightsync.errors import PermanentError, RetryableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MAX_WAIT_S = 3600.0
+STREAM_POLL_S = 5.0
+
+
+def _status(error: BaseException) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, faults.code_of(error), grpc.StatusCode.INTERNAL)
+
+
+def _guard(fn: Callable[..., T]) -> Callable[..., T]:
+    """Turn the core's errors into statuses; log what we did not expect."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> T:
+        try:
+            return fn(self, request, context)
+        except (PermanentError, RetryableError) as e:
+            context.abort(_status(e), str(e))
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(e).__name__}: {e})")
+        raise AssertionError("unreachable")  # context.abort raises
+
+    return wrapper
+
+
+def _nonempty(value: str, field: str, fix: str) -> str:
+    if not value:
+        raise faults.InvalidArgument(f"{field} is empty; {fix}")
+    return value
+
+
+class Servicer:
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+    def implementations(self) -> dict[str, Callable[[Any, grpc.ServicerContext], Any]]:
+        return {name: getattr(self, name) for name in (
+            "Register", "Renew", "OpenVersion", "WatchVersions", "ReportProgress", "Ack", "WaitVersion",
+            "MarkDurable", "GetJob", "ListVersions")}
+
+    @_guard
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
+        role = serde.role(request.role)
+        if not request.HasField("capabilities"):
+            raise faults.InvalidArgument("capabilities is missing; send what this process can send or receive")
+        caps = serde.capabilities(request.capabilities)
+        if not caps.channels:
+            raise faults.InvalidArgument("capabilities.channels is empty; list at least one channel, e.g. volume")
+        policy: JobPolicy | None = None
+        if role is Role.TRAINER and request.HasField("policy"):
+            policy = serde.policy(request.policy, self.core.default_policy)
+        offers = [serde.offer(o, f"offers[{i}]") for i, o in enumerate(request.offers)]
+        lease = self.core.register(request.job, role, request.member_id, request.incarnation, caps, policy=policy,
+                                   offers=offers, current_version=request.current_version)
+        return pb.RegisterResponse(lease=pb.Lease(lease_id=lease.lease_id, ttl_s=lease.ttl_s))
+
+    @_guard
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
+        lease = self.core.renew(_nonempty(request.lease_id, "lease_id", "send the lease id Register returned"))
+        return pb.RenewResponse(lease=pb.Lease(lease_id=lease.lease_id, ttl_s=lease.ttl_s))
+
+    @_guard
+    def OpenVersion(self, request: pb.OpenVersionRequest, context: grpc.ServicerContext) -> pb.OpenVersionResponse:
+        _nonempty(request.lease_id, "lease_id", "register the trainer first")
+        if not request.HasField("table"):
+            raise faults.InvalidArgument("table is missing; send models.summarize(tensor_table)")
+        opened = self.core.open_version(
+            request.lease_id, request.job, request.incarnation, request.step, serde.table(request.table),
+            [serde.offer(o, f"offers[{i}]") for i, o in enumerate(request.offers)])
+        return pb.OpenVersionResponse(version=opened.version, plans=[serde.plan_to(p) for p in opened.plans],
+                                      reused=opened.reused)
+
+    @_guard
+    def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
+        events = self.core.subscribe(_nonempty(request.lease_id, "lease_id", "register the replica first"))
+        wake: queue.SimpleQueue[Any] = events
+        context.add_callback(lambda: wake.put(None))
+        while context.is_active():
+            try:
+                item = events.get(timeout=STREAM_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            yield serde.event_to(item)
+
+    @_guard
+    def ReportProgress(self, request: pb.ReportProgressRequest,
+                       context: grpc.ServicerContext) -> pb.ReportProgressResponse:
+        self.core.report_progress(_nonempty(request.lease_id, "lease_id", "register the replica first"),
+                                  request.version, serde.progress(request.progress))
+        return pb.ReportProgressResponse()
+
+    @_guard
+    def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckResponse:
+        state = self.core.ack(_nonempty(request.lease_id, "lease_id", "register the replica first"),
+                              serde.ack(request))
+        return pb.AckResponse(state=serde.state_to(state))
+
+    @_guard
+    def WaitVersion(self, request: pb.WaitVersionRequest, context: grpc.ServicerContext) -> pb.WaitVersionResponse:
+        if not 0 < request.timeout_s <= MAX_WAIT_S:
+            raise faults.InvalidArgument(f"timeout_s is {request.timeout_s}; send a wait between 0 and {MAX_WAIT_S:g}s")
+        remaining = context.time_remaining()
+        timeout = min(request.timeout_s, remaining if remaining is not None else MAX_WAIT_S)
+        info, met = self.core.wait_version(request.job, request.version, serde.wait_for(request.until), timeout)
+        return pb.WaitVersionResponse(info=serde.version_info_to(info), condition_met=met)
+
+    @_guard
+    def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:
+        info = self.core.mark_durable(request.job, request.version, request.manifest_path, request.manifest_sha256)
+        return pb.MarkDurableResponse(info=serde.version_info_to(info))
+
+    @_guard
+    def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:
+        return pb.GetJobResponse(job=serde.job_info_to(self.core.get_job(request.job)))
+
+    @_guard
+    def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsResponse:
+        infos = self.core.list_versions(request.job, request.limit)
+        return pb.ListVersionsResponse(versions=[serde.version_info_to(i) for i in infos])
