@@ -1,0 +1,154 @@
+"""The few API calls the operator makes, for any kind it manages, through one generic path.
+
+Children are written with server-side apply under one field manager
+(``weightsync-operator``) and ``force``: applying the same object twice is a
+no-op, two racing reconciles converge on the same object, and a restarted
+operator re-applies what it applied before instead of creating a duplicate.
+The token Secret is the exception: it is created once and never re-applied, so
+a reconcile can never rotate it under running pods.
+
+This is the only module that talks to the kubernetes client; everything above
+it passes plain dicts (the same JSON the API server stores).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from kubernetes import client
+
+from weightsync_operator.names import MANAGER
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+
+    def path(self, namespace: str, name: str | None = None) -> str:
+        base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
+        out = f"{base}/namespaces/{quote(namespace)}/{self.plural}"
+        return f"{out}/{quote(name)}" if name else out
+
+
+KINDS = {
+    k.kind: k
+    for k in (
+        Kind("v1", "Pod", "pods"),
+        Kind("v1", "Service", "services"),
+        Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Secret", "secrets"),
+        Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),
+        Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("apps/v1", "Deployment", "deployments"),
+        Kind("apps/v1", "StatefulSet", "statefulsets"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+        Kind("weightsync.io/v1alpha1", "RLJob", "rljobs"),
+        Kind("weightsync.io/v1alpha1", "WeightVersion", "weightversions"),
+    )
+}
+
+
+class ApiError(Exception):
+    """A non-2xx answer; ``status`` is the HTTP code, the message the API server's."""
+
+    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+        try:
+            message = json.loads(body).get("message", body)
+        except ValueError:
+            message = body
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
+
+
+class Api:
+    """Generic get/list/apply/create/delete/patch-status over one ApiClient."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._client = api_client
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Obj | None:
+        if query:
+            path = f"{path}?{urlencode(query)}"
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        params = self._client.param_serialize(
+            method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
+        response = self._client.call_api(*params)
+        data = response.read()  # type: ignore[no-untyped-call]
+        text = data.decode() if isinstance(data, bytes) else str(data or "")
+        if not 200 <= response.status < 300:
+            raise ApiError(response.status, method, path, text)
+        parsed: Obj | None = json.loads(text) if text else None
+        return parsed
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        try:
+            return self._call("GET", KINDS[kind].path(namespace, name))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        out = self._call("GET", KINDS[kind].path(namespace), query={"labelSelector": label_selector}) or {}
+        items: list[Obj] = out.get("items", [])
+        return items
+
+    def apply(self, obj: Obj) -> Obj | None:
+        """Server-side apply ``obj`` under the operator's field manager."""
+        meta = obj["metadata"]
+        path = KINDS[obj["kind"]].path(meta["namespace"], meta["name"])
+        return self._call(
+            "PATCH",
+            path,
+            body=obj,
+            query={"fieldManager": MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+
+    def create(self, obj: Obj) -> bool:
+        """Create ``obj`` unless it exists; True when this call created it."""
+        try:
+            self._call("POST", KINDS[obj["kind"]].path(obj["metadata"]["namespace"]), body=obj)
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    def delete(self, kind: str, namespace: str, name: str, propagation: str = "Background") -> bool:
+        """Delete if present; True when this call deleted it."""
+        try:
+            self._call("DELETE", KINDS[kind].path(namespace, name), body={"propagationPolicy": propagation})
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: Obj, resource_version: str | None) -> None:
+        """Merge-patch the status subresource; with ``resource_version``, only if nobody wrote in between."""
+        body: Obj = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        self._call(
+            "PATCH",
+            KINDS[kind].path(namespace, name) + "/status",
+            body=body,
+            content_type="application/merge-patch+json",
+        )

@@ -1,0 +1,136 @@
+"""Pieces every pod of an RLJob shares: security, placement, GPUs, volumes and environment.
+
+Each workload builder composes these, so the rules they encode hold for every
+pod at once: containers run as a non-root user with no privilege escalation and
+no capabilities; GPU pods request ``nvidia.com/gpu`` as a limit (the device
+plugin's contract) and carry the job's nodeSelector and tolerations; Colocate
+pins the trainer and its replicas to one node (required pod affinity on the
+job's label: the first pod satisfies it by itself), Spread spreads the replicas
+across nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.resources.rljob import PlacementMode, Resources, RLJobSpec
+from weightsync_operator import names
+
+RUN_AS_USER = 1000
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+GPU_RESOURCE = "nvidia.com/gpu"
+SHM_VOLUME = "dshm"
+
+Obj = dict[str, Any]
+
+
+def pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security(read_only_root: bool = True) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def resources(spec: Resources, gpus: int = 0) -> Obj:
+    """Requests equal limits (a GPU pod must not be squeezed); GPUs only as a limit."""
+    amounts: dict[str, str] = {}
+    if spec.cpu:
+        amounts["cpu"] = spec.cpu
+    if spec.memory:
+        amounts["memory"] = spec.memory
+    limits = dict(amounts)
+    if gpus:
+        limits[GPU_RESOURCE] = str(gpus)
+    out: Obj = {}
+    if amounts:
+        out["requests"] = amounts
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def placement(job: str, spec: RLJobSpec, component: names.Component) -> Obj:
+    """nodeSelector, tolerations and affinity of a GPU pod (trainer or inference)."""
+    out: Obj = {}
+    if spec.placement.node_selector:
+        out["nodeSelector"] = dict(spec.placement.node_selector)
+    if spec.placement.tolerations:
+        out["tolerations"] = [t.to_wire() for t in spec.placement.tolerations]
+    if spec.placement.mode == PlacementMode.COLOCATE:
+        term = {"labelSelector": {"matchLabels": names.selector(job)}, "topologyKey": HOSTNAME_TOPOLOGY}
+        out["affinity"] = {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    elif component == names.Component.INFERENCE:
+        out["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": HOSTNAME_TOPOLOGY,
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": names.selector(job, component)},
+            }
+        ]
+    return out
+
+
+def shm_volume() -> Obj:
+    """/dev/shm as memory: vLLM and NCCL need more than the runtime's 64 MiB default."""
+    return {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}
+
+
+def shm_mount() -> Obj:
+    return {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
+
+
+def config_volume(job: str) -> Obj:
+    return {"name": "config", "configMap": {"name": names.config_map(job)}}
+
+
+def config_mount() -> Obj:
+    return {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}
+
+
+def checkpoint_volume(job: str, spec: RLJobSpec) -> Obj:
+    claim = spec.sync.checkpoint_volume.existing_claim or names.checkpoint_claim(job)
+    return {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}}
+
+
+def checkpoint_mount(read_only: bool) -> Obj:
+    return {"name": "checkpoints", "mountPath": names.CHECKPOINT_MOUNT, "readOnly": read_only}
+
+
+def tmp_volume() -> Obj:
+    return {"name": "tmp", "emptyDir": {}}
+
+
+def tmp_mount() -> Obj:
+    return {"name": "tmp", "mountPath": "/tmp"}
+
+
+def common_env(job: str, namespace: str) -> list[Obj]:
+    """What every weightsync process needs: who it is, where the coordinator is, the shared token."""
+    return [
+        {"name": "WEIGHTSYNC_JOB", "value": job},
+        {"name": "WEIGHTSYNC_NAMESPACE", "value": namespace},
+        {"name": "WEIGHTSYNC_COORDINATOR", "value": names.coordinator_address(job, namespace)},
+        {"name": "WEIGHTSYNC_CONFIG", "value": f"{names.CONFIG_MOUNT}/job.json"},
+        {
+            "name": "WEIGHTSYNC_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": names.token_secret(job), "key": names.TOKEN_KEY}},
+        },
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+    ]
+
+
+def metrics_port() -> Obj:
+    return {"name": "metrics", "containerPort": names.METRICS_PORT, "protocol": "TCP"}

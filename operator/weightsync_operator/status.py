@@ -1,0 +1,186 @@
+"""From what the cluster shows to the RLJob's status: conditions first, the phase derived from them.
+
+Pure functions over plain observations, so every rule is unit-tested without an
+API server:
+
+- Terminal states are sticky: once Succeeded or Failed, nothing moves the job
+  out of it (a user re-creates the RLJob to run again).
+- A trainer rank that failed restarts the whole gang (ranks rendezvous
+  together) while ``status.restarts < spec.failurePolicy.maxRestarts``; then the
+  job is Failed. The count lives in status and only grows.
+- Every rank Succeeded means training finished: the job Succeeded.
+- Running is True when the coordinator, every trainer rank and every replica is
+  ready; a pod the scheduler cannot place turns Scheduled False with the
+  scheduler's own words (e.g. "0/3 nodes are available: 3 Insufficient
+  nvidia.com/gpu").
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync.resources.conditions import ConditionStatus, find, is_true, set_condition
+from weightsync.resources.rljob import ConditionType, RLJobSpec, RLJobStatus, derive_phase
+from weightsync_operator import names
+from weightsync_operator.versions import VersionSummary
+
+TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The few facts about a pod the status needs."""
+
+    name: str
+    phase: str
+    ready: bool
+    deleting: bool
+    unschedulable: str | None  # the scheduler's message when it cannot place the pod
+    rank: int | None = None
+    spec_hash: str | None = None
+
+    @classmethod
+    def of(cls, pod: dict[str, Any]) -> PodView:
+        meta, status = pod.get("metadata", {}), pod.get("status", {})
+        conditions = {c.get("type"): c for c in status.get("conditions", [])}
+        scheduled = conditions.get("PodScheduled", {})
+        unschedulable = (
+            scheduled.get("message") or "unschedulable"
+            if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+            else None
+        )
+        rank = meta.get("labels", {}).get(names.RANK_LABEL)
+        return cls(
+            name=meta.get("name", ""),
+            phase=status.get("phase", "Pending"),
+            ready=conditions.get("Ready", {}).get("status") == "True",
+            deleting=bool(meta.get("deletionTimestamp")),
+            unschedulable=unschedulable,
+            rank=int(rank) if rank is not None else None,
+            spec_hash=meta.get("annotations", {}).get(names.HASH_ANNOTATION),
+        )
+
+
+class Verdict(enum.StrEnum):
+    """What to do with the trainer gang."""
+
+    RUN = "Run"  # create missing ranks
+    PARK = "Park"  # suspended or finished: no ranks
+    RESTART = "Restart"  # a rank failed and budget is left: delete all, count one restart
+    FAIL = "Fail"  # a rank failed and the budget is spent
+    SUCCEED = "Succeed"  # every rank exited 0
+
+
+def terminal(status: RLJobStatus) -> bool:
+    return is_true(status.conditions, ConditionType.FAILED) or is_true(status.conditions, ConditionType.SUCCEEDED)
+
+
+def decide_trainer(spec: RLJobSpec, status: RLJobStatus, trainer: list[PodView]) -> Verdict:
+    if terminal(status) or spec.suspend:
+        return Verdict.PARK
+    live = [p for p in trainer if not p.deleting]
+    if any(p.phase == "Failed" for p in live):
+        return Verdict.RESTART if status.restarts < spec.failure_policy.max_restarts else Verdict.FAIL
+    ranks = {p.rank for p in live if p.phase == "Succeeded"}
+    if len(ranks) == spec.trainer.world_size:
+        return Verdict.SUCCEED
+    return Verdict.RUN
+
+
+@dataclass
+class Observed:
+    generation: int
+    coordinator_ready: int = 0
+    inference_ready: int = 0
+    trainer: list[PodView] = field(default_factory=list)
+    pods: list[PodView] = field(default_factory=list)  # every pod of the job
+
+
+def next_status(
+    spec: RLJobSpec, old: RLJobStatus, seen: Observed, verdict: Verdict, versions: VersionSummary
+) -> RLJobStatus:
+    """The status the job should have now; equal to ``old`` when nothing changed."""
+    gen = seen.generation
+    new = old.model_copy(deep=True)
+    conds = new.conditions
+    restarts = old.restarts + (1 if verdict == Verdict.RESTART else 0)
+    if verdict == Verdict.FAIL:
+        conds = set_condition(
+            conds,
+            ConditionType.FAILED,
+            TRUE,
+            "RestartBudgetExhausted",
+            f"a trainer rank failed after {old.restarts} restarts "
+            f"(spec.failurePolicy.maxRestarts={spec.failure_policy.max_restarts})",
+            gen,
+        )
+    elif verdict == Verdict.SUCCEED:
+        conds = set_condition(
+            conds,
+            ConditionType.SUCCEEDED,
+            TRUE,
+            "TrainerCompleted",
+            f"all {spec.trainer.world_size} trainer ranks exited 0",
+            gen,
+        )
+
+    done = verdict in (Verdict.FAIL, Verdict.SUCCEED) or terminal(old)
+    if spec.suspend and not done:
+        conds = set_condition(conds, ConditionType.SUSPENDED, TRUE, "Suspended", "spec.suspend is true", gen)
+    elif find(conds, ConditionType.SUSPENDED) is not None:
+        conds = set_condition(conds, ConditionType.SUSPENDED, FALSE, "Resumed", "spec.suspend is false", gen)
+
+    trainer_ready = sum(1 for p in seen.trainer if p.phase == "Running" and p.ready and not p.deleting)
+    running = (
+        not done
+        and not spec.suspend
+        and seen.coordinator_ready >= 1
+        and seen.inference_ready >= spec.inference.replicas
+        and trainer_ready >= spec.trainer.world_size
+    )
+    if running:
+        conds = set_condition(
+            conds, ConditionType.RUNNING, TRUE, "AllReady", "coordinator, trainer ranks and replicas are ready", gen
+        )
+    else:
+        reason = "Finished" if done else "Suspended" if spec.suspend else "Starting"
+        message = (
+            f"coordinator {seen.coordinator_ready}/1, trainer {trainer_ready}/{spec.trainer.world_size}, "
+            f"replicas {seen.inference_ready}/{spec.inference.replicas} ready"
+        )
+        conds = set_condition(conds, ConditionType.RUNNING, FALSE, reason, message, gen)
+
+    stuck = [p for p in seen.pods if p.unschedulable and not p.deleting]
+    if stuck:
+        message = "; ".join(f"pod {p.name}: {p.unschedulable}" for p in sorted(stuck, key=lambda p: p.name)[:3])
+        conds = set_condition(conds, ConditionType.SCHEDULED, FALSE, "Unschedulable", message, gen)
+    elif not done and not spec.suspend:
+        conds = set_condition(conds, ConditionType.SCHEDULED, TRUE, "AllScheduled", "every pod has a node", gen)
+
+    if versions.newest is not None:
+        synced = versions.newest_phase == "Ready"
+        conds = set_condition(
+            conds,
+            ConditionType.SYNCED,
+            TRUE if synced else FALSE,
+            versions.newest_phase,
+            f"version {versions.newest} is {versions.newest_phase}",
+            gen,
+        )
+
+    new.conditions = conds
+    new.restarts = restarts
+    new.observed_generation = gen
+    new.replicas = spec.inference.replicas
+    new.ready_replicas = seen.inference_ready
+    new.ready = f"{seen.inference_ready}/{spec.inference.replicas}"
+    new.trainer_ready = trainer_ready
+    new.current_version = versions.current
+    new.replicas_loaded = versions.replicas_loaded
+    new.replicas_failed = versions.replicas_failed
+    new.last_sync_seconds = versions.last_sync_seconds
+    new.last_failed_version = versions.last_failed
+    new.phase = derive_phase(new)
+    return new

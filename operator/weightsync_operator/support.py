@@ -1,0 +1,99 @@
+"""The children that are not pods: checkpoint claim, job config, token, the coordinator's identity.
+
+- The checkpoint PersistentVolumeClaim (unless the spec names an existing one):
+  ReadWriteMany by default since the trainer writes and every replica reads.
+- The ConfigMap ``job.json``: the spec's sync policy and sizes, read by the
+  coordinator, the trainer ranks and the agents, so the three agree on one copy.
+- The token Secret: a random bearer token the coordinator checks on every call.
+  Created once and never re-applied (see kubeapi), so it never changes under a
+  running job; it goes with the RLJob through its ownerReference.
+- The coordinator's ServiceAccount and a RoleBinding to the chart's
+  ``weightsync-coordinator`` ClusterRole (WeightVersion objects and their status):
+  the operator holds only ``bind`` on that role, not the permissions in it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+
+from weightsync.resources import GROUP
+from weightsync.resources.rljob import RLJobSpec
+from weightsync_operator import names
+from weightsync_operator.podspecs import Obj
+
+
+def checkpoint_claim(job: str, spec: RLJobSpec) -> list[Obj]:
+    volume = spec.sync.checkpoint_volume
+    if volume.existing_claim:
+        return []
+    claim: Obj = {
+        "accessModes": [volume.access_mode],
+        "resources": {"requests": {"storage": volume.size}},
+    }
+    if volume.storage_class_name:
+        claim["storageClassName"] = volume.storage_class_name
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": names.checkpoint_claim(job)},
+            "spec": claim,
+        }
+    ]
+
+
+def job_config(job: str, spec: RLJobSpec) -> Obj:
+    """What the coordinator, trainer and agents share: the sync policy and the sizes it depends on."""
+    config = {
+        "job": job,
+        "sync": spec.sync.to_wire(),
+        "replicas": spec.inference.replicas,
+        "worldSize": spec.trainer.world_size,
+        "model": spec.inference.model,
+        "checkpointDir": names.CHECKPOINT_MOUNT,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": names.config_map(job)},
+        "data": {"job.json": json.dumps(config, indent=2, sort_keys=True)},
+    }
+
+
+def token_secret(job: str) -> Obj:
+    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": names.token_secret(job)},
+        "type": "Opaque",
+        "data": {names.TOKEN_KEY: token},
+    }
+
+
+def coordinator_identity(job: str, cluster_role: str) -> list[Obj]:
+    account = names.coordinator_account(job)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": account},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+            "subjects": [{"kind": "ServiceAccount", "name": account}],
+        },
+    ]
+
+
+ROLE_RULES: list[Obj] = [
+    {
+        "apiGroups": [GROUP],
+        "resources": ["weightversions"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch"],
+    },
+    {"apiGroups": [GROUP], "resources": ["weightversions/status"], "verbs": ["get", "update", "patch"]},
+    {"apiGroups": [GROUP], "resources": ["rljobs"], "verbs": ["get", "list", "watch"]},
+]
+"""The coordinator's permissions (the chart's ClusterRole renders these; a unit test compares)."""

@@ -1,0 +1,204 @@
+"""The pods of an RLJob: coordinator Deployment, one pod per trainer rank, the vLLM StatefulSet.
+
+The commands here are the contract with the weightsync CLI each container runs
+(``weightsync coordinator|agent|proxy``); every process also reads the job's
+config from ``$WEIGHTSYNC_CONFIG`` and its identity from the environment
+(podspecs.common_env), so the flags stay few.
+
+vLLM is started with ``VLLM_SERVER_DEV_MODE=1`` because its RL routes (pause,
+weight transfer, resume) exist only in that mode, and that mode also opens other
+development routes. So vLLM binds 127.0.0.1: only containers of its own pod
+reach it — the agent (weight updates) and the proxy (which forwards the OpenAI
+routes only and is the one port a Service exposes).
+
+Trainer ranks are bare pods with stable names (``<job>-trainer-<rank>``) behind a
+headless Service, not a Job: the operator restarts the gang itself so that the
+restart budget lives in the RLJob's status, where re-creating children cannot
+reset it. ``parked`` (suspended or finished) scales the others to zero; their
+objects stay, so resuming is a scale-up, not a re-creation.
+"""
+
+from __future__ import annotations
+
+from weightsync.resources.rljob import RLJobSpec
+from weightsync.vocabulary import Channel
+from weightsync_operator import names, podspecs
+from weightsync_operator.names import Component
+from weightsync_operator.podspecs import Obj
+
+
+def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: bool) -> Obj:
+    """The coordinator: one replica (it holds the version counter), recreated, never rolled."""
+    container = {
+        "name": "coordinator",
+        "image": spec.coordinator.image or image,
+        "command": [
+            "weightsync",
+            "coordinator",
+            "--listen",
+            f"0.0.0.0:{names.COORDINATOR_PORT}",
+            "--metrics-port",
+            str(names.METRICS_PORT),
+        ],
+        "env": podspecs.common_env(job, namespace),
+        "ports": [
+            {"name": "grpc", "containerPort": names.COORDINATOR_PORT, "protocol": "TCP"},
+            podspecs.metrics_port(),
+        ],
+        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [podspecs.config_mount(), podspecs.tmp_mount()],
+        "securityContext": podspecs.container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names.child(job, Component.COORDINATOR)},
+        "spec": {
+            "replicas": 0 if parked else 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": names.selector(job, Component.COORDINATOR)},
+            "template": {
+                "metadata": {"labels": names.labels(job, Component.COORDINATOR)},
+                "spec": {
+                    "serviceAccountName": names.coordinator_account(job),
+                    "securityContext": podspecs.pod_security(),
+                    "containers": [container],
+                    "volumes": [podspecs.config_volume(job), podspecs.tmp_volume()],
+                },
+            },
+        },
+    }
+
+
+def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
+    """Rank ``rank`` of the trainer gang; rank 0 is the torch.distributed master."""
+    service = names.child(job, Component.TRAINER)
+    env = (
+        podspecs.common_env(job, namespace)
+        + [
+            {"name": "RANK", "value": str(rank)},
+            {"name": "WORLD_SIZE", "value": str(spec.trainer.world_size)},
+            {"name": "MASTER_ADDR", "value": f"{names.trainer_pod(job, 0)}.{service}.{namespace}.svc"},
+            {"name": "MASTER_PORT", "value": str(names.TRAINER_MASTER_PORT)},
+            {"name": "WEIGHTSYNC_CHECKPOINT_DIR", "value": names.CHECKPOINT_MOUNT},
+        ]
+        + [e.to_wire() for e in spec.trainer.env]
+    )
+    container = {
+        "name": "trainer",
+        "image": spec.trainer.image,
+        "command": list(spec.trainer.command),
+        "env": env,
+        "ports": [
+            {"name": "rendezvous", "containerPort": names.TRAINER_MASTER_PORT, "protocol": "TCP"},
+            podspecs.metrics_port(),
+        ],
+        "resources": podspecs.resources(spec.trainer.resources, spec.trainer.gpus_per_worker),
+        "volumeMounts": [
+            podspecs.shm_mount(),
+            podspecs.config_mount(),
+            podspecs.checkpoint_mount(read_only=False),
+            podspecs.tmp_mount(),
+        ],
+        "securityContext": podspecs.container_security(read_only_root=False),
+    }
+    labels = names.labels(job, Component.TRAINER) | {names.RANK_LABEL: str(rank)}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": names.trainer_pod(job, rank), "labels": labels},
+        "spec": {
+            "hostname": names.trainer_pod(job, rank),
+            "subdomain": service,
+            "restartPolicy": "Never",
+            "securityContext": podspecs.pod_security(),
+            "containers": [container],
+            "volumes": [
+                podspecs.shm_volume(),
+                podspecs.config_volume(job),
+                podspecs.checkpoint_volume(job, spec),
+                podspecs.tmp_volume(),
+            ],
+            **podspecs.placement(job, spec, Component.TRAINER),
+        },
+    }
+
+
+def vllm_command(spec: RLJobSpec) -> list[str]:
+    """vLLM's server on localhost with weightsync's engine for the first preferred channel."""
+    backend = Channel(spec.sync.channels[0]).engine_name
+    return [
+        "python", "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(names.VLLM_PORT),
+        "--model", spec.inference.model,
+        "--tensor-parallel-size", str(spec.inference.tensor_parallel_size),
+        "--weight-transfer-config", f'{{"backend": "{backend}"}}',
+        *spec.inference.vllm_args,
+    ]  # fmt: skip
+
+
+def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
+    """The vLLM replicas: vLLM (localhost only), the weightsync agent and the OpenAI proxy per pod."""
+    inf = spec.inference
+    upstream = f"http://127.0.0.1:{names.VLLM_PORT}"
+    vllm = {
+        "name": "vllm",
+        "image": inf.image,
+        "command": vllm_command(spec),
+        "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
+        "resources": podspecs.resources(inf.resources, inf.gpus_per_replica),
+        "volumeMounts": [podspecs.shm_mount(), podspecs.checkpoint_mount(read_only=True), podspecs.tmp_mount()],
+        "securityContext": podspecs.container_security(read_only_root=False),
+    }
+    agent = {
+        "name": "agent",
+        "image": inf.image,
+        "command": [
+            "weightsync",
+            "agent",
+            "--vllm-url",
+            upstream,
+            "--metrics-port",
+            str(names.METRICS_PORT),
+            "--checkpoint-dir",
+            names.CHECKPOINT_MOUNT,
+        ],
+        "env": podspecs.common_env(job, namespace),
+        "ports": [podspecs.metrics_port()],
+        "volumeMounts": [podspecs.config_mount(), podspecs.checkpoint_mount(read_only=True), podspecs.tmp_mount()],
+        "securityContext": podspecs.container_security(),
+    }
+    proxy = {
+        "name": "proxy",
+        "image": inf.image,
+        "command": ["weightsync", "proxy", "--listen", f"0.0.0.0:{inf.port}", "--upstream", upstream],
+        "ports": [{"name": "openai", "containerPort": inf.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 5},
+        "securityContext": podspecs.container_security(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": names.child(job, Component.INFERENCE)},
+        "spec": {
+            "replicas": 0 if parked else inf.replicas,
+            "serviceName": names.child(job, Component.INFERENCE),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": names.selector(job, Component.INFERENCE)},
+            "template": {
+                "metadata": {"labels": names.labels(job, Component.INFERENCE)},
+                "spec": {
+                    "securityContext": podspecs.pod_security(),
+                    "containers": [vllm, agent, proxy],
+                    "volumes": [
+                        podspecs.shm_volume(),
+                        podspecs.config_volume(job),
+                        podspecs.checkpoint_volume(job, spec),
+                        podspecs.tmp_volume(),
+                    ],
+                    **podspecs.placement(job, spec, Component.INFERENCE),
+                },
+            },
+        },
+    }

@@ -1,0 +1,42 @@
+"""Run the Kubernetes operator: reconcile RLJobs into their coordinator, trainer ranks and vLLM replicas.
+
+Watches every namespace unless --namespace is given (repeatable). Serves a
+liveness endpoint at :<liveness-port>/healthz and Prometheus metrics at
+:<metrics-port>/metrics. Credentials come from the pod's ServiceAccount, or from
+$KUBECONFIG outside a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", action="append", default=[], help="namespace to watch (repeatable)")
+    parser.add_argument("--resync-seconds", type=float, default=5.0, help="seconds between reconciles of a job")
+    parser.add_argument(
+        "--coordinator-image",
+        default="ghcr.io/weightsync/coordinator:0.1.0",
+        help="coordinator image for jobs that do not name one",
+    )
+    parser.add_argument(
+        "--coordinator-role",
+        default="weightsync-coordinator",
+        help="ClusterRole bound to each job's coordinator ServiceAccount",
+    )
+    parser.add_argument("--liveness-port", type=int, default=8080, help="port of /healthz")
+    parser.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics; 0 disables it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from weightsync_operator import Options, Settings
+    from weightsync_operator.running import run as run_operator
+
+    settings = Settings(coordinator_image=args.coordinator_image, coordinator_role=args.coordinator_role)
+    run_operator(
+        Options(settings=settings, resync_seconds=args.resync_seconds),
+        args.namespace,
+        args.liveness_port,
+        args.metrics_port,
+    )
+    return 0
