@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "crds": "weightsync.cli.crds",
     "operator": "weightsync.cli.operator",
     "sandbox": "weightsync.cli.sandbox",
+    "coordinator": "weightsync.cli.coordinator",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
