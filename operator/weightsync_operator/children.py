@@ -42,7 +42,10 @@ class Owner:
 def spec_hash(obj: Obj) -> str:
     """A short digest of what the operator would write, ignoring the hash annotation itself."""
     bare = copy.deepcopy(obj)
-    bare.get("metadata", {}).get("annotations", {}).pop(names.HASH_ANNOTATION, None)
+    meta = bare.get("metadata", {})
+    meta.get("annotations", {}).pop(names.HASH_ANNOTATION, None)
+    if not meta.get("annotations", True):
+        del meta["annotations"]
     return hashlib.sha256(json.dumps(bare, sort_keys=True).encode()).hexdigest()[:16]
 
 

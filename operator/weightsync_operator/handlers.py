@@ -64,11 +64,11 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
     registry = kopf.OperatorRegistry()
     phases = PhaseCounts(metrics)
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = names.CLEANUP_FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -76,9 +76,9 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
         settings.posting.level = logging.WARNING  # our own events say what changed
         settings.watching.server_timeout = 300
 
-    @kopf.timer(
-        GROUP, VERSION, "rljobs", interval=options.resync_seconds, initial_delay=0.0, registry=registry, id="reconcile"
-    )
+    every = {"interval": options.resync_seconds, "initial_delay": 0.0}
+
+    @kopf.timer(GROUP, VERSION, "rljobs", registry=registry, id="reconcile", **every)  # type: ignore[untyped-decorator,unused-ignore]
     def tick(body: kopf.Body, **_: Any) -> None:
         started = time.monotonic()
         key = (str(body.metadata.namespace), str(body.metadata.name))
@@ -104,7 +104,7 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
                 time.monotonic() - started,
             )
 
-    @kopf.on.delete(GROUP, VERSION, "rljobs", registry=registry, id="cleanup")
+    @kopf.on.delete(GROUP, VERSION, "rljobs", registry=registry, id="cleanup")  # type: ignore[untyped-decorator,unused-ignore]
     def cleanup(body: kopf.Body, **_: Any) -> None:
         namespace, name = str(body.metadata.namespace), str(body.metadata.name)
         selector = names.label_selector(name)
@@ -112,7 +112,7 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
             api.delete("WeightVersion", namespace, item["metadata"]["name"])
         phases.set((namespace, name), None)
 
-    @kopf.on.probe(id="rljobs", registry=registry)
+    @kopf.on.probe(id="rljobs", registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def alive(**_: Any) -> str:
         return "ok"
 

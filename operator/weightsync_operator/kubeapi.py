@@ -89,7 +89,7 @@ class Api:
             method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
         )
         response = self._client.call_api(*params)
-        data = response.read()  # type: ignore[no-untyped-call]
+        data = response.read()  # type: ignore[no-untyped-call,unused-ignore]
         text = data.decode() if isinstance(data, bytes) else str(data or "")
         if not 200 <= response.status < 300:
             raise ApiError(response.status, method, path, text)

@@ -20,9 +20,9 @@ from weightsync_operator.kubeapi import Api
 def api_client() -> client.ApiClient:
     """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
     try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        config.load_incluster_config()  # type: ignore[no-untyped-call,unused-ignore]
     except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
+        config.load_kube_config()  # type: ignore[no-untyped-call,unused-ignore]
     return client.ApiClient()
 
 

@@ -1,0 +1,124 @@
+"""The children an RLJob turns into: GPUs, placement, security, the vLLM port fence, ownership."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from weightsync.resources.rljob import RLJobSpec
+from weightsync_operator import children, names
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = RLJobSpec.model_validate(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())["spec"])
+OWNER = children.Owner("grpo", "ml", "uid-1")
+
+
+def _by_kind(parked: bool = False, spec: RLJobSpec = SPEC) -> dict[tuple[str, str], dict[str, Any]]:
+    objs = children.desired(OWNER, spec, "coord:1", "weightsync-coordinator", parked)
+    objs += [*children.trainer_pods(OWNER, spec), children.token_secret(OWNER)]
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def _containers(obj: dict[str, Any]) -> dict[str, Any]:
+    pod = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+    return {c["name"]: c for c in pod["containers"]}
+
+
+def test_every_child_is_owned_labelled_and_hashed() -> None:
+    for obj in _by_kind().values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml" and meta["labels"]["weightsync.io/job"] == "grpo"
+        assert meta["ownerReferences"] == [OWNER.reference()]
+        assert meta["annotations"][names.HASH_ANNOTATION] == children.spec_hash(obj)
+
+
+def test_gpu_requests_and_gpu_pool_placement() -> None:
+    objs = _by_kind()
+    vllm = _containers(objs[("StatefulSet", "grpo-inference")])["vllm"]
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    trainer = objs[("Pod", "grpo-trainer-1")]
+    assert _containers(trainer)["trainer"]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert trainer["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert trainer["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert trainer["spec"]["subdomain"] == "grpo-trainer"
+    env = {e["name"]: e.get("value") for e in _containers(trainer)["trainer"]["env"]}
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"].startswith("grpo-trainer-0.")
+    coordinator = objs[("Deployment", "grpo-coordinator")]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in coordinator and "nvidia.com/gpu" not in str(coordinator)
+
+
+def test_spread_and_colocate() -> None:
+    sts = _by_kind()[("StatefulSet", "grpo-inference")]["spec"]["template"]["spec"]
+    assert sts["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    colocated = SPEC.model_copy(deep=True)
+    colocated.placement.mode = "Colocate"
+    objs = _by_kind(spec=colocated)
+    for key in (("StatefulSet", "grpo-inference"), ("Pod", "grpo-trainer-0")):
+        obj = objs[key]
+        pod = obj["spec"]["template"]["spec"] if key[0] == "StatefulSet" else obj["spec"]
+        term = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term == {
+            "labelSelector": {"matchLabels": {"weightsync.io/job": "grpo"}},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+
+
+def test_vllm_dev_routes_stay_inside_the_pod() -> None:
+    objs = _by_kind()
+    pod = _containers(objs[("StatefulSet", "grpo-inference")])
+    vllm = pod["vllm"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in vllm["env"]
+    host = vllm["command"][vllm["command"].index("--host") + 1]
+    assert host == "127.0.0.1" and "ports" not in vllm
+    assert "--weight-transfer-config" in vllm["command"] and '"weightsync-nccl"' in " ".join(vllm["command"])
+    assert pod["agent"]["command"][:2] == ["weightsync", "agent"]
+    assert pod["proxy"]["command"][:2] == ["weightsync", "proxy"]
+    openai = objs[("Service", "grpo-openai")]["spec"]
+    assert [p["targetPort"] for p in openai["ports"]] == ["openai"] and openai["ports"][0]["port"] == 8000
+    exposed = {p["containerPort"] for c in pod.values() for p in c.get("ports", [])}
+    assert names.VLLM_PORT not in exposed
+
+
+def test_pods_run_as_non_root_with_shm() -> None:
+    objs = _by_kind()
+    for key in (("StatefulSet", "grpo-inference"), ("Deployment", "grpo-coordinator"), ("Pod", "grpo-trainer-0")):
+        obj = objs[key]
+        pod = obj["spec"]["template"]["spec"] if "template" in obj["spec"] else obj["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for c in pod["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    sts = objs[("StatefulSet", "grpo-inference")]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in sts["volumes"]
+
+
+def test_network_policies_admit_the_job_and_public_ports_only() -> None:
+    policy = _by_kind()[("NetworkPolicy", "grpo-inference")]["spec"]
+    from_job, public = policy["ingress"]
+    assert from_job["from"] == [{"podSelector": {"matchLabels": {"weightsync.io/job": "grpo"}}}]
+    assert "from" not in public and {p["port"] for p in public["ports"]} == {8000, names.METRICS_PORT}
+
+
+def test_parked_scales_to_zero_and_hash_changes() -> None:
+    running, parked = _by_kind(), _by_kind(parked=True)
+    for key in (("StatefulSet", "grpo-inference"), ("Deployment", "grpo-coordinator")):
+        assert parked[key]["spec"]["replicas"] == 0 and running[key]["spec"]["replicas"] >= 1
+        assert children.current_hash(parked[key]) != children.current_hash(running[key])
+    assert children.current_hash(running[("ConfigMap", "grpo-config")]) == children.current_hash(
+        _by_kind()[("ConfigMap", "grpo-config")]
+    )
+
+
+def test_operator_never_imports_torch_or_vllm() -> None:
+    code = (
+        "import sys, weightsync_operator.running, weightsync.cli.operator; "
+        "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; sys.exit(1 if bad else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
