@@ -26,9 +26,11 @@ def api_client() -> client.ApiClient:
     return client.ApiClient()
 
 
-def run(options: Options, namespaces: Sequence[str], liveness_port: int, metrics_port: int) -> None:
+def run(
+    options: Options, namespaces: Sequence[str], liveness_port: int, metrics_port: int, log_level: str = "INFO"
+) -> None:
     """Block running the operator: watch ``namespaces`` (every namespace when empty)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # a line per tick otherwise; we log changes
     metrics = OperatorMetrics.create()
     if metrics_port:

@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--liveness-port", type=int, default=8080, help="port of /healthz")
     parser.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics; 0 disables it")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
 
 
 def run(args: argparse.Namespace) -> int:
