@@ -1,0 +1,187 @@
+"""A fleet on loopback: the coordinator's gRPC server, replicas as separate processes, real leases.
+
+Each replica is a ``simulation.replica_main`` process (a real ``CoordinatorClient``:
+register, renew, watch, report ready, ack); the test process plays the publisher.
+Kills are real ``SIGKILL``s, so lease expiry is what the coordinator observes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from weightsync.coordinator import server, simulation
+from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.models import Capabilities, EngineKind, SenderOffer, TableSummary
+from weightsync.vocabulary import Channel, VersionState
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+TTL = 1.0
+TABLE = TableSummary(4, 4096, "sha256:fleet")
+CPU_OFFER = SenderOffer(Channel.CPU, "127.0.0.1", 29999)
+TRAINER = Capabilities(host="node-a", channels=(Channel.CPU, Channel.VOLUME), volume_id="vol", engine=EngineKind.CPU)
+
+
+class Fleet:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        config = server.ServerConfig(insecure=True, port=0, lease_ttl_s=TTL, metrics_port=0)
+        self.server = server.CoordinatorServer(config, registry=self.registry).start()
+        self.ctx = mp.get_context("spawn")
+        self.events: Any = self.ctx.Queue()
+        self.procs: dict[str, Any] = {}
+        self.clients: list[CoordinatorClient] = []
+        self.seen: list[tuple[Any, ...]] = []
+
+    def replica(self, rid: str, **kw: Any) -> None:
+        member = simulation.Member(self.server.target, "job", rid, **kw)
+        proc = self.ctx.Process(target=simulation.replica_main, args=(member, self.events), daemon=True)
+        proc.start()
+        self.procs[rid] = proc
+        self.expect("registered", rid)
+
+    def trainer(self) -> CoordinatorClient:
+        client = CoordinatorClient(self.server.target, insecure=True, timeout_s=10)
+        client.register_trainer("job", "trainer", TRAINER, offers=[CPU_OFFER])
+        self.clients.append(client)
+        return client
+
+    def expect(self, kind: str, rid: str, version: int | None = None, timeout: float = 30.0) -> tuple[Any, ...]:
+        """Wait for one event (events seen earlier count too: they are kept in ``seen``)."""
+        for ev in self.seen:
+            if ev[0] == kind and ev[1] == rid and (version is None or ev[2] == version):
+                return tuple(ev)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ev = self.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self.seen.append(ev)
+            if ev[0] == kind and ev[1] == rid and (version is None or ev[2] == version):
+                return tuple(ev)
+        raise AssertionError(f"no {kind!r} from {rid} (version {version}) within {timeout}s; saw {self.seen[-10:]}")
+
+    def kill(self, rid: str) -> None:
+        self.procs[rid].kill()
+        self.procs[rid].join(5)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for p in self.procs.values():
+            p.kill()
+            p.join(5)
+        self.server.stop(0.5)
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    f = Fleet()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def test_two_replicas_on_different_channels_in_one_version_and_metrics(fleet: Fleet) -> None:
+    fleet.replica("cpu-replica", channels=("cpu", "volume"), volume_id="vol", volume_mount="/ckpt")
+    fleet.replica("volume-replica", channels=("volume",), volume_id="vol", volume_mount="/mnt/ckpt")
+    trainer = fleet.trainer()
+    opened = trainer.open_version(1, TABLE)
+    plans = {p.replica_id: p for p in opened.plans}
+    assert plans["cpu-replica"].channel is Channel.CPU
+    assert plans["cpu-replica"].rendezvous.address == "127.0.0.1:29999"
+    assert plans["cpu-replica"].rendezvous.world_size == 2
+    assert plans["volume-replica"].channel is Channel.VOLUME
+    assert plans["volume-replica"].rendezvous.volume_path == "/mnt/ckpt"
+    trainer.wait_receivers_ready(opened.version, timeout_s=30)
+    assert trainer.wait_version(opened.version, timeout_s=30) is VersionState.READY
+
+    assert fleet.server.metrics_server is not None
+    body = urllib.request.urlopen(fleet.server.metrics_server.url, timeout=5).read().decode()
+    for series in (
+        'weightsync_sync_duration_seconds_bucket{channel="cpu",le="0.001",phase="transfer"}',
+        'weightsync_sync_duration_seconds_count{channel="volume",phase="total"} 1.0',
+        'weightsync_transferred_bytes_total{channel="cpu"} 4096.0',
+        'weightsync_negotiations_total{channel="volume"} 1.0',
+        'weightsync_versions{state="READY"} 1.0',
+        'weightsync_replicas{state="current"} 2.0',
+        "weightsync_fleet_version_lag_max 0.0",
+        "weightsync_fleet_replicas_lagging 0.0",
+        "weightsync_version_ready_seconds_count 1.0",
+    ):
+        assert series in body, f"{series} missing from /metrics:\n{body}"
+
+
+def test_late_joiner_catches_up_from_the_newest_durable_ready_version(fleet: Fleet) -> None:
+    fleet.replica("early", channels=("cpu", "volume"), volume_id="vol", volume_mount="/ckpt")
+    trainer = fleet.trainer()
+    v1 = trainer.open_version(1, TABLE).version
+    assert trainer.wait_version(v1, 30) is VersionState.READY
+    trainer.mark_durable(v1, "/ckpt/v00000001/manifest.json", "0" * 64)
+    fleet.replica("late", channels=("cpu", "volume"), volume_id="vol", volume_mount="/ckpt", current_version=0)
+    _, _, version, channel = fleet.expect("catch_up", "late")
+    assert (version, channel) == (v1, "volume")
+    fleet.expect("acked", "late", v1)
+    # then it follows live
+    v2 = trainer.open_version(2, TABLE).version
+    assert trainer.wait_version(v2, 30) is VersionState.READY
+    fleet.expect("assign", "late", v2)
+    job = trainer.get_job()
+    assert {m.member_id: m.current_version for m in job.members if m.member_id != "trainer"} == {"early": v2,
+                                                                                                "late": v2}
+
+
+def test_a_replica_killed_mid_transfer_does_not_fail_the_version(fleet: Fleet) -> None:
+    fleet.replica("healthy", channels=("cpu",), work_s=0.2)
+    fleet.replica("doomed", channels=("cpu",), hang_after_ready=True)
+    trainer = fleet.trainer()
+    v = trainer.open_version(1, TABLE).version
+    fleet.expect("hanging", "doomed", v)
+    fleet.kill("doomed")
+    started = time.monotonic()
+    assert trainer.wait_version(v, 30) is VersionState.READY
+    assert time.monotonic() - started < 10 * TTL
+    info = trainer.list_versions(limit=1)[0]
+    assert {r.replica_id: r.status for r in info.replicas} == {"healthy": "acked", "doomed": "dropped"}
+    assert "1 dropped" in info.reason
+
+
+def test_trainer_killed_mid_publish_fails_the_version_and_aborts_unfinished_replicas(fleet: Fleet) -> None:
+    fleet.replica("r0", channels=("cpu",))
+    fleet.replica("r1", channels=("cpu",), work_s=4 * TTL)  # still receiving when the trainer dies
+    trainer = fleet.trainer()
+    v1 = trainer.open_version(1, TABLE).version
+    assert trainer.wait_version(v1, 30) is VersionState.READY
+    trainer.close()  # the first trainer leaves cleanly after v1... then a second trainer dies mid-publish
+    member = simulation.Member(fleet.server.target, "job", "trainer", channels=("cpu",))
+    proc = fleet.ctx.Process(target=simulation.trainer_main,
+                             args=(member, 2, fleet.events, (("cpu", "127.0.0.1", 29999),)), daemon=True)
+    proc.start()
+    fleet.procs["trainer-proc"] = proc
+    _, _, v2, _ = fleet.expect("opened", "trainer")
+    fleet.expect("assign", "r0", v2)
+    proc.kill()
+    proc.join(5)
+    observer = CoordinatorClient(fleet.server.target, insecure=True)
+    fleet.clients.append(observer)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = next(v for v in observer.list_versions("job") if v.version == v2)
+        if info.state is not VersionState.STAGING:
+            break
+        time.sleep(0.1)
+    assert info.state is VersionState.FAILED and "trainer lost mid-publish" in info.reason
+    statuses = {r.replica_id: r.status for r in info.replicas}
+    assert statuses["r1"] in ("planned", "ready")  # it had not finished when the version failed
+    fleet.expect("abort", "r1", v2)  # told to stop, and to reload the newest durable READY version if bytes landed
+    assert observer.get_job("job").newest_ready == v1  # the fleet's version did not move
