@@ -1,0 +1,159 @@
+"""TLS, mutual TLS, the bearer token, size limits and validation, over real gRPC on loopback.
+
+Certificates are minted per test session with ``cryptography`` (a CA, a server
+certificate for localhost/127.0.0.1, a client certificate, and a rogue CA's
+client certificate). Every rejection is checked for its status and for a message
+that says what to fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import multiprocessing as mp
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from weightsync.coordinator import faults, server, simulation
+from weightsync.coordinator._proto import coordinator_pb2 as pb
+from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.models import Capabilities, TableSummary
+from weightsync.coordinator.tls import ServerTls, TlsConfig
+from weightsync.errors import PermanentError
+from weightsync.vocabulary import Channel
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+TOKEN = "s3cret-token"
+CAPS = Capabilities(host="n", channels=(Channel.CPU,))
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey,
+          ca: bool = False, sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
+    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if key is not None:
+        path.with_suffix(".key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, rogue_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    _write(d / "ca", _cert("weightsync-test-ca", ca_key, "weightsync-test-ca", ca_key, ca=True))
+    _write(d / "rogue-ca", _cert("rogue", rogue_key, "rogue", rogue_key, ca=True))
+    sk, ck, rk = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
+    sans: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    _write(d / "server", _cert("localhost", sk, "weightsync-test-ca", ca_key, sans=sans), sk)
+    _write(d / "client", _cert("replica-0", ck, "weightsync-test-ca", ca_key), ck)
+    _write(d / "rogue-client", _cert("intruder", rk, "rogue", rogue_key), rk)
+    return d
+
+
+@pytest.fixture(scope="module")
+def mtls_server(pki: Path) -> Iterator[server.CoordinatorServer]:
+    config = server.ServerConfig(
+        port=0, token=TOKEN, max_message_bytes=4096,
+        tls=ServerTls(str(pki / "server.crt"), str(pki / "server.key"), client_ca_file=str(pki / "ca.crt")))
+    s = server.CoordinatorServer(config).start()
+    yield s
+    s.stop(0.5)
+
+
+def client(s: server.CoordinatorServer, pki: Path, who: str = "client", token: str | None = TOKEN,
+           **kw: Any) -> CoordinatorClient:
+    tls = TlsConfig(ca_file=str(pki / "ca.crt"), cert_file=str(pki / f"{who}.crt"), key_file=str(pki / f"{who}.key"))
+    return CoordinatorClient(s.target, token=token, tls=tls, timeout_s=kw.pop("timeout_s", 5.0), **kw)
+
+
+def test_mtls_and_token_let_a_replica_process_in(mtls_server: server.CoordinatorServer, pki: Path) -> None:
+    ctx = mp.get_context("spawn")
+    events: Any = ctx.Queue()
+    member = simulation.Member(mtls_server.target, "secure", "replica-0", token=TOKEN, ca_file=str(pki / "ca.crt"),
+                               cert_file=str(pki / "client.crt"), key_file=str(pki / "client.key"))
+    proc = ctx.Process(target=simulation.replica_main, args=(member, events), daemon=True)
+    proc.start()
+    try:
+        assert events.get(timeout=30)[0] == "registered"
+        with client(mtls_server, pki) as c:
+            assert [m.member_id for m in c.get_job("secure").members] == ["replica-0"]
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
+def test_missing_and_wrong_tokens_are_unauthenticated(mtls_server: server.CoordinatorServer, pki: Path) -> None:
+    with client(mtls_server, pki, token=None) as c, pytest.raises(faults.Unauthenticated, match="missing bearer token"):
+        c.register_replica("secure", "x", CAPS)
+    with client(mtls_server, pki, token="wrong") as c, \
+            pytest.raises(faults.Unauthenticated, match=r"bearer token rejected.*--token-file"):
+        c.get_job("secure")
+
+
+def test_clients_without_a_trusted_certificate_cannot_connect(mtls_server: server.CoordinatorServer,
+                                                               pki: Path) -> None:
+    with client(mtls_server, pki, who="rogue-client", timeout_s=1.5) as c, pytest.raises(faults.Unavailable):
+        c.register_replica("secure", "x", CAPS)
+    no_cert = CoordinatorClient(mtls_server.target, token=TOKEN, tls=TlsConfig(ca_file=str(pki / "ca.crt")),
+                                timeout_s=1.5)
+    with no_cert, pytest.raises(faults.Unavailable):
+        no_cert.register_replica("secure", "x", CAPS)
+    plaintext = CoordinatorClient(mtls_server.target, token=TOKEN, insecure=True, timeout_s=1.5)
+    with plaintext, pytest.raises(faults.Unavailable):
+        plaintext.register_replica("secure", "x", CAPS)
+
+
+def test_malformed_calls_get_clear_statuses(mtls_server: server.CoordinatorServer, pki: Path) -> None:
+    with client(mtls_server, pki) as c:
+        with pytest.raises(faults.InvalidArgument, match="role is 0 \\(unset or unknown\\); valid values: trainer"):
+            c._call("Register", pb.RegisterRequest(job="secure", member_id="m", incarnation="i"))
+        with pytest.raises(faults.InvalidArgument, match="capabilities is missing"):
+            c._call("Register", pb.RegisterRequest(job="secure", role=pb.ROLE_REPLICA, member_id="m", incarnation="i"))
+        with pytest.raises(faults.InvalidArgument, match="job 'Not A Job' is not a valid name"):
+            c.register_replica("Not A Job", "m", CAPS)
+        with pytest.raises(faults.NotFound, match="job 'missing' is unknown"):
+            c.get_job("missing")
+        with pytest.raises(faults.ResourceExhausted, match=r"over the limit of 4096.*--max-message-bytes"):
+            c.register_replica("secure", "big", Capabilities(host="x" * 8000, channels=(Channel.CPU,)))
+        with pytest.raises(faults.InvalidArgument, match=r"timeout_s is 0.0"):
+            c._call("WaitVersion", pb.WaitVersionRequest(job="secure", version=1, until=pb.WAIT_FOR_SETTLED))
+    with client(mtls_server, pki) as trainer:
+        trainer.register_trainer("secure", "trainer", CAPS)
+        table = TableSummary(1, 10, "sha256:x")
+        trainer.open_version(7, table)
+        with pytest.raises(faults.FailedPrecondition, match="step 6 goes backwards"):
+            trainer.open_version(6, table)
+        with pytest.raises(faults.InvalidArgument, match=r"table.tensor_count must be >= 1"):
+            trainer._call("OpenVersion", pb.OpenVersionRequest(
+                lease_id=trainer.lease.lease_id, job="secure", incarnation=trainer.incarnation, step=8,
+                table=pb.TableSummary(tensor_count=0, table_digest="d")))
+        with pytest.raises(faults.NotFound, match="has no version 99"):
+            trainer.mark_durable(99, "/x/manifest.json", "a" * 64)
+
+
+def test_the_server_is_secure_by_default() -> None:
+    with pytest.raises(PermanentError, match=r"TLS is on by default.*--insecure"):
+        server.CoordinatorServer(server.ServerConfig(port=0))
+    with pytest.raises(PermanentError, match="bearer token is required"):
+        server.CoordinatorServer(server.ServerConfig(port=0, tls=ServerTls("a", "b")))
