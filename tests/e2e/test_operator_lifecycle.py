@@ -1,0 +1,305 @@
+"""The operator on the real control plane: helm install, an RLJob's life, and the operator's own RBAC.
+
+The chart is installed with helm; KWOK runs no containers, so the operator runs
+here as a local process with the *chart's* ServiceAccount token (so the RBAC the
+chart grants is exactly what it gets), and this test writes WeightVersion objects
+with the token of the job's coordinator ServiceAccount, as the coordinator would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import Kube, Timeouts
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+JOB = EXAMPLE["metadata"]["name"]
+RUN_OPERATOR = (
+    "import argparse, sys; from weightsync.cli import operator as o; p = argparse.ArgumentParser(); "
+    "o.add_arguments(p); sys.exit(o.run(p.parse_args(sys.argv[1:])))"
+)
+
+
+def _kubeconfig_for(kube: Kube, namespace: str, account: str, path: Path) -> Path:
+    token = kube.kubectl("create", "token", account, "-n", namespace, "--duration", "1h").stdout.strip()
+    admin = yaml.safe_load(kube.cluster.kubeconfig.read_text())
+    cluster = admin["clusters"][0]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": account, "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": account}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+class Operator:
+    """The operator as a local process under the chart's ServiceAccount."""
+
+    def __init__(self, kubeconfig: Path, role: str, log: Path) -> None:
+        self.kubeconfig, self.role, self.log = kubeconfig, role, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        args = [
+            "--resync-seconds",
+            "1",
+            "--coordinator-role",
+            self.role,
+            "--metrics-port",
+            "0",
+            "--liveness-port",
+            "18981",
+        ]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    release = f"ws-{uuid.uuid4().hex[:5]}"
+    system = f"{release}-system"
+    kube.helm("install", release, str(REPO / "helm" / "weightsync"), "-n", system, "--create-namespace", "--wait=false")
+    kube.wait_for(
+        lambda: kube.core.read_namespaced_service_account("default", system),
+        Timeouts.NAMESPACE_READY,
+        "system namespace",
+    )
+    tmp = tmp_path_factory.mktemp("operator")
+    kubeconfig = _kubeconfig_for(kube, system, f"{release}-weightsync", tmp / "kubeconfig")
+    op = Operator(kubeconfig, f"{release}-weightsync-coordinator", tmp / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print((tmp / "operator.log").read_text()[-4000:])
+    kube.helm("uninstall", release, "-n", system, check=False)
+    kube.core.delete_namespace(system)
+
+
+def _rljob(kube: Kube, namespace: str, name: str = JOB) -> dict[str, Any]:
+    obj: dict[str, Any] = kube.custom.get_namespaced_custom_object(
+        "weightsync.io", "v1alpha1", namespace, "rljobs", name
+    )
+    return obj
+
+
+def _phase(kube: Kube, namespace: str, phase: str, name: str = JOB) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        job = _rljob(kube, namespace, name)
+        return job if job.get("status", {}).get("phase") == phase else None
+
+    return kube.wait_for(check, Timeouts.POD_RUNNING, f"RLJob {namespace}/{name} phase {phase}")
+
+
+def _pv(kube: Kube, namespace: str, job: str = JOB) -> None:
+    """A static volume pre-bound to the job's claim (no provisioner runs here)."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"{namespace}-{job}"},
+        "spec": {
+            "capacity": {"storage": "200Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "hostPath": {"path": f"/tmp/{namespace}-{job}"},
+            "claimRef": {"namespace": namespace, "name": f"{job}-checkpoints"},
+        },
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps(pv))
+
+
+def _children(kube: Kube, namespace: str) -> dict[str, list[str]]:
+    out = kube.kubectl(
+        "get",
+        "deploy,sts,svc,netpol,pvc,cm,secret,sa,rolebinding,pods",
+        "-n",
+        namespace,
+        "-l",
+        f"weightsync.io/job={JOB}",
+        "-o",
+        "json",
+    ).stdout
+    kinds: dict[str, list[str]] = {}
+    for item in json.loads(out)["items"]:
+        kinds.setdefault(item["kind"], []).append(item["metadata"]["name"])
+    return {k: sorted(v) for k, v in kinds.items()}
+
+
+def _version(kube: Kube, kubeconfig: Path, namespace: str, version: int, phase: str) -> None:
+    """Create and finish a WeightVersion as the job's coordinator ServiceAccount."""
+    wv = {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightVersion",
+        "metadata": {"name": f"{JOB}-v{version}", "labels": {"weightsync.io/job": JOB}},
+        "spec": {
+            "job": JOB,
+            "version": version,
+            "step": 4 * version,
+            "bytes": 3_441_000_000,
+            "channelPlan": [{"channel": "nccl", "replicas": 2}],
+        },
+    }
+    env = ["--kubeconfig", str(kubeconfig), "-n", namespace]
+    kube.kubectl(*env, "apply", "--server-side", "--field-manager", "coordinator", "-f", "-", input=json.dumps(wv))
+    status = {
+        "status": {
+            "phase": phase,
+            "durable": True,
+            "replicasLoaded": 2 if phase == "Ready" else 0,
+            "replicasFailed": 0 if phase == "Ready" else 2,
+            "phaseSeconds": {"transfer": 0.0096, "total": 0.25},
+            "message": "" if phase == "Ready" else "2 replicas timed out",
+        }
+    }
+    kube.kubectl(
+        *env,
+        "patch",
+        "wv",
+        wv["metadata"]["name"],
+        "--subresource",
+        "status",
+        "--type",
+        "merge",
+        "-p",
+        json.dumps(status),
+    )
+
+
+def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
+    _pv(kube, namespace)
+    kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
+    job = _phase(kube, namespace, "Running")
+    assert job["status"]["ready"] == "2/2" and job["status"]["trainerReady"] == 2
+
+    # children: GPU requests, scheduled on the fake GPU nodes, policies accepted
+    pods = kube.core.list_namespaced_pod(namespace, label_selector=f"weightsync.io/job={JOB}").items
+    gpu_pods = [p for p in pods if p.metadata.labels["app.kubernetes.io/component"] != "coordinator"]
+    assert len(gpu_pods) == 4
+    for pod in gpu_pods:
+        assert pod.spec.node_name.startswith("gpu-node-"), pod.metadata.name
+        main = pod.spec.containers[0]
+        assert main.resources.limits["nvidia.com/gpu"] == "1"
+    before = _children(kube, namespace)
+    assert before["NetworkPolicy"] == [f"{JOB}-coordinator", f"{JOB}-inference", f"{JOB}-trainer"]
+    assert f"{JOB}-openai" in before["Service"]
+
+    # versions written by the coordinator's ServiceAccount are reflected; old ones pruned (retention 3)
+    coordinator = _kubeconfig_for(kube, namespace, f"{JOB}-coordinator", tmp_path / "coordinator")
+    for version in range(1, 6):
+        _version(kube, coordinator, namespace, version, "Failed" if version == 5 else "Ready")
+    kube.wait_for(
+        lambda: _rljob(kube, namespace)["status"].get("lastFailedVersion") == 5,
+        Timeouts.POD_RUNNING,
+        "version 5 reflected",
+    )
+    status = _rljob(kube, namespace)["status"]
+    assert status["currentVersion"] == 4 and status["replicasLoaded"] == 2 and status["lastSyncSeconds"] == 0.25
+    kube.wait_for(
+        lambda: (
+            len(
+                kube.custom.list_namespaced_custom_object("weightsync.io", "v1alpha1", namespace, "weightversions")[
+                    "items"
+                ]
+            )
+            == 3
+        ),
+        Timeouts.DELETE,
+        "retention",
+    )
+    table = kube.kubectl("get", "rlj", JOB, "-n", namespace).stdout
+    assert table.split()[:5] == ["NAME", "PHASE", "READY", "VERSION", "LAST"] and "Running   2/2     4" in table
+    reasons = kube.kubectl(
+        "get",
+        "events",
+        "-n",
+        namespace,
+        "--field-selector",
+        "involvedObject.kind=RLJob",
+        "-o",
+        "jsonpath={.items[*].reason}",
+    ).stdout.split()
+    assert {"PhaseRunning", "VersionReady", "VersionFailed"} <= set(reasons)
+
+    # suspend removes every pod; resume brings them back
+    kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": true}}')
+    _phase(kube, namespace, "Suspended")
+    kube.wait_for(
+        lambda: not kube.core.list_namespaced_pod(namespace, label_selector=f"weightsync.io/job={JOB}").items,
+        Timeouts.DELETE,
+        "pods gone",
+    )
+    kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": false}}')
+    _phase(kube, namespace, "Running")
+
+    # an operator restarted mid-reconcile converges without duplicates
+    kube.kubectl("delete", "deploy", f"{JOB}-coordinator", "-n", namespace, "--wait=false")
+    operator.stop()
+    operator.start()
+    time.sleep(3)
+    kube.wait_for(
+        lambda: _children(kube, namespace).keys() == before.keys() and len(_children(kube, namespace)["Pod"]) == 5,
+        Timeouts.POD_RUNNING,
+        "children back",
+    )
+    _phase(kube, namespace, "Running")
+    after = _children(kube, namespace)
+    assert {k: v for k, v in after.items() if k != "Pod"} == {k: v for k, v in before.items() if k != "Pod"}
+    assert _rljob(kube, namespace)["status"]["restarts"] == 0
+
+    # deleting the RLJob removes every child (and its WeightVersions, via the finalizer)
+    kube.kubectl("delete", "rlj", JOB, "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s")
+    kube.wait_for(lambda: not _children(kube, namespace), Timeouts.DELETE, "children deleted")
+    assert (
+        kube.custom.list_namespaced_custom_object("weightsync.io", "v1alpha1", namespace, "weightversions")["items"]
+        == []
+    )
+    kube.kubectl("delete", "pv", f"{namespace}-{JOB}", "--wait=false", check=False)
+
+
+def test_unschedulable_job_says_why(kube: Kube, namespace: str, operator: Operator) -> None:
+    body = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+    body["metadata"]["name"] = "too-big"
+    body["spec"]["inference"]["gpusPerReplica"] = 16
+    _pv(kube, namespace, "too-big")
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+    def scheduled_false() -> dict[str, Any] | None:
+        conds = _rljob(kube, namespace, "too-big").get("status", {}).get("conditions", [])
+        return next((c for c in conds if c["type"] == "Scheduled" and c["status"] == "False"), None)
+
+    cond = kube.wait_for(scheduled_false, Timeouts.POD_UNSCHEDULABLE, "Scheduled=False")
+    assert cond["reason"] == "Unschedulable" and "pod too-big-inference-" in cond["message"]
+    assert "Insufficient nvidia.com/gpu" in cond["message"], cond["message"]
+    assert _rljob(kube, namespace, "too-big")["status"]["phase"] == "Pending"
+    kube.kubectl("delete", "pv", f"{namespace}-too-big", "--wait=false", check=False)
