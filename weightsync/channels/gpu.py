@@ -1,0 +1,79 @@
+"""What the GPU channels share: wire tensors on the device, and bounded waits on GPU work.
+
+A trainer may hold fp32 master weights while the engine serves bf16: the cast
+happens on the trainer's GPU, before the bytes travel, so the wire carries the
+table's dtype and half the bytes. A tensor already in the wire dtype, contiguous and
+on the device is sent as it is (no copy).
+
+GPU work completes asynchronously, and a collective whose peer died never
+completes at all. ``wait`` polls the work's completion from the CPU against a
+deadline and, when it passes, runs the channel's abort (which tears the
+communicator down so the stuck kernel returns) before raising
+``TransferTimeoutError``: the trainer gets a clear error within its timeout instead
+of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from weightsync.channels.base import TORCH_DTYPES, dtype_name
+from weightsync.errors import PermanentError, TransferTimeoutError
+from weightsync.tensors import TensorSpec
+
+_SPIN_S = 0.002
+"""Busy-poll this long before sleeping between polls: most waits end within a layer group's time."""
+_SLEEP_S = 0.0002
+
+
+class Completable(Protocol):
+    def is_completed(self) -> bool: ...
+
+
+def cuda_device(device: str | int | torch.device) -> torch.device:
+    """A ``cuda:N`` device with its index (vLLM hands ``cuda`` or ``cuda:N``)."""
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        raise PermanentError(f"GPU channel: device {device!r} is not a CUDA device")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def check_wire(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    """Refuse, naming the tensor, what cannot become ``spec``: another shape, or a non-float dtype change."""
+    want = TORCH_DTYPES[spec.dtype]
+    if tuple(tensor.shape) != spec.shape or (
+        tensor.dtype != want and not (tensor.is_floating_point() and want.is_floating_point)
+    ):
+        raise PermanentError(
+            f"tensor {spec.name!r}: got dtype {dtype_name(tensor.dtype)} shape {list(tensor.shape)}, "
+            f"the table says dtype {spec.dtype} shape {list(spec.shape)}"
+        )
+
+
+def wire_tensor(spec: TensorSpec, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` as the table says it travels: on ``device``, in ``spec.dtype``, contiguous.
+
+    Floating tensors are cast (fp32 master weights to a bf16 wire); a tensor that
+    already matches is returned as it is.
+    """
+    check_wire(spec, tensor)
+    return tensor.detach().to(device=device, dtype=TORCH_DTYPES[spec.dtype], non_blocking=True).contiguous()
+
+
+def wait(work: Completable, timeout_s: float, what: str, abort: Callable[[], None]) -> None:
+    """Return once ``work`` completed; past ``timeout_s`` call ``abort`` and raise naming ``what``."""
+    start = time.monotonic()
+    while not work.is_completed():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            abort()
+            raise TransferTimeoutError(
+                f"{what} did not complete within {timeout_s:.1f}s (a peer died or stalled); "
+                "the group was aborted and must be rebuilt with the current members"
+            )
+        if waited > _SPIN_S:
+            time.sleep(_SLEEP_S)
