@@ -117,11 +117,19 @@ class CoordinatorClient:
         """One unary call, retrying UNAVAILABLE with backoff until the deadline."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         delay = 0.05
+        renewed = False
         while True:
             left = deadline - time.monotonic()
             try:
                 return self._rpc[method](request, timeout=max(left, 0.001), metadata=self._metadata)
             except grpc.RpcError as e:
+                lease_lost = e.code() is grpc.StatusCode.NOT_FOUND and (e.details() or "").startswith("lease ")
+                if lease_lost and not renewed and method != "Register" and hasattr(request, "lease_id"):
+                    # the coordinator restarted or our lease lapsed: register again (same incarnation) and retry once
+                    renewed = True
+                    self._reregister(stale=request.lease_id)
+                    request.lease_id = self.lease.lease_id
+                    continue
                 if e.code() is not grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
                     raise _error(e) from None
                 if time.monotonic() + delay >= deadline:
@@ -178,13 +186,6 @@ class CoordinatorClient:
                 self._call("Renew", pb.RenewRequest(lease_id=self.lease.lease_id))
             except faults.NotFound:
                 log.warning("coordinator forgot our lease (expired or restarted); registering again")
-                try:
-                    with self._lock:
-                        request = self._register_request
-                    if request is not None:
-                        self._register(request)
-                except WeightsyncError as e:
-                    log.warning("re-registration failed: %s", e)
             except WeightsyncError as e:
                 if not self._closed.is_set():
                     log.warning("lease renewal failed: %s", e)
@@ -239,7 +240,8 @@ class CoordinatorClient:
         """Assignments for this replica until ``close()``; reconnects across lease changes and restarts."""
         delay = 0.05
         while not self._closed.is_set():
-            call = self._rpc["WatchVersions"](pb.WatchRequest(lease_id=self.lease.lease_id),
+            lease_id = self.lease.lease_id
+            call = self._rpc["WatchVersions"](pb.WatchRequest(lease_id=lease_id),
                                               timeout=STREAM_WINDOW_S, metadata=self._metadata)
             with self._lock:
                 self._active.append(call)
@@ -251,8 +253,8 @@ class CoordinatorClient:
                 code = e.code()
                 if self._closed.is_set() or code is grpc.StatusCode.CANCELLED:
                     return
-                if code is grpc.StatusCode.NOT_FOUND:  # lease gone: the renewer re-registers
-                    self._reregister()
+                if code is grpc.StatusCode.NOT_FOUND:  # lease gone (expired, coordinator restarted)
+                    self._reregister(stale=lease_id)
                 elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _error(e) from None
                 time.sleep(delay)
@@ -261,9 +263,12 @@ class CoordinatorClient:
                 with self._lock:
                     self._active.remove(call)
 
-    def _reregister(self) -> None:
+    def _reregister(self, stale: str | None = None) -> None:
+        """Register again with the same incarnation, unless another thread already replaced lease ``stale``."""
         with self._lock:
             request = self._register_request
+            if stale is not None and self._lease is not None and self._lease.lease_id != stale:
+                return
         if request is not None:
             try:
                 self._register(request)
