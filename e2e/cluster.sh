@@ -52,7 +52,8 @@ PIDS="$STATE/pids"
 
 log()  { printf '[cluster.sh %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die()  { printf '[cluster.sh] ERROR: %s\n' "$*" >&2; exit 1; }
-trap 'rc=$?; printf "[cluster.sh] FAILED (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' ERR
+on_err() { printf '[cluster.sh] FAILED (exit %s) at line %s: %s\n' "$1" "$2" "$3" >&2; }
+trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
 
 need_cmd() { command -v "$1" >/dev/null 2>&1 || die "required command '$1' not found ($2)"; }
 
@@ -67,7 +68,7 @@ build_k8s() {
   local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
   local staging_ver="v0.${K8S_VERSION#v1.}"
   mkdir -p "$src" "$bin" "$GOMODCACHE" "$GOCACHE"
-  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold build: tens of minutes on 2 cores)"
+  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold: about 4-6 min on 2 cores)"
   local t0=$SECONDS
   # k8s.io/kubernetes replaces its staging modules with ./staging/...; a
   # dependent module must pin them itself (go install ...@v is refused).
@@ -394,13 +395,13 @@ cmd_up() {
   # On failure stop what was started (logs stay in $LOGS for the post-mortem).
   # (Not `if ! (...)`: errexit is ignored in a condition, even in a subshell.)
   local rc
-  set +e
-  (set -e; up_inner)
+  set +e; trap - ERR
+  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; up_inner)
   rc=$?
-  set -e
+  set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
   if (( rc != 0 )); then
     stop_components
-    echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
+    [[ -d "$LOGS" ]] && echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
     exit 1
   fi
 }

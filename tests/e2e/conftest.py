@@ -92,9 +92,7 @@ class ClusterInfo:
         return env
 
 
-def _cluster_sh(
-    *args: str, timeout: float, check: bool = True
-) -> subprocess.CompletedProcess[str]:
+def _cluster_sh(*args: str, timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
     if not CLUSTER_SH.exists():
         raise RuntimeError(f"{CLUSTER_SH} is missing")
     return subprocess.run(
@@ -138,15 +136,11 @@ def _bring_up() -> ClusterInfo:
         try:
             up = _cluster_sh("up", timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise RuntimeError(
-                f"e2e/cluster.sh up did not finish within {timeout:.0f}s\n{_text(exc.stderr)}"
-            ) from exc
+            raise RuntimeError(f"e2e/cluster.sh up did not finish within {timeout:.0f}s\n{_text(exc.stderr)}") from exc
         if up.returncode != 0:
             logs = _cluster_sh("logs", "40", timeout=60, check=False).stdout
             _cluster_sh("down", timeout=120, check=False)
-            raise RuntimeError(
-                f"e2e/cluster.sh up failed (exit {up.returncode}):\n{up.stderr}\n{logs}"
-            )
+            raise RuntimeError(f"e2e/cluster.sh up failed (exit {up.returncode}):\n{up.stderr}\n{logs}")
         sys.stderr.write(up.stderr)
         started = True
     env = _parse_env(_cluster_sh("env", timeout=30).stdout)
@@ -181,9 +175,7 @@ class Kube:
         from kubernetes import client, config
 
         self.cluster = cluster
-        self.api_client = config.new_client_from_config(
-            config_file=str(cluster.kubeconfig)
-        )
+        self.api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         self.core = client.CoreV1Api(self.api_client)
         self.apps = client.AppsV1Api(self.api_client)
         self.batch = client.BatchV1Api(self.api_client)
@@ -211,9 +203,7 @@ class Kube:
     ) -> subprocess.CompletedProcess[str]:
         return self._run([str(self.cluster.helm), *args], check, timeout, input)
 
-    def _run(
-        self, cmd: list[str], check: bool, timeout: float, input: str | None
-    ) -> subprocess.CompletedProcess[str]:
+    def _run(self, cmd: list[str], check: bool, timeout: float, input: str | None) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             cmd,
             check=False,
@@ -224,16 +214,12 @@ class Kube:
             input=input,
         )
         if check and proc.returncode != 0:
-            raise AssertionError(
-                f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-            )
+            raise AssertionError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc
 
     # -- waiting
     @staticmethod
-    def wait_for(
-        fn: Callable[[], T], timeout: float, what: str, interval: float = 0.25
-    ) -> T:
+    def wait_for(fn: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:
         """Poll ``fn`` until it returns something truthy; return that value.
 
         Exceptions from ``fn`` count as "not yet" and are reported on timeout."""
@@ -248,9 +234,7 @@ class Kube:
             except Exception as exc:  # noqa: BLE001 - reported on timeout
                 last = exc
             if time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}"
-                )
+                raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
             time.sleep(interval)
 
     def pod_condition(self, pod: Any, ctype: str) -> Any | None:
@@ -259,9 +243,7 @@ class Kube:
                 return cond
         return None
 
-    def wait_pod_phase(
-        self, namespace: str, name: str, phase: str, timeout: float
-    ) -> Any:
+    def wait_pod_phase(self, namespace: str, name: str, phase: str, timeout: float) -> Any:
         def check() -> Any:
             pod = self.core.read_namespaced_pod(name, namespace)
             return pod if pod.status and pod.status.phase == phase else None
@@ -280,11 +262,7 @@ class Kube:
         def check() -> Any:
             pod = self.core.read_namespaced_pod(name, namespace)
             cond = self.pod_condition(pod, ctype)
-            if (
-                cond
-                and cond.status == status
-                and (reason is None or cond.reason == reason)
-            ):
+            if cond and cond.status == status and (reason is None or cond.reason == reason):
                 return pod
             return None
 
@@ -305,12 +283,8 @@ class Kube:
 
         section("nodes", "get", "nodes", "-o", "wide", "--show-labels")
         if namespace:
-            section(
-                f"pods in {namespace}", "get", "pods", "-n", namespace, "-o", "wide"
-            )
-            section(
-                f"describe pods in {namespace}", "describe", "pods", "-n", namespace
-            )
+            section(f"pods in {namespace}", "get", "pods", "-n", namespace, "-o", "wide")
+            section(f"describe pods in {namespace}", "describe", "pods", "-n", namespace)
             section(
                 f"events in {namespace}",
                 "get",
@@ -337,9 +311,7 @@ class Kube:
             path = logs / f"{name}.log"
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-60:]
-                parts.append(
-                    f"===== {path} (last {len(lines)} lines)\n" + "\n".join(lines)
-                )
+                parts.append(f"===== {path} (last {len(lines)} lines)\n" + "\n".join(lines))
         return "\n".join(parts)
 
 
@@ -364,11 +336,7 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
     from kubernetes import client
 
     name = f"e2e-{_slug(request.node.name)}-{uuid.uuid4().hex[:5]}"
-    kube.core.create_namespace(
-        client.V1Namespace(
-            metadata=client.V1ObjectMeta(name=name, labels={E2E_LABEL: "true"})
-        )
-    )
+    kube.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={E2E_LABEL: "true"})))
     # Pods are refused until the controller-manager made the default SA.
     kube.wait_for(
         lambda: kube.core.read_namespaced_service_account("default", name),
@@ -394,18 +362,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def pytest_collection_modifyitems(
-    config: pytest.Config, items: list[pytest.Item]
-) -> None:
-    selected = (
-        "e2e" in (config.getoption("markexpr", "") or "")
-        or os.environ.get("WEIGHTSYNC_E2E") == "1"
-    )
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = "e2e" in (config.getoption("markexpr", "") or "") or os.environ.get("WEIGHTSYNC_E2E") == "1"
     if selected:
         return
-    skip = pytest.mark.skip(
-        reason="e2e test: run with `-m e2e` (brings up e2e/cluster.sh)"
-    )
+    skip = pytest.mark.skip(reason="e2e test: run with `-m e2e` (brings up e2e/cluster.sh)")
     for item in items:
         if item.get_closest_marker("e2e"):
             item.add_marker(skip)
