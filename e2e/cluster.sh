@@ -236,6 +236,7 @@ start_component() {
   fi
   # Own session, so the component outlives the shell (and pytest) that
   # started it; the pid is written by the process itself before exec.
+  # shellcheck disable=SC2016 # expanded by the inner shell
   setsid bash -c 'echo $$ > "$0"; exec "$@"' "$(pidfile "$name")" "$@" \
     > "$LOGS/$name.log" 2>&1 < /dev/null &
   local i
