@@ -24,7 +24,7 @@ from weightsync.vocabulary import Channel, VersionState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-TTL = 1.0
+TTL = 2.0  # generous: the shared 2-core machine can delay renewals under load
 TABLE = TableSummary(4, 4096, "sha256:fleet")
 CPU_OFFER = SenderOffer(Channel.CPU, "127.0.0.1", 29999)
 TRAINER = Capabilities(host="node-a", channels=(Channel.CPU, Channel.VOLUME), volume_id="vol", engine=EngineKind.CPU)
@@ -158,7 +158,7 @@ def test_a_replica_killed_mid_transfer_does_not_fail_the_version(fleet: Fleet) -
 
 def test_trainer_killed_mid_publish_fails_the_version_and_aborts_unfinished_replicas(fleet: Fleet) -> None:
     fleet.replica("r0", channels=("cpu",))
-    fleet.replica("r1", channels=("cpu",), work_s=4 * TTL)  # still receiving when the trainer dies
+    fleet.replica("r1", channels=("cpu",), work_s=3 * TTL)  # still receiving when the trainer dies
     trainer = fleet.trainer()
     v1 = trainer.open_version(1, TABLE).version
     assert trainer.wait_version(v1, 30) is VersionState.READY

@@ -197,6 +197,7 @@ def test_metrics_after_a_sync() -> None:
     core.ack(r1, ok(v))
 
     def value(name: str, **labels: str) -> float | None:
+        core.refresh_metrics()  # gauges are recomputed on ticks and scrapes, not per ack
         return registry.get_sample_value(name, labels)
 
     assert value("weightsync_negotiations_total", channel="cpu") == 2

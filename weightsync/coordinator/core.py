@@ -120,6 +120,7 @@ class Coordinator:
         self._cond = threading.Condition()
         self._jobs: dict[str, Job] = {}
         self._leases: dict[str, Member] = {}
+        self._dirty = True
         with self._cond:
             for job in self.store.jobs():
                 self._job(job, create=True)
@@ -143,7 +144,7 @@ class Coordinator:
             log.info("job %s: recovered %d versions (newest READY: %s)", name, len(job.versions),
                      ready.version if ready else None)
         self._jobs[name] = job
-        self._refresh(job)
+        self._dirty = True
         return job
 
     def register(
@@ -177,8 +178,7 @@ class Coordinator:
                     job.policy = policy
             job.members[member_id] = member
             self._leases[member.lease_id] = member
-            self._refresh(job)
-            self._cond.notify_all()
+            self._dirty = True
             return Lease(member.lease_id, self.lease_ttl_s)
 
     def _member(self, lease_id: str, role: Role | None = None) -> Member:
@@ -211,6 +211,7 @@ class Coordinator:
                 rec.status[member.member_id] = lifecycle.DROPPED
                 rec.errors[member.member_id] = reason
                 self._settle(job, rec)
+                self._cond.notify_all()
             elif member.role is Role.TRAINER and rec.incarnation == member.incarnation:
                 self._finish(job, rec, VersionState.FAILED, f"trainer lost mid-publish: {reason}")
 
@@ -264,8 +265,7 @@ class Coordinator:
             self.store.save(rec.info(with_replicas=False))
             self._settle(job, rec)
             self._trim(job)
-            self._refresh(job)
-            self._cond.notify_all()
+            self._dirty = True
             return OpenedVersion(rec.version, tuple(plans))
 
     def _record(self, job: Job, version: int) -> VersionRecord:
@@ -281,7 +281,8 @@ class Coordinator:
             rec = self._record(self._job(member.job), version)
             if progress is Progress.READY_TO_RECEIVE and rec.status.get(member.member_id) == lifecycle.PLANNED:
                 rec.status[member.member_id] = lifecycle.READY
-                self._cond.notify_all()
+                if rec.receivers_ready():
+                    self._cond.notify_all()
 
     def ack(self, lease_id: str, report: AckReport) -> VersionState:
         with self._cond:
@@ -304,7 +305,10 @@ class Coordinator:
                 rec.content[rid] = report.content_digest
             planned = rec.plans.get(rid)
             if planned is not None and rec.status.get(rid) in lifecycle.WAITING:
+                was_planned = rec.status[rid] == lifecycle.PLANNED
                 rec.status[rid] = lifecycle.ACKED if ok else lifecycle.FAILED
+                if was_planned and rec.receivers_ready():
+                    self._cond.notify_all()
                 if error:
                     rec.errors[rid] = error
                 if report.channel_failed and planned.channel is not Channel.VOLUME:
@@ -318,8 +322,7 @@ class Coordinator:
             elif self.metrics and ok and SyncPhase.TOTAL in report.phases:  # a catch-up from the volume
                 self.metrics.sync_seconds.labels(SyncPhase.TOTAL.value, Channel.VOLUME.value).observe(
                     report.phases[SyncPhase.TOTAL])
-            self._refresh(job)
-            self._cond.notify_all()
+            self._dirty = True
             return rec.state
 
     def _settle(self, job: Job, rec: VersionRecord) -> None:
@@ -430,25 +433,35 @@ class Coordinator:
     # ---- time ---------------------------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Expire leases that were not renewed and versions that stayed STAGING too long."""
+        """Expire leases that were not renewed and versions that stayed STAGING too long; refresh the gauges."""
         now = time.monotonic()
         with self._cond:
-            for member in [m for m in self._leases.values() if m.expires_at < now]:
-                job = self._jobs[member.job]
-                log.warning("job %s: %s %s stopped renewing its lease; dropping it", member.job, member.role.value,
-                            member.member_id)
-                if self.metrics:
-                    self.metrics.leases_expired_total.labels(member.role.value).inc()
-                self._remove(job, member, reason=f"{member.role.value} {member.member_id} lease expired")
-                self._refresh(job)
-            for job in self._jobs.values():
-                for rec in list(job.versions.values()):
-                    if rec.state is VersionState.STAGING and rec.opened_mono and \
-                            now - rec.opened_mono > job.policy.version_timeout_s:
-                        waiting = ", ".join(rec.waiting()) or "nobody"
-                        self._finish(job, rec, VersionState.FAILED,
-                                     f"timed out after {job.policy.version_timeout_s:g}s waiting for {waiting}")
-                        self._refresh(job)
+            self._tick(now)
+            if self._dirty:
+                self._refresh()
+
+    def refresh_metrics(self) -> None:
+        """Recompute the gauges now (a /metrics scrape calls it; so does every tick when something changed)."""
+        with self._cond:
+            self._refresh()
+
+    def _tick(self, now: float) -> None:
+        for member in [m for m in self._leases.values() if m.expires_at < now]:
+            job = self._jobs[member.job]
+            log.warning("job %s: %s %s stopped renewing its lease; dropping it", member.job, member.role.value,
+                        member.member_id)
+            if self.metrics:
+                self.metrics.leases_expired_total.labels(member.role.value).inc()
+            self._remove(job, member, reason=f"{member.role.value} {member.member_id} lease expired")
+            self._dirty = True
+        for job in self._jobs.values():
+            for rec in list(job.versions.values()):
+                if rec.state is VersionState.STAGING and rec.opened_mono and \
+                        now - rec.opened_mono > job.policy.version_timeout_s:
+                    waiting = ", ".join(rec.waiting()) or "nobody"
+                    self._finish(job, rec, VersionState.FAILED,
+                                 f"timed out after {job.policy.version_timeout_s:g}s waiting for {waiting}")
+                    self._dirty = True
 
     def _trim(self, job: Job) -> None:
         keep = RETAIN_IN_MEMORY
@@ -460,8 +473,13 @@ class Coordinator:
                 rec = job.versions.pop(v)
                 job.keys.pop((rec.incarnation, rec.step), None)
 
-    def _refresh(self, job: Job) -> None:
-        """Recompute the gauges (versions and replicas by state, fleet lag) for the whole coordinator."""
+    def _refresh(self) -> None:
+        """Recompute the gauges (versions and replicas by state, fleet lag) for the whole coordinator.
+
+        O(versions + members), so it runs on ticks and scrapes, not on every ack: at 64 replicas a
+        per-ack refresh was a visible share of the sync's control-plane time.
+        """
+        self._dirty = False
         m = self.metrics
         if m is None:
             return

@@ -60,6 +60,19 @@ class ServerConfig:
             raise PermanentError(f"--max-message-bytes {self.max_message_bytes} is too small; use at least 1024")
 
 
+class _RefreshOnScrape:
+    """A collector registered before the gauges: a scrape walks collectors in registration order,
+    so the coordinator recomputes its gauges just before they are read (they are not updated per ack)."""
+
+    def __init__(self) -> None:
+        self.core: Coordinator | None = None
+
+    def collect(self) -> list[object]:
+        if self.core is not None:
+            self.core.refresh_metrics()
+        return []
+
+
 class CoordinatorServer:
     """A running coordinator. ``stop()`` ends the listener, the reaper and /metrics."""
 
@@ -68,11 +81,14 @@ class CoordinatorServer:
         config.check()
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
+        refresher = _RefreshOnScrape()
+        self.registry.register(refresher)  # type: ignore[arg-type]
         self.metrics = metrics_mod.CoordinatorMetrics.create(self.registry)
         if store is None:
             store = VolumeStore(config.volumes) if config.volumes else MemoryStore()
         self.core = Coordinator(lease_ttl_s=config.lease_ttl_s, default_policy=config.policy, store=store,
                                 metrics=self.metrics)
+        refresher.core = self.core
         interceptors: list[grpc.ServerInterceptor] = [limits.SizeLimitInterceptor(config.max_message_bytes)]
         if config.token:
             interceptors.append(auth.BearerTokenInterceptor(config.token))
