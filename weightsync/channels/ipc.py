@@ -136,8 +136,8 @@ class IpcSender(Sender):
         self.timeout_s = timeout_s
         self._store = _store(host, port, True, timeout_s)
         self.host, self.port = host, self._store.port
-        # name -> the tensor exported for it (kept alive until the next version replaces it)
-        self._held: dict[str, torch.Tensor] = {}
+        # name -> (the trainer's tensor, the tensor shared for it, its location), kept alive until replaced
+        self._located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
         self._cast: dict[str, torch.Tensor] = {}
         # storage (data_ptr, nbytes) -> (storage kept alive, its export id)
         self._exports: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
@@ -175,9 +175,8 @@ class IpcSender(Sender):
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
         found: dict[str, str] = {}
-        held: dict[str, torch.Tensor] = {}
-        # per tensor in table order: [export id, byte offset in the exported storage], or None when empty
-        locations: list[list[int] | None] = []
+        # name -> (the trainer's tensor, what is shared for it, [export id, byte offset] or None, its address then)
+        located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
         source = iter(groups)
         for i, specs in enumerate(ticket.table.groups()):
             tensors = next(source, None)
@@ -185,20 +184,27 @@ class IpcSender(Sender):
                 got = "nothing" if tensors is None else f"{len(tensors)} tensors"
                 raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
             for spec, tensor in zip(specs, tensors, strict=True):
-                wire = held[spec.name] = self._wire(spec, tensor)
-                if wire.numel() == 0:
-                    locations.append(None)
-                    continue
-                locations.append([self._export(wire), wire.storage_offset() * wire.element_size()])
+                last = self._located.get(spec.name)
+                if last is not None and last[0] is tensor and last[1].data_ptr() == last[3]:
+                    # the same tensor, same memory, as last version (the steady state): its export stands
+                    _, wire, loc, _ = located[spec.name] = last
+                    if wire is not tensor:
+                        wire.copy_(tensor, non_blocking=True)
+                else:
+                    wire = self._wire(spec, tensor)
+                    loc = [self._export(wire), wire.storage_offset() * wire.element_size()] if wire.numel() else None
+                    located[spec.name] = (tensor, wire, loc, wire.data_ptr())
                 if ticket.verify:
                     found[spec.name] = digests.digest(wire)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
         torch.cuda.current_stream(self.device).synchronize()  # the replica reads only finished bytes
-        self._held = held
-        live = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in held.values()}
-        for key in [k for k in self._exports if k not in live]:
-            self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
+        if located.keys() != self._located.keys() or any(located[n] is not self._located[n] for n in located):
+            live = {(w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()) for _, w, _, _ in located.values()}
+            for key in [k for k in self._exports if k not in live]:
+                self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
+        self._located = located
+        locations = [located[s.name][2] for s in ticket.table]
         meta = {"version": ticket.version, "locations": locations, "digests": found}
         self._store.set(f"v{ticket.version}/meta", json.dumps(meta, separators=(",", ":")))
         return found
@@ -211,7 +217,19 @@ class IpcSender(Sender):
             )
 
     def close(self) -> None:
-        self._held, self._exports, self._cast = {}, {}, {}
+        self._located, self._exports, self._cast = {}, {}, {}
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What a receiver reuses across versions while the layout stays the same."""
+
+    tensors: tuple[TensorSpec, ...]
+    locations: list[Any]
+    dests: Mapping[str, torch.Tensor]
+    groups: list[Group]  # every tensor: its destination when copied there, else its view of the trainer's memory
+    staged: list[Group]  # the tensors handed to the loader
+    graph: torch.cuda.CUDAGraph | None
 
 
 class IpcReceiver(Receiver):
@@ -224,7 +242,7 @@ class IpcReceiver(Receiver):
         self.rank, self.device = rank, gpu.cuda_device(device)
         self._store = _store(host, int(port), False, timeout_s)
         self._mapped: dict[int, torch.Tensor] = {}
-        self._graph: tuple[tuple[int, ...], torch.cuda.CUDAGraph] | None = None
+        self._prepared: _Prepared | None = None
 
     @classmethod
     def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> IpcReceiver:
@@ -238,7 +256,8 @@ class IpcReceiver(Receiver):
         locations = meta["locations"]
         if len(locations) != len(ticket.table):
             raise PermanentError(
-                f"ipc channel: v{ticket.version} metadata locates {len(locations)} tensors, the table has {len(ticket.table)}"
+                f"ipc channel: v{ticket.version} metadata locates {len(locations)} tensors, "
+                f"the table has {len(ticket.table)}"
             )
         used = {loc[0] for loc in locations if loc is not None}
         for buf in used - self._mapped.keys():
@@ -255,48 +274,59 @@ class IpcReceiver(Receiver):
             views[spec.name] = self._mapped[buf][offset : offset + spec.nbytes].view(dtype).view(spec.shape)
         return views
 
-    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """All direct copies in one launch: a CUDA graph recorded once per layout, replayed after."""
-        if not pairs:
-            return
-        layout = tuple(p for d, s in pairs for p in (d.data_ptr(), s.data_ptr(), d.numel()))
-        if self._graph is None or self._graph[0] != layout:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for dst, src in pairs:
-                    dst.copy_(src)
-            self._graph = (layout, graph)
-        self._graph[1].replay()
+    def _prepare(self, ticket: UpdateTicket, meta: Mapping[str, Any], dests: Mapping[str, torch.Tensor]) -> _Prepared:
+        """The version's groups and its direct copies, recorded into one CUDA graph.
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        self.verified = {}
-        meta = json.loads(
-            _wait_key(self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} handles")
-        )
+        Reused as long as the table, the trainer's buffers and the destinations are the
+        same as last time (the steady state): a version then costs one graph launch,
+        not hundreds of Python-level views and copies.
+        """
+        p = self._prepared
+        if p and p.tensors == ticket.table.tensors and p.locations == meta["locations"] and p.dests is dests:
+            return p
         views = self._views(ticket, meta)
-        dests = destinations or {}
         direct = {
             s.name
             for s in ticket.table
             if (d := dests.get(s.name)) is not None
+            and s.nbytes
             and d.dtype == views[s.name].dtype
             and d.shape == views[s.name].shape
             and d.device == self.device
-            and s.nbytes
         }
-        self._copy([(dests[s.name], views[s.name]) for s in ticket.table if s.name in direct])
-        for specs in ticket.table.groups():
-            group: Group = [(s, dests[s.name] if s.name in direct else views[s.name]) for s in specs]
+        graph = None
+        if direct:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for s in ticket.table:
+                    if s.name in direct:
+                        dests[s.name].copy_(views[s.name])
+        groups = [[(s, dests[s.name] if s.name in direct else views[s.name]) for s in g] for g in ticket.table.groups()]
+        staged = [[(s, t) for s, t in g if s.name not in direct] for g in groups]
+        self._prepared = _Prepared(ticket.table.tensors, meta["locations"], dests, groups, staged, graph)
+        return self._prepared
+
+    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
+        """Copy the version into ``destinations`` (one graph launch); yield the rest as views of the trainer's memory.
+
+        Pass the same ``destinations`` mapping every version to keep the recorded copies.
+        """
+        self.verified = {}
+        key = f"v{ticket.version}/meta"
+        meta = json.loads(_wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles"))
+        prepared = self._prepare(ticket, meta, destinations if destinations is not None else {})
+        if prepared.graph is not None:
+            prepared.graph.replay()
+        for group, staged in zip(prepared.groups, prepared.staged, strict=True):
             if ticket.verify:
                 self.verified.update(verify_group(group, meta["digests"]))
-            staged = [(s, t) for s, t in group if s.name not in direct]
             if staged:
                 yield staged
         torch.cuda.current_stream(self.device).synchronize()
         self._store.set(f"v{ticket.version}/done/{self.rank}", "1")
 
     def close(self) -> None:
-        self._mapped, self._graph = {}, None
+        self._mapped, self._prepared = {}, None
 
 
 SENDER = IpcSender
