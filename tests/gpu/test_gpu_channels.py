@@ -60,7 +60,8 @@ def _sources(device: torch.device, fp32: bool) -> list[torch.Tensor]:
         if s.dtype == "uint8":
             out.append(torch.randint(0, 256, s.shape, generator=g, device=device, dtype=torch.uint8))
         else:
-            out.append(torch.randn(s.shape, generator=g, device=device, dtype=torch.float32 if fp32 else torch.bfloat16))
+            dtype = torch.float32 if fp32 else torch.bfloat16
+            out.append(torch.randn(s.shape, generator=g, device=device, dtype=dtype))
     return out
 
 
@@ -70,7 +71,8 @@ def _groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _expected_digests(device: torch.device, fp32: bool) -> dict[str, str]:
-    return {s.name: digests.digest(t.to(TORCH_DTYPES[s.dtype])) for s, t in zip(TABLE, _sources(device, fp32), strict=True)}
+    sources = _sources(device, fp32)
+    return {s.name: digests.digest(t.to(TORCH_DTYPES[s.dtype])) for s, t in zip(TABLE, sources, strict=True)}
 
 
 def _receive_all(receiver: Any, ticket: UpdateTicket, device: torch.device) -> dict[str, str]:
@@ -151,7 +153,8 @@ def _ipc_pair(rank: int, port: int, fp32: bool) -> dict[str, Any]:
         results["exports"] = sender._next_id
         sender.close()
         return results
-    receiver = ipc.IpcReceiver.from_init({"address": f"127.0.0.1:{port}", "timeout_s": TIMEOUT_S}, WorkerContext(0, 1, "cuda:0"))
+    init = {"address": f"127.0.0.1:{port}", "timeout_s": TIMEOUT_S}
+    receiver = ipc.IpcReceiver.from_init(init, WorkerContext(0, 1, "cuda:0"))
     for version in (1, 2):
         ticket = UpdateTicket(version=version, channel=Channel.IPC, table=TABLE, verify=True, timeout_s=TIMEOUT_S)
         results[f"got{version}"] = _receive_all(receiver, ticket, device)

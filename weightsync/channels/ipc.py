@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 
 from weightsync.channels import digests, gpu
 from weightsync.channels.base import (
@@ -47,6 +47,10 @@ from weightsync.channels.base import (
 from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec
 from weightsync.vocabulary import Channel
+
+# The store and backend classes used here are public in practice but missing from torch's
+# type stubs (as in cpu.py); typing them as Any keeps the rest of the module strictly checked.
+dist: Any = torch.distributed
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Export:
 
     @classmethod
     def of(cls, storage: torch.UntypedStorage) -> Export:
-        dev, handle, size, offset, ref_handle, ref_offset, event, sync = storage._share_cuda_()  # type: ignore[attr-defined]
+        dev, handle, size, offset, ref_handle, ref_offset, event, sync = storage._share_cuda_()  # type: ignore[no-untyped-call]
         return cls(
             int(dev),
             bytes(handle).hex(),
@@ -97,7 +101,7 @@ class Export:
 
     def open(self) -> torch.Tensor:
         """Map the storage in this process, as a flat uint8 tensor."""
-        storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+        storage = torch.UntypedStorage._new_shared_cuda(
             self.device,
             bytes.fromhex(self.handle),
             self.size_bytes,
@@ -110,18 +114,18 @@ class Export:
         return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
 
 
-def _store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+def _store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
     return dist.TCPStore(
         host, port, None, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
-def _wait_key(store: dist.TCPStore, key: str, timeout_s: float, what: str) -> bytes:
+def _wait_key(store: Any, key: str, timeout_s: float, what: str) -> bytes:
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
         raise TransferTimeoutError(f"ipc channel: {what} did not arrive within {timeout_s:.1f}s: {e}") from e
-    return store.get(key)
+    return bytes(store.get(key))
 
 
 class IpcSender(Sender):
@@ -192,7 +196,8 @@ class IpcSender(Sender):
                         wire.copy_(tensor, non_blocking=True)
                 else:
                     wire = self._wire(spec, tensor)
-                    loc = [self._export(wire), wire.storage_offset() * wire.element_size()] if wire.numel() else None
+                    offset = int(wire.storage_offset()) * wire.element_size()
+                    loc = [self._export(wire), offset] if wire.numel() else None
                     located[spec.name] = (tensor, wire, loc, wire.data_ptr())
                 if ticket.verify:
                     found[spec.name] = digests.digest(wire)

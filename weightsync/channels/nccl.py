@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
+import torch.distributed
 
 from weightsync.channels import cpu, digests, gpu
 from weightsync.channels.base import (
@@ -48,6 +48,10 @@ from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, align
 from weightsync.vocabulary import Channel
 
+# The store and backend classes used here are public in practice but missing from torch's
+# type stubs (as in cpu.py); typing them as Any keeps the rest of the module strictly checked.
+dist: Any = torch.distributed
+
 IN_FLIGHT_GROUPS = 2
 _WATCHDOG_FACTOR = 4
 """torch's NCCL watchdog is the backstop only (it may end the process): it fires well after our own abort."""
@@ -62,7 +66,7 @@ class NcclGroup:
             host, port, None, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
         self.port = self._store.port
-        self._pg: dist.ProcessGroupNCCL | None = None
+        self._pg: Any = None
         self._opts = dist.BroadcastOptions()
         self._opts.rootRank = 0
 
@@ -88,7 +92,7 @@ class NcclGroup:
         pg.eager_connect_single_device(self.device)
         self._pg = pg
 
-    def broadcast(self, tensors: Sequence[torch.Tensor]) -> dist.Work:
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> Any:
         """One NCCL launch broadcasting every tensor of ``tensors`` from rank 0."""
         if self._pg is None:
             raise PermanentError("nccl channel: the group is not connected (connect/rebuild first, or after a failure)")
@@ -97,7 +101,7 @@ class NcclGroup:
             self._pg.broadcast([t], self._opts)
         return self._pg._end_coalescing()
 
-    def wait(self, work: dist.Work, timeout_s: float, what: str) -> None:
+    def wait(self, work: Any, timeout_s: float, what: str) -> None:
         gpu.wait(work, timeout_s, f"nccl channel: {what}", self.abort)
         work.wait()  # completed: raises if NCCL reported an error for it
 
@@ -168,7 +172,7 @@ class NcclSender(Sender):
         found: dict[str, str] = {}
         source = iter(groups)
         # (work, tensors kept alive until the GPU is done with them, what)
-        in_flight: deque[tuple[dist.Work, list[torch.Tensor], str]] = deque()
+        in_flight: deque[tuple[Any, list[torch.Tensor], str]] = deque()
         for i, specs in enumerate(ticket.table.groups()):
             tensors = next(source, None)
             if tensors is None or len(tensors) != len(specs):
@@ -253,7 +257,7 @@ class NcclReceiver(Receiver):
         groups = ticket.table.groups()
         dests = destinations or {}
 
-        def post(i: int) -> tuple[list[torch.Tensor], list[bool], dist.Work, torch.Tensor | None, dist.Work | None]:
+        def post(i: int) -> tuple[list[torch.Tensor], list[bool], Any, torch.Tensor | None, Any | None]:
             targets, direct = self._targets(groups[i], i % IN_FLIGHT_GROUPS, dests)
             work = self._group.broadcast([t for t in targets if t.numel()])
             if not ticket.verify:

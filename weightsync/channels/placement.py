@@ -111,12 +111,15 @@ def plan_to_json(plan: Plan) -> dict[str, list[Any]]:
 
 
 def plan_from_json(data: Mapping[str, Sequence[Any]]) -> Plan:
-    try:
-        return {str(name): (str(v[0]), int(v[1]), int(v[2])) for name, v in data.items()}
-    except (IndexError, TypeError, ValueError) as e:
-        raise ModelMismatchError(
-            f"malformed direct plan entry: {e}; expected name -> [param, row_start, rows]"
-        ) from None
+    plan: Plan = {}
+    for name, v in data.items():
+        try:
+            plan[str(name)] = (str(v[0]), int(v[1]), int(v[2]))
+        except (IndexError, TypeError, ValueError) as e:
+            raise ModelMismatchError(
+                f"direct plan entry {name!r}: got {v!r} ({e}); expected [param name, first row, row count]"
+            ) from None
+    return plan
 
 
 def resolve(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -133,7 +136,7 @@ def resolve(plan: Plan, params: Mapping[str, torch.Tensor]) -> dict[str, torch.T
         data = param.detach()
         if data.dim() == 0 or (start, rows) == (0, data.shape[0]):
             view = data
-        elif 0 <= start and start + rows <= data.shape[0]:
+        elif start >= 0 and start + rows <= data.shape[0]:
             view = data.narrow(0, start, rows)
         else:
             raise ModelMismatchError(
