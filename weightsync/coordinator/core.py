@@ -208,7 +208,7 @@ class Coordinator:
             if rec.state is not VersionState.STAGING:
                 continue
             if member.role is Role.REPLICA and rec.status.get(member.member_id) in lifecycle.WAITING:
-                rec.status[member.member_id] = lifecycle.DROPPED
+                rec.set(member.member_id, lifecycle.DROPPED)
                 rec.errors[member.member_id] = reason
                 self._settle(job, rec)
                 self._cond.notify_all()
@@ -280,7 +280,7 @@ class Coordinator:
             member = self._member(lease_id, Role.REPLICA)
             rec = self._record(self._job(member.job), version)
             if progress is Progress.READY_TO_RECEIVE and rec.status.get(member.member_id) == lifecycle.PLANNED:
-                rec.status[member.member_id] = lifecycle.READY
+                rec.set(member.member_id, lifecycle.READY)
                 if rec.receivers_ready():
                     self._cond.notify_all()
 
@@ -306,7 +306,7 @@ class Coordinator:
             planned = rec.plans.get(rid)
             if planned is not None and rec.status.get(rid) in lifecycle.WAITING:
                 was_planned = rec.status[rid] == lifecycle.PLANNED
-                rec.status[rid] = lifecycle.ACKED if ok else lifecycle.FAILED
+                rec.set(rid, lifecycle.ACKED if ok else lifecycle.FAILED)
                 if was_planned and rec.receivers_ready():
                     self._cond.notify_all()
                 if error:

@@ -45,10 +45,20 @@ class VersionRecord:
     status: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     content: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for rid in self.plans:
             self.status.setdefault(rid, PLANNED)
+        for s in self.status.values():
+            self.counts[s] = self.counts.get(s, 0) + 1
+
+    def set(self, replica_id: str, status: str) -> None:
+        """Change one replica's status, keeping the per-status counts (acks are O(1), not O(fleet))."""
+        old = self.status[replica_id]
+        self.counts[old] -= 1
+        self.counts[status] = self.counts.get(status, 0) + 1
+        self.status[replica_id] = status
 
     @classmethod
     def from_info(cls, info: VersionInfo) -> VersionRecord:
@@ -59,7 +69,7 @@ class VersionRecord:
                    settled_at=info.settled_at)
 
     def count(self, status: str) -> int:
-        return sum(1 for s in self.status.values() if s == status)
+        return self.counts.get(status, 0)
 
     def waiting(self) -> list[str]:
         return sorted(r for r, s in self.status.items() if s in WAITING)
@@ -75,7 +85,7 @@ class VersionRecord:
         if not self.plans:
             return VersionState.READY, "no live replica was planned"
         acked, failed, dropped = self.count(ACKED), self.count(FAILED), self.count(DROPPED)
-        waiting = len(self.waiting())
+        waiting = self.count(PLANNED) + self.count(READY)
         if self.quorum:
             if acked >= self.quorum:
                 return VersionState.READY, f"quorum met: {acked} of {self.quorum} acks"
