@@ -108,7 +108,7 @@ def cpu_seconds(pid: int) -> float:
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: bool) -> dict[str, Any]:
@@ -138,7 +138,8 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
                 samples.append(elapsed * 1000)
         cpu_ms = (cpu_seconds(coordinator.pid) - cpu0) * 1000 / syncs
         trainer.close()
-        return {"replicas": n, "with_ready": with_ready, "coordinator_cpu_ms_per_sync": round(cpu_ms, 2), "syncs": syncs, "p50_ms": round(statistics.median(samples), 2),
+        return {"replicas": n, "with_ready": with_ready, "coordinator_cpu_ms_per_sync": round(cpu_ms, 2),
+                "syncs": syncs, "p50_ms": round(statistics.median(samples), 2),
                 "p99_ms": round(pct(samples, 0.99), 2), "mean_ms": round(statistics.fmean(samples), 2),
                 "max_ms": round(max(samples), 2), "coordinator_rss_mib": round(rss_mib(coordinator.pid), 1)}
     finally:
@@ -210,7 +211,8 @@ def main() -> int:
         rows = [sync_latency(n, args.syncs, args.warmup, args.per_process, args.with_ready) for n in args.replicas]
         result = {"machine": machine, "sync": rows}
         if not args.json:
-            print(f"control-plane overhead per sync on loopback ({machine['cpus']} CPUs), open -> ready -> acks -> READY")
+            steps = "open -> ready -> acks -> READY" if args.with_ready else "open -> acks -> READY"
+            print(f"control-plane overhead per sync on loopback ({machine['cpus']} CPUs), {steps}")
             print(f"{'replicas':>8} {'syncs':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max ms':>8} "
                   f"{'coord CPU ms/sync':>18} {'RSS MiB':>8}")
             for r in rows:
