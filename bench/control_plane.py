@@ -113,7 +113,8 @@ def pct(values: list[float], q: float) -> float:
 
 def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: bool) -> dict[str, Any]:
     coordinator, target = start_coordinator(lease_ttl=10.0)
-    procs, stop = [], None
+    procs: list[Any] = []
+    stop: Any = None
     try:
         procs, stop = start_replicas(target, n, per_process, with_ready)
         trainer = CoordinatorClient(target, insecure=True, timeout_s=30)
@@ -154,7 +155,8 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
 
 def soak(n: int, seconds: float, per_process: int, sample_every: float) -> dict[str, Any]:
     coordinator, target = start_coordinator(lease_ttl=3.0)  # clients renew every ttl/3 = 1 s
-    procs, stop = [], None
+    procs: list[Any] = []
+    stop: Any = None
     try:
         procs, stop = start_replicas(target, n, per_process)
         observer = CoordinatorClient(target, insecure=True, timeout_s=30)
