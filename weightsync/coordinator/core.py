@@ -22,10 +22,10 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from weightsync import metrics as metrics_mod
-from weightsync.coordinator import faults, lifecycle, negotiation
+from weightsync.coordinator import faults, gauges, lifecycle, negotiation
+from weightsync.coordinator.jobs import Job, Member
 from weightsync.coordinator.lifecycle import VersionRecord
 from weightsync.coordinator.models import (
     SETTLED_STATES,
@@ -53,45 +53,6 @@ from weightsync.vocabulary import Channel, SyncPhase, VersionState
 log = logging.getLogger(__name__)
 JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
 RETAIN_IN_MEMORY = 256
-
-
-@dataclass
-class Member:
-    job: str
-    member_id: str
-    role: Role
-    incarnation: str
-    capabilities: Capabilities
-    lease_id: str
-    expires_at: float
-    current_version: int = 0
-    offers: dict[Channel, SenderOffer] = field(default_factory=dict)
-    failed_channels: set[Channel] = field(default_factory=set)
-    last_failed: bool = False
-    events: queue.SimpleQueue[Assignment | None] = field(default_factory=queue.SimpleQueue)
-
-
-@dataclass
-class Job:
-    name: str
-    policy: JobPolicy
-    versions: dict[int, VersionRecord] = field(default_factory=dict)
-    next_version: int = 1
-    keys: dict[tuple[str, int], int] = field(default_factory=dict)
-    last_step: dict[str, int] = field(default_factory=dict)
-    groups: negotiation.GroupState = field(default_factory=negotiation.GroupState)
-    members: dict[str, Member] = field(default_factory=dict)
-
-    def trainer(self) -> Member | None:
-        return next((m for m in self.members.values() if m.role is Role.TRAINER), None)
-
-    def newest(self, durable: bool = False) -> VersionRecord | None:
-        for v in sorted(self.versions, reverse=True):
-            rec = self.versions[v]
-            settled_ok = rec.state in (VersionState.READY, VersionState.SUPERSEDED)
-            if settled_ok and (rec.durable if durable else rec.state is VersionState.READY):
-                return rec
-        return None
 
 
 def _require(value: str, name: str, fix: str) -> str:
@@ -474,40 +435,6 @@ class Coordinator:
                 job.keys.pop((rec.incarnation, rec.step), None)
 
     def _refresh(self) -> None:
-        """Recompute the gauges (versions and replicas by state, fleet lag) for the whole coordinator.
-
-        O(versions + members), so it runs on ticks and scrapes, not on every ack: at 64 replicas a
-        per-ack refresh was a visible share of the sync's control-plane time.
-        """
         self._dirty = False
-        m = self.metrics
-        if m is None:
-            return
-        counts = dict.fromkeys(VersionState, 0)
-        states = dict.fromkeys(metrics_mod.REPLICA_STATES, 0)
-        lag_max, lagging = 0, 0
-        for j in self._jobs.values():
-            for rec in j.versions.values():
-                counts[rec.state] += 1
-            ready = j.newest()
-            syncing = {r for rec in j.versions.values() if rec.state is VersionState.STAGING for r in rec.waiting()}
-            for member in j.members.values():
-                if member.role is not Role.REPLICA:
-                    continue
-                lag = (ready.version - member.current_version) if ready and member.current_version < ready.version \
-                    else 0
-                lag_max, lagging = max(lag_max, lag), lagging + (lag > 0)
-                if member.last_failed:
-                    states["failed"] += 1
-                elif member.member_id in syncing:
-                    states["syncing"] += 1
-                elif ready is None and member.current_version == 0:
-                    states["registered"] += 1
-                else:
-                    states["lagging" if lag else "current"] += 1
-        for state, n in counts.items():
-            m.versions.labels(state.value).set(n)
-        for name, n in states.items():
-            m.replicas.labels(name).set(n)
-        m.fleet_version_lag_max.set(lag_max)
-        m.fleet_replicas_lagging.set(lagging)
+        if self.metrics is not None:
+            gauges.refresh(self.metrics, self._jobs.values())
