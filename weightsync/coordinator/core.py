@@ -348,10 +348,15 @@ class Coordinator:
             return rec.info()
 
     def subscribe(self, lease_id: str) -> queue.SimpleQueue[Assignment | None]:
-        """The member's event queue, primed with a catch-up and any staging assignment it missed."""
+        """A fresh event queue for the member's new stream (ending any previous one), primed with a catch-up
+        and any staging assignment it missed. Events put on the old queue between two streams are re-derived
+        here (assignments still staging, the catch-up); an ABORT sent in that gap is not."""
         with self._cond:
             member = self._member(lease_id, Role.REPLICA)
             job = self._job(member.job)
+            # one queue per stream: a stale stream still draining must not steal the new stream's events
+            old, member.events = member.events, queue.SimpleQueue()
+            old.put(None)
             newest = job.newest(durable=True)
             if newest is not None and newest.version > member.current_version and member.capabilities.volume_mount:
                 plan = ChannelPlan(member.member_id, Channel.VOLUME,

@@ -101,8 +101,7 @@ class Servicer:
     @_guard
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         events = self.core.subscribe(_nonempty(request.lease_id, "lease_id", "register the replica first"))
-        wake: queue.SimpleQueue[Any] = events
-        context.add_callback(lambda: wake.put(None))
+        context.add_callback(lambda: events.put(None))  # this stream's own queue: ends the loop on cancel
         while context.is_active():
             try:
                 item = events.get(timeout=STREAM_POLL_S)
