@@ -91,12 +91,20 @@ def start_replicas(target: str, n: int, per_process: int, with_ready: bool = Fal
     return procs, stop
 
 
-def rss_mib(pid: int) -> float:
+def _status_field(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def rss_mib(pid: int) -> float:
+    return _status_field(pid, "VmRSS") / 1024
+
+
+def threads(pid: int) -> int:
+    return _status_field(pid, "Threads")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -161,20 +169,21 @@ def soak(n: int, seconds: float, per_process: int, sample_every: float) -> dict[
         procs, stop = start_replicas(target, n, per_process)
         observer = CoordinatorClient(target, insecure=True, timeout_s=30)
         start = time.monotonic()
-        series: list[tuple[float, float]] = []
+        series: list[tuple[float, float, int]] = []
         while (elapsed := time.monotonic() - start) < seconds:
-            series.append((round(elapsed, 1), rss_mib(coordinator.pid)))
+            series.append((round(elapsed, 1), rss_mib(coordinator.pid), threads(coordinator.pid)))
             live = len(observer.get_job(JOB).members)
             if live != n:
                 raise RuntimeError(f"{n - live} replicas lost their lease at {elapsed:.0f}s")
             time.sleep(sample_every)
-        series.append((round(time.monotonic() - start, 1), rss_mib(coordinator.pid)))
+        series.append((round(time.monotonic() - start, 1), rss_mib(coordinator.pid), threads(coordinator.pid)))
         observer.close()
-        after_minute = [r for t, r in series if t >= min(60.0, seconds / 2)]
+        after_minute = [r for t, r, _ in series if t >= min(60.0, seconds / 2)]
         base, end = after_minute[0], after_minute[-1]
         return {"replicas": n, "seconds": seconds, "rss_mib_at_start": series[0][1], "rss_mib_after_first_minute": base,
                 "rss_mib_at_end": end, "growth_after_first_minute_pct": round(100 * (end - base) / base, 2),
-                "rss_mib_max": max(r for _, r in series), "samples": series}
+                "rss_mib_max": max(r for _, r, _ in series), "threads_max": max(n for _, _, n in series),
+                "samples": series}
     finally:
         if stop is not None:
             stop.set()

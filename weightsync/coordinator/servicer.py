@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import random
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -28,6 +30,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_WAIT_S = 3600.0
 STREAM_POLL_S = 5.0
+STREAM_WINDOW_S = 240.0
+"""The server ends each watch stream cleanly after about this long (with jitter); the client re-opens it.
+
+Ending it here, before the client's own deadline (300 s), frees the handler's
+worker thread before the new stream arrives, so re-opens reuse threads instead
+of growing the pool, and the re-opens of a large fleet are spread out."""
 
 
 def _status(error: BaseException) -> grpc.StatusCode:
@@ -102,9 +110,13 @@ class Servicer:
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         events = self.core.subscribe(_nonempty(request.lease_id, "lease_id", "register the replica first"))
         context.add_callback(lambda: events.put(None))  # this stream's own queue: ends the loop on cancel
+        ends = time.monotonic() + STREAM_WINDOW_S * random.uniform(0.8, 1.0)
         while context.is_active():
+            left = ends - time.monotonic()
+            if left <= 0:
+                return
             try:
-                item = events.get(timeout=STREAM_POLL_S)
+                item = events.get(timeout=min(STREAM_POLL_S, left))
             except queue.Empty:
                 continue
             if item is None:
