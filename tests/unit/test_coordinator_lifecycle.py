@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -31,10 +33,12 @@ CPU = Capabilities(host="n", channels=(Channel.CPU, Channel.VOLUME), volume_id="
 OFFER = SenderOffer(Channel.CPU, "127.0.0.1", 29500)
 
 
-def fleet(n: int, policy: JobPolicy | None = None, ttl: float = 30.0,
-          registry: CollectorRegistry | None = None) -> tuple[Coordinator, str, list[str]]:
-    core = Coordinator(lease_ttl_s=ttl, store=MemoryStore(),
-                       metrics=metrics.CoordinatorMetrics.create(registry) if registry else None)
+def fleet(
+    n: int, policy: JobPolicy | None = None, ttl: float = 30.0, registry: CollectorRegistry | None = None
+) -> tuple[Coordinator, str, list[str]]:
+    core = Coordinator(
+        lease_ttl_s=ttl, store=MemoryStore(), metrics=metrics.CoordinatorMetrics.create(registry) if registry else None
+    )
     trainer = core.register("job", Role.TRAINER, "trainer", "t1", CPU, policy=policy, offers=[OFFER]).lease_id
     replicas = [core.register("job", Role.REPLICA, f"r{i}", f"i{i}", CPU).lease_id for i in range(n)]
     return core, trainer, replicas
@@ -219,3 +223,14 @@ def test_a_new_stream_ends_the_old_one_and_gets_the_missed_assignment() -> None:
     assert drained[-1] is None  # the old stream is told to end
     again = second.get(timeout=1)
     assert again is not None and again.kind is EventKind.ASSIGN and again.version == v
+
+
+def test_mark_durable_checks_a_manifest_it_can_read(tmp_path: Path) -> None:
+    core, t, _ = fleet(1)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    with pytest.raises(faults.InvalidArgument, match=r"does not match .*manifest\.json"):
+        core.mark_durable("job", v, str(manifest), "b" * 64)
+    info = core.mark_durable("job", v, str(manifest), hashlib.sha256(b"{}").hexdigest())
+    assert info.durable and info.manifest_path == str(manifest)

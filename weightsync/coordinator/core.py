@@ -15,6 +15,7 @@ that stops renewing fails the versions its incarnation left STAGING.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import re
@@ -22,6 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from weightsync import metrics as metrics_mod
 from weightsync.coordinator import faults, gauges, lifecycle, negotiation
@@ -339,6 +341,13 @@ class Coordinator:
             raise faults.InvalidArgument(
                 f"manifest_sha256 {manifest_sha256[:80]!r} is not 64 lowercase hex digits; "
                 "send hashlib.sha256(manifest_bytes).hexdigest()")
+        local = Path(manifest_path)
+        if local.is_file():  # the coordinator mounts the volume at the same path: check the claim
+            actual = hashlib.sha256(local.read_bytes()).hexdigest()
+            if actual != manifest_sha256:
+                raise faults.InvalidArgument(
+                    f"manifest_sha256 {manifest_sha256} does not match {manifest_path} (sha256 {actual}); "
+                    "hash the manifest after its final write")
         with self._cond:
             job = self._job(job_name)
             rec = self._record(job, version)
