@@ -29,9 +29,13 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from weightsync import channels
 from weightsync.channels.base import Receiver, UpdateTicket, WorkerContext
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
 from weightsync.vocabulary import Channel
 from weightsync_inference.lifecycle import UNTOUCHED
+
+
+class UpdateRefused(WeightsyncError):
+    """An update failed before any byte reached a parameter; the serving weights are intact."""
 
 
 @dataclass
@@ -52,6 +56,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.receivers: dict[Channel, Receiver] = {}
         self.receiver: Receiver | None = None
         self.receipt_dir: Path | None = None
         self.torn = False
@@ -71,12 +76,35 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         return WorkerContext(rank=int(getattr(pc, "rank", 0)), world_size=int(pc.world_size), device=str(self.device))
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
+        """Build (or rebuild) the receiver of ``init_info["channel"]`` (default: this engine's channel).
+
+        One engine holds a receiver per channel, so the coordinator can move a replica
+        between channels (a live stream, and the volume for catch-up and recovery)
+        without restarting vLLM. Rebuilding a channel's receiver replaces its group.
+        """
         init = dict(init_info.fields)
+        channel = Channel.parse(str(init.pop("channel", self.channel.value)))
         receipt_dir = init.pop("receipt_dir", None)
-        self.receipt_dir = Path(receipt_dir) if receipt_dir else None
-        if self.receiver is not None:
-            self.receiver.close()
-        self.receiver = channels.receiver_class(self.channel).from_init(init, self._context())
+        if receipt_dir:
+            self.receipt_dir = Path(receipt_dir)
+        old = self.receivers.pop(channel, None)
+        if old is not None:
+            old.close()
+        self.receivers[channel] = channels.receiver_class(channel).from_init(init, self._context())
+
+    def _receiver_for(self, ticket: UpdateTicket) -> Receiver:
+        receiver = self.receivers.get(ticket.channel)
+        if receiver is None and ticket.channel is Channel.VOLUME:
+            # the volume needs no rendezvous: its root travels in the ticket
+            receiver = channels.receiver_class(Channel.VOLUME).from_init({}, self._context())
+            self.receivers[Channel.VOLUME] = receiver
+        if receiver is None:
+            have = ", ".join(c.value for c in self.receivers) or "none"
+            raise PermanentError(
+                f"no {ticket.channel.value!r} receiver: call init_weight_transfer_engine with channel "
+                f"{ticket.channel.value!r} first (initialised: {have})"
+            )
+        return receiver
 
     def start_weight_update(self) -> None:
         # The layerwise reload moves layers to the meta device; it starts only when the
@@ -94,35 +122,33 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         self.model.load_weights(weights)
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
-        ticket = update_info.ticket
-        if ticket is None:
-            raise PermanentError("update_info carried no ticket")
-        if ticket.channel != self.channel:
-            raise PermanentError(
-                f"this engine receives over {self.channel.value!r}; the update is for {ticket.channel.value!r}"
-            )
-        if self.receiver is None:
-            raise PermanentError(f"{self.channel.engine_name}: init_weight_transfer_engine was not called")
-        if self._ticket is not None and self._ticket.version != ticket.version:
-            raise PermanentError(f"update for version {ticket.version} inside the update of {self._ticket.version}")
-        self._ticket = ticket
         t0 = time.perf_counter()
         try:
-            for group in self.receiver.receive(ticket):
-                self._load([(spec.name, tensor) for spec, tensor in group])
-                for spec, _ in group:
-                    self._loaded[spec.name] = ""
+            self._receive(update_info.ticket)
         except Exception as e:
             if not self._reloading:
-                raise type(e)(f"{e} {UNTOUCHED}") from e
+                # nothing reached a parameter: say so, so the agent resumes the old version
+                raise UpdateRefused(f"{type(e).__name__}: {e} {UNTOUCHED}") from e
             raise
         finally:
             self._seconds += time.perf_counter() - t0
+
+    def _receive(self, ticket: UpdateTicket | None) -> None:
+        if ticket is None:
+            raise PermanentError("update_info carried no ticket")
+        receiver = self.receiver = self._receiver_for(ticket)
+        if self._ticket is not None and self._ticket.version != ticket.version:
+            raise PermanentError(f"update for version {ticket.version} inside the update of {self._ticket.version}")
+        self._ticket = ticket
+        for group in receiver.receive(ticket):
+            self._load([(spec.name, tensor) for spec, tensor in group])
+            for spec, _ in group:
+                self._loaded[spec.name] = ""
         if ticket.verify:
-            unverified = [n for n in self._loaded if n not in self.receiver.verified]
+            unverified = [n for n in self._loaded if n not in receiver.verified]
             if unverified:
                 raise IntegrityError(f"tensors {unverified[:5]!r} were loaded without a digest to check them against")
-            self._loaded.update(self.receiver.verified)
+            self._loaded.update(receiver.verified)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -137,10 +163,32 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
                 )
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
+            self._refresh_tied_layers()
         self._reloading = False
         self.torn = False
         if ticket is not None and self.receipt_dir is not None:
             self._write_receipt(ticket)
+
+    def _refresh_tied_layers(self) -> None:
+        """Re-run post-processing for layers that share their weight with another layer.
+
+        With tied embeddings the head receives no tensor of its own, so the layerwise
+        reload leaves its processed state as it was; vLLM's CPU backend keeps a packed
+        GEMM copy of the head's weight there, which would go on computing logits with the
+        previous version. Processing it again from the (updated) shared weight fixes that;
+        on backends without such a copy it is a no-op.
+        """
+        by_storage: dict[int, list[torch.nn.Module]] = {}
+        for module in self.model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and not weight.is_meta:
+                by_storage.setdefault(weight.data_ptr(), []).append(module)
+        for modules in by_storage.values():
+            if len(modules) > 1:
+                for module in modules:
+                    method = getattr(module, "quant_method", None)
+                    if method is not None:
+                        method.process_weights_after_loading(module)
 
     def _write_receipt(self, ticket: UpdateTicket) -> None:
         assert self.receipt_dir is not None
@@ -162,9 +210,10 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         os.replace(tmp, path)
 
     def shutdown(self) -> None:
-        if self.receiver is not None:
-            self.receiver.close()
-            self.receiver = None
+        for receiver in self.receivers.values():
+            receiver.close()
+        self.receivers.clear()
+        self.receiver = None
 
 
 class CpuEngine(WeightsyncEngine):

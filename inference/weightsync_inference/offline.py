@@ -34,6 +34,10 @@ class OfflineEngine:
             **llm_kwargs,
         )
 
+    def close(self) -> None:
+        """Stop the engine's processes now rather than at interpreter exit."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def pause(self) -> None:
         """Nothing to pause: the offline engine serves no concurrent requests."""
 

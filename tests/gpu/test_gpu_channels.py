@@ -30,17 +30,19 @@ from weightsync.vocabulary import Channel
 pytestmark = pytest.mark.gpu
 
 H = 256
-TABLE = TensorTable.build([
-    [("model.embed_tokens.weight", "bfloat16", (1000, H))],
+TABLE = TensorTable.build(
     [
-        ("model.layers.0.self_attn.q_proj.weight", "bfloat16", (4 * 64, H)),
-        ("model.layers.0.self_attn.k_proj.weight", "bfloat16", (2 * 64, H)),
-        ("model.layers.0.self_attn.v_proj.weight", "bfloat16", (2 * 64, H)),
-        ("model.layers.0.input_layernorm.weight", "bfloat16", (H,)),
-        ("model.layers.0.mlp.down_proj.weight", "bfloat16", (H, 3 * H)),  # engine holds it in fp32: staged
-    ],
-    [("model.norm.weight", "bfloat16", (H,)), ("model.tail.bytes", "uint8", (1001,))],  # odd-sized last group
-])
+        [("model.embed_tokens.weight", "bfloat16", (1000, H))],
+        [
+            ("model.layers.0.self_attn.q_proj.weight", "bfloat16", (4 * 64, H)),
+            ("model.layers.0.self_attn.k_proj.weight", "bfloat16", (2 * 64, H)),
+            ("model.layers.0.self_attn.v_proj.weight", "bfloat16", (2 * 64, H)),
+            ("model.layers.0.input_layernorm.weight", "bfloat16", (H,)),
+            ("model.layers.0.mlp.down_proj.weight", "bfloat16", (H, 3 * H)),  # engine holds it in fp32: staged
+        ],
+        [("model.norm.weight", "bfloat16", (H,)), ("model.tail.bytes", "uint8", (1001,))],  # odd-sized last group
+    ]
+)
 LAYOUT = {
     "model.embed_tokens.weight": ("bfloat16", (1000, H)),
     "model.layers.0.self_attn.qkv_proj.weight": ("bfloat16", (8 * 64, H)),

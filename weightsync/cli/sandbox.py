@@ -23,9 +23,8 @@ from weightsync.cli._output import stdout_for_json
 
 PROMPTS = [[1, 5, 7, 9], [1, 42, 17, 300, 12]]
 # The engine and transformers run different bf16 kernels (fused qkv, other accumulation
-# orders), so log-probabilities of the same tokens differ by bf16 rounding of the logits;
-# greedy tokens must match exactly.
-LOGPROB_TOLERANCE = 0.25
+# orders): log-probabilities of the same tokens differ by bf16 rounding (~0.03 seen).
+LOGPROB_TOLERANCE = 0.1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,19 +128,13 @@ def sync_once(args: argparse.Namespace) -> dict[str, Any]:
 
     _say(args, "[4/4] Verifying: digests, generation, transformers reference...")
     after = engine.greedy(PROMPTS, args.tokens)
-    expected = reference.greedy(trainer, PROMPTS, args.tokens)
+    agreement = reference.agreement(trainer, PROMPTS, after, LOGPROB_TOLERANCE)
     report["digests_verified"] = len(published.digests) == len(publisher.table)
     report["generation_changed"] = [a[0] for a in after] != [b[0] for b in before]
-    report["tokens_match"] = [a[0] for a in after] == [e[0] for e in expected]
-    report["max_logprob_diff"] = max(
-        abs(x - y) for a, e in zip(after, expected, strict=True) for x, y in zip(a[1], e[1], strict=True)
-    )
-    report["verified"] = bool(
-        report["digests_verified"]
-        and report["generation_changed"]
-        and report["tokens_match"]
-        and report["max_logprob_diff"] <= LOGPROB_TOLERANCE
-    )
+    report["tokens_match"] = agreement.tokens_match
+    report["max_logprob_diff"] = agreement.max_logprob_diff
+    report["mismatches"] = agreement.mismatches
+    report["verified"] = bool(report["digests_verified"] and report["generation_changed"] and agreement.ok)
     report["sample_tokens"] = after[0][0]
     sender.close()
     return report
@@ -160,7 +153,8 @@ def _print_report(report: dict[str, Any]) -> None:
         f"Bytes:              {report['bytes']} ({report['tensors']} tensors), {report['gb_per_s']:.3f} GB/s\n"
         f"Digests verified:   {report['digests_verified']}\n"
         f"Generation changed: {report['generation_changed']}\n"
-        f"Matches transformers: {report['tokens_match']} (max |Δlogprob| {report['max_logprob_diff']:.4f})\n"
+        f"Matches transformers: {not report['mismatches']} (greedy tokens identical: {report['tokens_match']}, "
+        f"max |Δlogprob| {report['max_logprob_diff']:.4f})\n"
         f"Sample tokens:      {report['sample_tokens']}\n"
         f"Verified:           {mark}\n{bar}"
     )

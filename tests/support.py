@@ -1,0 +1,44 @@
+"""Shared helpers for the unit and integration tiers: tiny models, trainers, references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS = [[1, 5, 7, 9], [1, 42, 17, 300, 12]]
+TOKENS = 6
+LOGPROB_TOLERANCE = 0.1
+
+
+def tiny_model(preset: str = "tiny-qwen2") -> Path:
+    from weightsync_trainer import tiny_models
+
+    return tiny_models.generate(preset)
+
+
+def hf_trainer(folder: Path, seed: int = 0, lr: float = 1e-2, steps: int = 1) -> torch.nn.Module:
+    """The HF model in fp32 after ``steps`` real optimizer steps (a fresh delta per seed)."""
+    import transformers
+
+    from weightsync_trainer import reference
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for i in range(steps):
+        reference.train_step(model, opt, model.config.vocab_size, seed=seed * 100 + i)
+    return model
+
+
+def assert_generates_like(engine: Any, model: torch.nn.Module) -> None:
+    """The engine's greedy continuation is what transformers predicts for the model's weights."""
+    from weightsync_trainer import reference
+
+    result = reference.agreement(model, PROMPTS, engine.greedy(PROMPTS, TOKENS), LOGPROB_TOLERANCE)
+    assert result.ok, "\n".join(result.mismatches)
+
+
+def env_without_proxies() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}

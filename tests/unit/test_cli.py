@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+
+from weightsync.cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in main.COMMANDS:
+        assert name in out
+
+
+def test_no_command_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main.main([]) == main.EXIT_USAGE
+    assert "usage: weightsync" in capsys.readouterr().out
+
+
+def test_sandbox_help_reads_well_and_names_env(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main.main(["sandbox", "--help"])
+    out = capsys.readouterr().out
+    assert "--channel" in out and "[env: WEIGHTSYNC_CHANNEL]" in out and "--json" in out
+
+
+def test_env_var_supplies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_CHANNEL", "volume")
+    args = main.build_parser().parse_args(["sandbox"])
+    assert args.channel == "volume"
+
+
+def test_models_rejects_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main.main(["models", "nope"]) == 2
+    assert "unknown preset(s) nope" in capsys.readouterr().out

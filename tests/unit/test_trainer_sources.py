@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.errors import PermanentError
+from weightsync_trainer import naming, tiny_models
+from weightsync_trainer.sources import ModuleSource
+
+pytestmark = pytest.mark.unit
+
+
+def test_checkpoint_names_strip_only_wrappers() -> None:
+    assert (
+        naming.to_checkpoint_name("_orig_mod.model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    )
+    assert (
+        naming.to_checkpoint_name("base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight")
+        == "model.layers.1.self_attn.q_proj.weight"
+    )
+    assert naming.is_skipped("model.layers.0.self_attn.rotary_emb.inv_freq")
+    assert not naming.is_skipped("model.norm.weight")
+
+
+def test_layer_groups_keep_embeddings_first_and_head_last() -> None:
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.1.a",
+        "model.layers.0.a",
+        "model.layers.0.b",
+        "model.norm.weight",
+    ]
+    assert naming.layer_groups(names) == [
+        ["model.embed_tokens.weight"],
+        ["model.layers.0.a", "model.layers.0.b"],
+        ["model.layers.1.a"],
+        ["model.norm.weight"],
+    ]
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight  # tied: must travel once
+        self.register_buffer("counter", torch.zeros(1))  # buffers never travel
+
+
+def test_module_source_casts_dedups_ties_and_skips_buffers() -> None:
+    src = ModuleSource(_Tied())
+    table = src.table()
+    assert [s.name for s in table] == [
+        "embed.weight",
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.1.bias",
+    ]
+    assert {s.dtype for s in table} == {"bfloat16"}
+    groups = list(src.groups())
+    assert [len(g) for g in groups] == [len(g) for g in table.groups()]
+    assert all(t.dtype == torch.bfloat16 for g in groups for t in g)
+
+
+def test_fixture_generator_rejects_impossible_configs() -> None:
+    with pytest.raises(PermanentError, match="hidden_size 250 is not divisible by num_heads 4"):
+        tiny_models.ModelPreset("qwen2", 250, 2, 4, 2, 512, 512)
+    with pytest.raises(PermanentError, match=r"head_dim 16 .* must be a multiple of 32"):
+        tiny_models.ModelPreset("qwen2", 64, 2, 4, 2, 512, 512)
+    with pytest.raises(PermanentError, match="arch 'gpt2' is not supported"):
+        tiny_models.ModelPreset("gpt2", 256, 2, 4, 2, 512, 512)
+    with pytest.raises(PermanentError, match="num_layers must be positive"):
+        tiny_models.ModelPreset("llama", 256, 0, 4, 2, 512, 512)
+    with pytest.raises(PermanentError, match="unknown model preset 'huge'"):
+        tiny_models.generate("huge")
+
+
+def test_preset_key_changes_with_config() -> None:
+    a = tiny_models.PRESETS["tiny-qwen2"]
+    assert a.key() == tiny_models.PRESETS["tiny-qwen2"].key()
+    assert a.key() != tiny_models.PRESETS["tiny-llama"].key()
