@@ -24,8 +24,18 @@ format: venv  ## apply ruff's formatting and fixes
 models: venv  ## generate and cache the tiny test models
 	.venv/bin/weightsync models tiny-qwen2 tiny-llama
 
-test: venv lint models  ## everything CI runs: lint, type checks, all test tiers
-	$(PY) -m pytest tests
+e2e-tools: ## build (once, cached under ~/.cache/weightsync) the control plane binaries, kubectl and helm
+	@bash e2e/cluster.sh tools >/dev/null
+
+crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resources
+	.venv/bin/weightsync crds
+
+test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
+	.venv/bin/weightsync crds --check
+	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests
+
+e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
+	$(PY) -m pytest tests -m e2e
 
 unit: venv  ## only the unit tier (seconds)
 	$(PY) -m pytest tests -m unit
@@ -33,4 +43,4 @@ unit: venv  ## only the unit tier (seconds)
 integration: venv models  ## only the integration tier (real vLLM, real processes)
 	$(PY) -m pytest tests -m integration
 
-.PHONY: help venv sandbox lint format models test unit integration
+.PHONY: help venv sandbox lint format models e2e-tools crds test e2e unit integration

@@ -63,6 +63,8 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         self._ticket: UpdateTicket | None = None
         self._loaded: dict[str, str] = {}
         self._seconds = 0.0
+        self._load_seconds = 0.0
+        self._finish_seconds = 0.0
         self._reloading = False
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
@@ -111,6 +113,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         # first verified group is about to load, so a version refused earlier leaves the
         # serving weights exactly as they were.
         self._ticket, self._loaded, self._seconds, self._reloading = None, {}, 0.0, False
+        self._load_seconds = 0.0
 
     def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if not self._reloading:
@@ -119,7 +122,9 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
             initialize_layerwise_reload(self.model)
             self._reloading = True
             self.torn = True
+        t0 = time.perf_counter()
         self.model.load_weights(weights)
+        self._load_seconds += time.perf_counter() - t0
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
         t0 = time.perf_counter()
@@ -155,15 +160,18 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
 
         ticket = self._ticket
         if ticket is not None:
-            missing = [s.name for s in ticket.table if s.name not in self._loaded]
+            table = self.receiver.table if self.receiver is not None and self.receiver.table else ticket.table
+            missing = [s.name for s in table if s.name not in self._loaded]
             if missing:
                 raise PermanentError(
                     f"version {ticket.version} is incomplete: {len(missing)} tensors never arrived "
                     f"(first: {missing[:3]!r}); the replica must stay paused until a whole version loads"
                 )
+        t0 = time.perf_counter()
         if self._reloading:
             finalize_layerwise_reload(self.model, self.model_config)
             self._refresh_tied_layers()
+        self._finish_seconds = time.perf_counter() - t0
         self._reloading = False
         self.torn = False
         if ticket is not None and self.receipt_dir is not None:
@@ -204,6 +212,8 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
                     "tensors": len(self._loaded),
                     "digests": self._loaded if ticket.verify else {},
                     "receive_seconds": self._seconds,
+                    "load_seconds": self._load_seconds,
+                    "finish_seconds": self._finish_seconds,
                 }
             )
         )

@@ -178,6 +178,9 @@ class Receiver(ABC):
     channel: ClassVar[Channel]
     verified: dict[str, str]
     """Digests checked during the last ``receive`` (tensor name -> digest); reset by each ``receive``."""
+    table: TensorTable | None = None
+    """The table the last ``receive`` delivered: the ticket's, or the one the channel carried itself
+    (the volume's manifest, the stream's header), so a ticket may name only the version."""
 
     @classmethod
     @abstractmethod

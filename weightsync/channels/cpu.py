@@ -21,6 +21,7 @@ group is then unusable and must be rebuilt with the new member list.
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -40,7 +41,7 @@ from weightsync.channels.base import (
     verify_group,
     view_from_bytes,
 )
-from weightsync.errors import PermanentError, TransferTimeoutError
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
 
@@ -49,6 +50,7 @@ from weightsync.vocabulary import Channel
 dist: Any = torch.distributed
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+MAX_HEADER_BYTES = 64 << 20
 
 
 def plan_buckets(table: TensorTable, bucket_bytes: int) -> list[list[tuple[TensorSpec, ...]]]:
@@ -72,41 +74,42 @@ def _span(bucket: list[tuple[TensorSpec, ...]]) -> tuple[int, int]:
     return bucket[0][0].offset, align(bucket[-1][-1].end)
 
 
-def _digest_words(group_digests: list[str]) -> torch.Tensor:
-    words = [int(d.split(":")[1], 16) for d in group_digests]
-    return torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64)
-
-
-def _words_to_digests(specs: Sequence[TensorSpec], words: torch.Tensor) -> dict[str, str]:
-    return {s.name: f"{s.nbytes}:{int(w) & ((1 << 64) - 1):016x}" for s, w in zip(specs, words.tolist(), strict=True)}
-
-
 class _Group:
-    """A gloo process group on its own store, so it never touches the global default group."""
+    """A gloo process group on its own store, so it never touches the global default group.
 
-    def __init__(self, host: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
-        if world_size < 2:
-            raise PermanentError(f"cpu channel: world_size must be >= 2 (a sender and a receiver), got {world_size}")
-        if not 0 <= rank < world_size:
-            raise PermanentError(f"cpu channel: rank {rank} is outside world_size {world_size}")
-        self.host, self.world_size, self.rank = host, world_size, rank
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False
-        )
+    The store lives as long as the sender; each membership gets its own group under a
+    prefix of that store (``connect(world_size, group_id)``), so the sender offers one
+    address for its lifetime and rebuilds the group when replicas come and go.
+    """
+
+    def __init__(self, host: str, port: int, world_size: int, rank: int, timeout_s: float, group_id: str = "") -> None:
+        self.host, self.timeout = host, datetime.timedelta(seconds=timeout_s)
+        self.world_size, self.rank, self.group_id = world_size, rank, group_id
+        self._check()
+        self.store = dist.TCPStore(host, port, None, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False)
         self.port = self.store.port
         self.pg: dist.ProcessGroupGloo | None = None
 
-    def connect(self) -> None:
+    def _check(self) -> None:
+        if self.world_size < 2:
+            raise PermanentError(f"cpu channel: world_size must be >= 2 (sender and receivers), got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise PermanentError(f"cpu channel: rank {self.rank} is outside world_size {self.world_size}")
+
+    def connect(self, world_size: int | None = None, group_id: str | None = None) -> None:
         """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
+        self.world_size = world_size or self.world_size
+        self.group_id = self.group_id if group_id is None else group_id
+        self._check()
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        store = dist.PrefixStore(f"weightsync/cpu/{self.group_id}/", self.store)
         try:
-            self.pg = dist.ProcessGroupGloo(self.store, self.rank, self.world_size, opts)
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         except RuntimeError as e:
             raise TransferTimeoutError(
-                f"cpu channel: group of {self.world_size} at {self.host}:{self.port} did not form "
+                f"cpu channel: group {self.group_id!r} of {self.world_size} at {self.host}:{self.port} did not form "
                 f"within {self.timeout.total_seconds():.0f}s: {e}"
             ) from e
 
@@ -150,8 +153,13 @@ class CpuSender(Sender):
     def address(self) -> str:
         return f"{self._group.host}:{self._group.port}"
 
-    def connect(self) -> None:
-        self._group.connect()
+    def connect(self, world_size: int | None = None, group_id: str | None = None) -> None:
+        """Form the group (again, for a new membership: ``world_size`` members under ``group_id``)."""
+        self._group.connect(world_size, group_id)
+
+    @property
+    def group_id(self) -> str:
+        return self._group.group_id if self._group.pg is not None else ""
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
         while len(self._buffers) <= i:
@@ -162,6 +170,7 @@ class CpuSender(Sender):
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
+        self._send_header(ticket)
         found: dict[str, str] = {}
         source = iter(groups)
         in_flight: list[tuple[Any, str]] = []
@@ -189,13 +198,20 @@ class CpuSender(Sender):
             in_flight.append((self._group.broadcast(buf), f"bucket {i} broadcast"))
             if ticket.verify:
                 # digests travel on their own small broadcast; wait for it so the tensor stays alive
-                words = _digest_words(bucket_digests)
+                words = digests.to_words(bucket_digests)
                 self._group.wait(self._group.broadcast(words), f"bucket {i} digests")
         for work in in_flight:
             self._group.wait(*work)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
         return found
+
+    def _send_header(self, ticket: UpdateTicket) -> None:
+        """The version number and the whole table go first, so receivers need only a version to start."""
+        header = json.dumps({"version": ticket.version, "table": ticket.table.to_dict()}).encode()
+        size = torch.tensor([len(header)], dtype=torch.int64)
+        self._group.wait(self._group.broadcast(size), "header size")
+        self._group.wait(self._group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8)), "header")
 
     def close(self) -> None:
         self._group.close()
@@ -213,29 +229,50 @@ class CpuReceiver(Receiver):
         rank: int,
         timeout_s: float = 120.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        group_id: str = "",
     ) -> None:
         self.bucket_bytes = bucket_bytes
         self.verified = {}
         host, _, port = address.rpartition(":")
-        self._group = _Group(host, int(port), world_size, rank, timeout_s)
+        self._group = _Group(host, int(port), world_size, rank, timeout_s, group_id)
         self._group.connect()
 
     @classmethod
     def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> CpuReceiver:
         """``init_info``: address (the sender's host:port), world_size, rank_offset (this
-        replica's first rank in the group), timeout_s, bucket_bytes."""
+        replica's first rank in the group), group_id, timeout_s, bucket_bytes."""
         return cls(
             address=str(init_field(init, "address", Channel.CPU)),
             world_size=int(init_field(init, "world_size", Channel.CPU)),
             rank=int(init_field(init, "rank_offset", Channel.CPU)) + ctx.rank,
             timeout_s=float(init.get("timeout_s", 120.0)),
             bucket_bytes=int(init.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
+            group_id=str(init.get("group_id", "")),
         )
+
+    def _receive_header(self, ticket: UpdateTicket) -> TensorTable:
+        size = torch.zeros(1, dtype=torch.int64)
+        self._group.wait(self._group.broadcast(size), "header size")
+        if not 0 < int(size) <= MAX_HEADER_BYTES:
+            raise IntegrityError(f"cpu channel: header of {int(size)} bytes is outside (0, {MAX_HEADER_BYTES}]")
+        raw = torch.empty(int(size), dtype=torch.uint8)
+        self._group.wait(self._group.broadcast(raw), "header")
+        header = json.loads(raw.numpy().tobytes())
+        if int(header["version"]) != ticket.version:
+            got = header["version"]
+            raise IntegrityError(f"cpu channel: the sender streams version {got}, expected {ticket.version}")
+        table = TensorTable.from_dict(header["table"])
+        if len(ticket.table):
+            table.check_matches(ticket.table)
+            if table != ticket.table:
+                raise IntegrityError("cpu channel: the sender's tensor offsets differ from the ticket's table")
+        return table
 
     def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
         self.verified = {}
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
-        buckets = plan_buckets(ticket.table, bucket_bytes)
+        self.table = self._receive_header(ticket)
+        buckets = plan_buckets(self.table, bucket_bytes)
         buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
 
         def post(i: int) -> tuple[torch.Tensor, Any, torch.Tensor | None, Any | None]:
@@ -258,7 +295,7 @@ class CpuReceiver(Receiver):
             expected: dict[str, str] = {}
             if words is not None and dwork is not None:
                 self._group.wait(dwork, f"bucket {i} digests")
-                expected = _words_to_digests([s for g in bucket for s in g], words)
+                expected = digests.from_words([s for g in bucket for s in g], words)
             pending = post(i + 1) if i + 1 < len(buckets) else None
             base, _ = _span(bucket)
             for specs in bucket:

@@ -13,9 +13,12 @@ not a cryptographic hash (the volume's shard files carry sha256 for that).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from weightsync.channels.base import as_bytes
+from weightsync.tensors import TensorSpec
 
 _CHUNK_WORDS = 1 << 22
 _MASK = (1 << 64) - 1
@@ -60,3 +63,14 @@ def table_digest(digests: dict[str, str]) -> str:
     for name in sorted(digests):
         h.update(f"{name}={digests[name]}\n".encode())
     return h.hexdigest()
+
+
+def to_words(group_digests: list[str]) -> torch.Tensor:
+    """Digests as one int64 tensor (their 64-bit sums), to travel in-band on a stream channel."""
+    words = [int(d.split(":")[1], 16) for d in group_digests]
+    return torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64)
+
+
+def from_words(specs: Sequence[TensorSpec], words: torch.Tensor) -> dict[str, str]:
+    """The inverse of ``to_words``, with each tensor's byte length from its spec."""
+    return {s.name: f"{s.nbytes}:{int(w) & _MASK:016x}" for s, w in zip(specs, words.tolist(), strict=True)}

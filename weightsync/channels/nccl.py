@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed
 
-from weightsync.channels import cpu, digests, gpu
+from weightsync.channels import digests, gpu
 from weightsync.channels.base import (
     TORCH_DTYPES,
     Group,
@@ -112,7 +112,7 @@ class NcclGroup:
 
 
 def _words(group_digests: list[str], device: torch.device) -> torch.Tensor:
-    return cpu._digest_words(group_digests).to(device)
+    return digests.to_words(group_digests).to(device)
 
 
 class NcclSender(Sender):
@@ -274,7 +274,7 @@ class NcclReceiver(Receiver):
             group: Group = list(zip(specs, targets, strict=True))
             if words is not None and dwork is not None:
                 self._group.wait(dwork, ticket.timeout_s, f"group {i} digests")
-                self.verified.update(verify_group(group, cpu._words_to_digests(specs, words.cpu())))
+                self.verified.update(verify_group(group, digests.from_words(specs, words.cpu())))
             staged = [pair for pair, d in zip(group, direct, strict=True) if not d]
             if staged:
                 yield staged

@@ -312,6 +312,7 @@ class VolumeReceiver(Receiver):
         if len(ticket.table):
             manifest.table.check_matches(ticket.table)
         verify_version(directory, manifest)
+        self.table = manifest.table
         expected = manifest.table.digests()
         handles: dict[str, Any] = {}
         try:

@@ -1,0 +1,214 @@
+"""A served vLLM engine (its OpenAI server in dev mode) behind the lifecycle's ``EngineControl``.
+
+The replica agent is a sidecar beside vLLM and reaches it on localhost; the dev-mode
+routes it drives (``/pause``, ``/init_weight_transfer_engine``, ``/update_weights``, ...)
+let anyone who reaches the port replace the weights, so this client refuses any base
+URL that is not a loopback address, and ignores ``*_proxy`` environment variables (a
+proxy would take weight updates off the pod).
+
+Errors keep vLLM's own text. A worker's exception travels engine core -> API server ->
+HTTP as ``{"error": {"message": ...}}``; ``EngineHttpError`` carries that message, so the
+lifecycle still finds the engine's ``UNTOUCHED`` marker in it and tells a refused update
+(resume the old version) from a torn one (stay paused). Every call has a timeout; the
+update's comes from its ticket, because only the publisher knows how long moving its
+bytes may take.
+
+    engine = HttpEngine("http://127.0.0.1:8001")
+    replica = Replica(engine)
+    replica.init_transfer({"channel": "volume", "root": "/ckpt"})
+    replica.apply(ticket)                     # pause(keep) -> start -> update -> finish -> resume
+    engine.weight_version()                   # str(ticket.version)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+class EngineHttpError(WeightsyncError):
+    """vLLM answered a route with a non-2xx status; ``message`` is vLLM's own error text."""
+
+    def __init__(self, route: str, status: int, message: str) -> None:
+        super().__init__(f"vLLM {route} answered {status}: {message}")
+        self.route = route
+        self.status = status
+        self.message = message
+
+
+def require_loopback(base_url: str) -> str:
+    """``base_url`` without a trailing slash, or an error when its host is not a loopback address."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise PermanentError(f"vLLM URL {base_url!r} is not an http(s) URL; expected e.g. http://127.0.0.1:8001")
+    host = parts.hostname
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host.lower() in LOOPBACK_NAMES
+    if not loopback:
+        raise PermanentError(
+            f"vLLM URL {base_url!r} is not on this host: its dev-mode routes can pause the server and replace "
+            "its weights, so the agent talks to vLLM on 127.0.0.1 only; run the agent beside vLLM and bind "
+            "vLLM with --host 127.0.0.1"
+        )
+    return base_url.rstrip("/")
+
+
+def error_text(response: httpx.Response) -> str:
+    """vLLM's error message from any of its error shapes, else the raw body."""
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body.get("message")))
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if err is not None:
+            return err if isinstance(err, str) else json.dumps(err)
+    return json.dumps(body)
+
+
+class HttpEngine:
+    """vLLM's weight-transfer lifecycle over HTTP, for one served engine on this host."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        control_timeout_s: float = 30.0,
+        transfer_timeout_s: float = 300.0,
+        generate_timeout_s: float = 120.0,
+        model: str | None = None,
+    ) -> None:
+        """``control_timeout_s`` bounds pause/resume/start/queries; ``transfer_timeout_s`` bounds
+        init (a rendezvous) and finish (the layerwise reload's finalisation); an update uses
+        its ticket's ``timeout_s``."""
+        self.base_url = require_loopback(base_url)
+        self.control_timeout_s = control_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.model = model
+        # No keep-alive: after a failed route vLLM's server closes the connection it answered
+        # on (starlette re-raises past the error handler), and reusing it made the next call
+        # (the lifecycle's /resume) fail with "connection reset". Localhost connects are cheap.
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            trust_env=False,
+            timeout=control_timeout_s,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> HttpEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        method: str,
+        route: str,
+        *,
+        timeout_s: float | None = None,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        timeout = timeout_s if timeout_s is not None else self.control_timeout_s
+        try:
+            response = self._client.request(method, route, json=body, params=params, timeout=timeout)
+        except httpx.TimeoutException as e:
+            raise TransferTimeoutError(
+                f"vLLM {route} did not answer within {timeout:.0f}s ({type(e).__name__}) at {self.base_url}"
+            ) from e
+        except httpx.TransportError as e:
+            raise RetryableError(
+                f"vLLM {route} at {self.base_url} is unreachable ({type(e).__name__}: {e}); is the server up?"
+            ) from e
+        if not response.is_success:
+            raise EngineHttpError(route, response.status_code, error_text(response))
+        if not response.content:
+            return None
+        return response.json()
+
+    # -- the lifecycle (EngineControl) ------------------------------------------------------
+
+    def pause(self) -> None:
+        """Pause scheduling; ``keep`` freezes in-flight requests, which continue on ``resume``."""
+        self._call("POST", "/pause", params={"mode": "keep"})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused")["is_paused"])
+
+    def init_transfer(self, init_info: dict[str, Any]) -> None:
+        self._call(
+            "POST", "/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=self.transfer_timeout_s
+        )
+
+    def start(self) -> None:
+        self._call("POST", "/start_weight_update")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        timeout = float(update_info.get("timeout_s", self.transfer_timeout_s))
+        self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=timeout)
+
+    def finish(self, version: str) -> None:
+        self._call("POST", "/finish_weight_update", body={"weight_version": version}, timeout_s=self.transfer_timeout_s)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def weight_version(self) -> str:
+        """The version the engine last finished loading (``"None"`` before the first update)."""
+        return str(self._call("GET", "/weight_info")["weight_version"])
+
+    def healthy(self) -> bool:
+        """Whether vLLM answers ``/health`` with 200 within the control timeout."""
+        try:
+            return self._client.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Greedy token ids and their log-probabilities for each token-id prompt (as ``OfflineEngine``)."""
+        body: dict[str, Any] = {
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        answer = self._call("POST", "/v1/completions", body=body, timeout_s=self.generate_timeout_s)
+        result: list[tuple[list[int], list[float]]] = []
+        for choice in sorted(answer["choices"], key=lambda c: int(c["index"])):
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = choice.get("logprobs") or {}
+            lps = [float(lp) for lp in logprobs.get("token_logprobs", [])]
+            if len(lps) != len(ids):
+                raise PermanentError(
+                    f"vLLM returned {len(ids)} tokens but {len(lps)} log-probabilities for prompt {choice['index']}"
+                )
+            result.append((ids, lps))
+        if len(result) != len(prompts):
+            raise PermanentError(f"vLLM answered {len(result)} choices for {len(prompts)} prompts")
+        return result
+
+
+__all__ = ["EngineHttpError", "HttpEngine", "error_text", "require_loopback"]

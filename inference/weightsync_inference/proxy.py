@@ -1,0 +1,305 @@
+"""The client-facing door of a served replica: vLLM's OpenAI routes, and nothing else.
+
+vLLM serves the RL routes the agent needs (``/pause``, ``/init_weight_transfer_engine``,
+``/update_weights``, ``/weight_checker``, ...) only with ``VLLM_SERVER_DEV_MODE=1``, which
+opens further development routes on the same port. Whoever reaches that port can pause
+the server or replace its weights. So vLLM binds 127.0.0.1 (reachable inside its pod
+only), the agent is the only client of its dev routes, and clients reach vLLM only
+through this proxy, which forwards an explicit allow-list of OpenAI routes (``ROUTES``)
+and answers 404, naming the route as not exposed, for everything else. The list is
+exact paths, not prefixes: ``/v1/completions/../../pause`` or ``/v1/models/`` is not on
+it. The forwarded path is the allow-list's own string, never the client's bytes, so
+no decoding trick can make the upstream see a path other than the one checked.
+
+``/health`` is answered here (readiness: vLLM's ``/health`` answers 200), so a
+Kubernetes probe needs no access to vLLM itself.
+
+Responses stream through as they arrive (server-sent events included); a client that
+goes away closes the upstream request, which makes vLLM abort the generation. Request
+bodies are bounded (413 above ``max_body_bytes``) and read within a deadline (408);
+upstream connects, reads between chunks, and health checks each have a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+ROUTES: Mapping[str, frozenset[str]] = {
+    "/v1/completions": frozenset({"POST"}),
+    "/v1/chat/completions": frozenset({"POST"}),
+    "/v1/embeddings": frozenset({"POST"}),
+    "/v1/models": frozenset({"GET"}),
+    "/tokenize": frozenset({"POST"}),
+    "/detokenize": frozenset({"POST"}),
+}
+"""Every route the proxy forwards, with its methods. Anything else answers 404."""
+
+HEALTH = "/health"
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
+_DROP_REQUEST = frozenset(
+    {
+        "host",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authorization",
+        "content-length",
+        "expect",
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-real-ip",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade"}
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    upstream: str = "http://127.0.0.1:8001"
+    max_body_bytes: int = 32 << 20
+    body_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    health_timeout_s: float = 5.0
+    max_connections: int = 512
+
+
+def route_decision(method: str, path: str) -> int:
+    """The status the proxy gives ``method path`` before forwarding: 200 (forward or health), 404 or 405."""
+    if path == HEALTH:
+        return 200 if method in ("GET", "HEAD") else 405
+    methods = ROUTES.get(path)
+    if methods is None:
+        return 404
+    return 200 if method in methods else 405
+
+
+def _error_body(status: int, kind: str, message: str) -> bytes:
+    """An error in the OpenAI shape vLLM uses, so clients parse proxy errors like vLLM's."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+def not_exposed_message(method: str, path: str) -> str:
+    exposed = ", ".join([*ROUTES, HEALTH])
+    return f"route {method} {path} is not exposed by the weightsync proxy; it forwards only: {exposed}"
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ProxyApp:
+    """The ASGI application; ``uvicorn`` (see ``serve``) runs it."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self._client: httpx.AsyncClient | None = None
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            c = self.config
+            # No keep-alive upstream: vLLM closes a connection after a route fails with an
+            # unhandled error, and a pooled connection reused after that fails the next request.
+            self._client = httpx.AsyncClient(
+                base_url=c.upstream.rstrip("/"),
+                trust_env=False,
+                timeout=httpx.Timeout(c.read_timeout_s, connect=c.connect_timeout_s, pool=c.connect_timeout_s),
+                limits=httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=0),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        # websockets are not served: uvicorn answers 403 when the app does not accept
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = str(scope["method"]), str(scope["path"])
+        decision = route_decision(method, path)
+        if decision == 404:
+            await _respond(send, 404, _error_body(404, "NotFoundError", not_exposed_message(method, path)))
+        elif decision == 405:
+            allowed = ROUTES.get(path, frozenset({"GET", "HEAD"}))
+            message = f"route {path} accepts {', '.join(sorted(allowed))}, not {method}"
+            await _respond(
+                send,
+                405,
+                _error_body(405, "MethodNotAllowed", message),
+                [(b"allow", ", ".join(sorted(allowed)).encode())],
+            )
+        elif path == HEALTH:
+            await self._health(send, head=method == "HEAD")
+        else:
+            await self._forward(scope, receive, send, path)
+
+    async def _health(self, send: Send, head: bool) -> None:
+        try:
+            r = await self.client().get(HEALTH, timeout=self.config.health_timeout_s)
+            ok, reason = r.status_code == 200, f"vLLM /health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, reason = False, f"vLLM at {self.config.upstream} is unreachable ({type(e).__name__})"
+        body = json.dumps({"status": "ok"} if ok else {"status": "unavailable", "reason": reason}).encode()
+        await _respond(send, 200 if ok else 503, b"" if head else body)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _BodyTooLarge
+        chunks: list[bytes] = []
+        size = 0
+        async with asyncio.timeout(self.config.body_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone
+                chunk = bytes(message.get("body", b""))
+                size += len(chunk)
+                if size > limit:
+                    raise _BodyTooLarge
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        c = self.config
+        try:
+            body = await self._read_body(scope, receive)
+        except _BodyTooLarge:
+            message = f"request body exceeds {c.max_body_bytes} bytes (the proxy's --max-body-bytes)"
+            await _respond(send, 413, _error_body(413, "RequestTooLarge", message))
+            return
+        except TimeoutError:
+            message = f"request body not received within {c.body_timeout_s:.0f}s"
+            await _respond(send, 408, _error_body(408, "RequestTimeout", message))
+            return
+        except _ClientGone:
+            return
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in _DROP_REQUEST
+        ]
+        client_addr = scope.get("client")
+        if client_addr:
+            headers.append(("x-forwarded-for", str(client_addr[0])))
+        query = scope.get("query_string", b"").decode("latin-1")
+        url = route + (f"?{query}" if query else "")
+        client = self.client()
+        request = client.build_request(str(scope["method"]), url, headers=headers, content=body)
+        try:
+            upstream = await client.send(request, stream=True)
+        except httpx.TimeoutException as e:
+            message = f"vLLM did not answer within the proxy's timeouts ({type(e).__name__})"
+            await _respond(send, 504, _error_body(504, "GatewayTimeout", message))
+            return
+        except httpx.HTTPError as e:
+            message = f"vLLM at {c.upstream} is unreachable ({type(e).__name__}); it may still be starting"
+            await _respond(send, 502, _error_body(502, "BadGateway", message))
+            return
+        try:
+            await _relay(upstream, receive, send)
+        finally:
+            await upstream.aclose()
+
+
+async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _relay(upstream: httpx.Response, receive: Receive, send: Send) -> None:
+    """Stream ``upstream`` to the client chunk by chunk; stop (closing upstream) when the client leaves."""
+    headers = [
+        (k.encode("latin-1"), v.encode("latin-1"))
+        for k, v in upstream.headers.multi_items()
+        if k.lower() not in _DROP_RESPONSE
+    ]
+    await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+
+    async def pump() -> None:
+        try:
+            async for chunk in upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:  # headers are sent: all we can do is end the stream
+            log.warning("upstream stream ended early: %s: %s", type(e).__name__, e)
+        await send({"type": "http.response.body", "body": b""})
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping, watching = asyncio.create_task(pump()), asyncio.create_task(watch())
+    try:
+        done, _ = await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pumping, watching):
+            task.cancel()
+        await asyncio.gather(pumping, watching, return_exceptions=True)
+    if pumping in done and pumping.exception() is not None:
+        log.warning("client stream ended early: %s", pumping.exception())
+
+
+def serve(host: str, port: int, config: ProxyConfig, log_level: str = "info") -> None:
+    """Run the proxy until interrupted (uvicorn handles SIGINT/SIGTERM with a graceful drain)."""
+    import uvicorn
+
+    uvicorn.run(
+        ProxyApp(config),
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        proxy_headers=False,  # the proxy is the edge: it trusts no client's X-Forwarded-For
+        server_header=False,
+        limit_concurrency=config.max_connections,
+        timeout_graceful_shutdown=30,
+    )
+
+
+__all__ = ["HEALTH", "ROUTES", "ProxyApp", "ProxyConfig", "not_exposed_message", "route_decision", "serve"]
