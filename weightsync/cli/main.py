@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "operator": "weightsync.cli.operator",
     "sandbox": "weightsync.cli.sandbox",
     "coordinator": "weightsync.cli.coordinator",
+    "proxy": "weightsync.cli.proxy",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -1,0 +1,201 @@
+"""A served vLLM (its OpenAI server, dev mode, on 127.0.0.1) updated over HTTP, and fenced by the proxy.
+
+One real server and one real ``weightsync proxy`` process serve the whole module
+(starting vLLM costs 30-60 s here); the tests run in order and each leaves the server
+serving a whole, known version. The agent's side is ``Replica(HttpEngine(url))``; the
+client's side is plain HTTP to the proxy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests import support
+from weightsync.channels.volume import VolumeSender
+from weightsync.vocabulary import Channel
+from weightsync_inference.http_engine import HttpEngine
+from weightsync_inference.lifecycle import UNTOUCHED, Replica, ReplicaState, UpdateFailed
+from weightsync_trainer.publisher import Publisher
+from weightsync_trainer.sources import ModuleSource
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+START_TIMEOUT_S = 240.0
+DEV_ROUTES = [
+    "/pause",
+    "/resume",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/weight_checker",
+    "/weight_info",
+    "/collective_rpc",
+    "/sleep",
+    "/inference/v1/generate",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(cmd: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        # own session: teardown ends the server and every process it spawned, and only those
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not healthy within {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-4000:]}")
+
+
+@dataclass
+class Served:
+    root: Path
+    folder: Path
+    url: str
+    proxy_url: str
+    engine: HttpEngine
+    replica: Replica
+    version: int = 0
+    serving: torch.nn.Module | None = None
+
+    def publish(self, seed: int) -> tuple[Publisher, torch.nn.Module]:
+        self.version += 1
+        trainer = support.hf_trainer(self.folder, seed=seed)
+        pub = Publisher(ModuleSource(trainer), [VolumeSender(self.root)])
+        pub.publish(self.version, step=self.version)
+        return pub, trainer
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    work = tmp_path_factory.mktemp("served")
+    folder = support.tiny_model()
+    port, proxy_port = _free_port(), _free_port()
+    url, proxy_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
+    env = {**support.env_without_proxies(), "VLLM_SERVER_DEV_MODE": "1"}
+    vllm_cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port), "--model", str(folder),
+        "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
+        "--weight-transfer-config", json.dumps({"backend": Channel.VOLUME.engine_name}),
+    ]  # fmt: skip
+    proxy_cmd = [sys.executable, "-m", "weightsync.cli.main", "proxy", "--listen", f"127.0.0.1:{proxy_port}",
+                 "--upstream", url]  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_start(vllm_cmd, work / "vllm.log", work, env))
+        procs.append(_start(proxy_cmd, work / "proxy.log", work, support.env_without_proxies()))
+        _wait_healthy(url, procs[0], work / "vllm.log")
+        _wait_healthy(proxy_url, procs[1], work / "proxy.log")
+        engine = HttpEngine(url)
+        replica = Replica(engine)
+        root = work / "volume"
+        replica.init_transfer({"channel": Channel.VOLUME.value, "root": str(root)})
+        yield Served(root, folder, url, proxy_url, engine, replica)
+        engine.close()
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
+    before = served.engine.greedy(support.PROMPTS, support.TOKENS)
+    pub, trainer = served.publish(seed=1)
+    t0 = time.perf_counter()
+    outcome = served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+    print(f"served update: {time.perf_counter() - t0:.3f}s {outcome.seconds}")
+    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
+    info = httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).json()
+    assert info == {"weight_version": str(served.version)} and served.engine.weight_version() == str(served.version)
+    assert served.engine.greedy(support.PROMPTS, support.TOKENS) != before
+    support.assert_generates_like(served.engine, trainer)
+    served.serving = trainer
+
+
+def test_corrupt_shard_is_refused_and_previous_version_keeps_serving(served: Served) -> None:
+    assert served.serving is not None, "needs the version loaded by the previous test"
+    serving_version = served.engine.weight_version()
+    pub, _ = served.publish(seed=2)
+    shard = served.root / f"v{served.version:08d}" / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    # vLLM's 500 body carries the worker's exception text (file paths sanitised to <path>),
+    # so the engine's UNTOUCHED marker reaches the lifecycle through HTTP.
+    refused = r"/update_weights answered 500: .*IntegrityError: .* tensor '.*' has changed"
+    with pytest.raises(UpdateFailed, match=refused) as err:
+        served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+    assert UNTOUCHED in str(err.value.__cause__) and err.value.state is ReplicaState.SERVING
+    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
+    assert served.engine.weight_version() == serving_version
+    support.assert_generates_like(served.engine, served.serving)
+
+
+def test_proxy_forwards_completions(served: Served) -> None:
+    direct = served.engine.greedy(support.PROMPTS, support.TOKENS)
+    with HttpEngine(served.proxy_url) as through_proxy:
+        assert through_proxy.greedy(support.PROMPTS, support.TOKENS) == direct
+    models = httpx.get(f"{served.proxy_url}/v1/models", timeout=10, trust_env=False)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == str(served.folder)
+    assert httpx.get(f"{served.proxy_url}/health", timeout=10, trust_env=False).json() == {"status": "ok"}
+
+
+def test_proxy_streams_server_sent_events(served: Served) -> None:
+    direct_ids = served.engine.greedy(support.PROMPTS[:1], support.TOKENS)[0][0]
+    body = {"prompt": support.PROMPTS[0], "max_tokens": support.TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}  # fmt: skip
+    events: list[str] = []
+    with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=60, trust_env=False) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2, events
+    streamed = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+    assert streamed == direct_ids
+
+
+def test_proxy_hides_dev_routes(served: Served) -> None:
+    for route in DEV_ROUTES:
+        for method in ("GET", "POST"):
+            r = httpx.request(method, f"{served.proxy_url}{route}", json={}, timeout=10, trust_env=False)
+            assert r.status_code == 404, (method, route, r.text)
+            assert "is not exposed by the weightsync proxy" in r.json()["error"]["message"]
+    assert not served.engine.is_paused()
+    # the same routes answer on vLLM's own (loopback) port: the proxy is what hides them
+    assert httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).status_code == 200
