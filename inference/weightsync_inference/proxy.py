@@ -285,21 +285,37 @@ async def _relay(upstream: httpx.Response, receive: Receive, send: Send) -> None
         log.warning("client stream ended early: %s", pumping.exception())
 
 
-def serve(host: str, port: int, config: ProxyConfig, log_level: str = "info") -> None:
-    """Run the proxy until interrupted (uvicorn handles SIGINT/SIGTERM with a graceful drain)."""
+def uvicorn_config(app: ProxyApp, host: str, port: int, log_level: str = "info") -> Any:
+    """The ``uvicorn.Config`` the proxy runs under (``serve`` and the tests share it)."""
     import uvicorn
 
-    uvicorn.run(
-        ProxyApp(config),
+    return uvicorn.Config(
+        app,
         host=host,
         port=port,
         log_level=log_level,
         lifespan="on",
         proxy_headers=False,  # the proxy is the edge: it trusts no client's X-Forwarded-For
         server_header=False,
-        limit_concurrency=config.max_connections,
+        limit_concurrency=app.config.max_connections,
         timeout_graceful_shutdown=30,
     )
 
 
-__all__ = ["HEALTH", "ROUTES", "ProxyApp", "ProxyConfig", "not_exposed_message", "route_decision", "serve"]
+def serve(host: str, port: int, config: ProxyConfig, log_level: str = "info") -> None:
+    """Run the proxy until interrupted (uvicorn handles SIGINT/SIGTERM with a graceful drain)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(ProxyApp(config), host, port, log_level)).run()
+
+
+__all__ = [
+    "HEALTH",
+    "ROUTES",
+    "ProxyApp",
+    "ProxyConfig",
+    "not_exposed_message",
+    "route_decision",
+    "serve",
+    "uvicorn_config",
+]

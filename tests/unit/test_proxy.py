@@ -1,0 +1,263 @@
+"""The proxy's allow-list and its edges, without vLLM; and the HTTP engine's loopback guard.
+
+Two kinds of tests: the ASGI app driven directly with crafted scopes (paths exactly as
+a client could send them, no client-side normalisation in the way), and the proxy
+served by uvicorn in front of a small real upstream app on loopback, to check what
+actually crosses the wire (path, headers, streaming, disconnects). Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from weightsync.cli import proxy as proxy_cli
+from weightsync.errors import PermanentError
+from weightsync_inference import http_engine, proxy
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+DEV_ROUTES = ["/pause", "/resume", "/update_weights", "/weight_checker", "/init_weight_transfer_engine",
+              "/collective_rpc", "/sleep", "/inference/v1/generate", "/metrics", "/docs", "/"]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CLOSED = f"http://127.0.0.1:{_free_port()}"  # nothing listens there: a real refused connection
+
+
+# -- the decision table -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path"), [(m, p) for p, ms in proxy.ROUTES.items() for m in ms])
+def test_allowed_routes_are_forwarded(method: str, path: str) -> None:
+    assert proxy.route_decision(method, path) == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*DEV_ROUTES, "/v1/completions/", "/v1/completions/../../pause", "//pause", "/V1/completions",
+     "/v1/completions/render", "/v1/chat/completions/batch", "/v1/responses", "/v1/models/x", "/tokenize/"],
+)  # fmt: skip
+def test_everything_else_is_not_exposed(path: str) -> None:
+    assert proxy.route_decision("POST", path) == 404 and proxy.route_decision("GET", path) == 404
+
+
+def test_wrong_method_on_an_allowed_route() -> None:
+    assert proxy.route_decision("GET", "/v1/completions") == 405
+    assert proxy.route_decision("POST", "/v1/models") == 405
+    assert proxy.route_decision("POST", "/health") == 405
+    assert proxy.route_decision("HEAD", "/health") == 200
+
+
+# -- the app, driven directly ------------------------------------------------------------------
+
+
+def _drive(
+    app: proxy.ProxyApp,
+    method: str,
+    path: str,
+    body: list[bytes] | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> tuple[int, dict[bytes, bytes], bytes]:
+    chunks = list(body or [b""])
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if chunks:
+            chunk = chunks.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(chunks)}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    scope = {"type": "http", "method": method, "path": path, "headers": headers or [], "query_string": b"",
+             "client": ("127.0.0.1", 5000)}  # fmt: skip
+
+    async def main() -> None:
+        await asyncio.wait_for(app(scope, receive, send), 20)
+        await app.aclose()
+
+    asyncio.run(main())
+    start = sent[0]
+    return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+
+@pytest.mark.parametrize("path", ["/pause", "/update_weights", "/v1/completions/../../pause"])
+def test_not_exposed_answers_404_naming_the_route(path: str) -> None:
+    status, _, body = _drive(proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED)), "POST", path)
+    assert status == 404
+    assert f"route POST {path} is not exposed by the weightsync proxy; it forwards only: /v1/completions" in str(body)
+
+
+def test_wrong_method_answers_405_with_allow() -> None:
+    status, headers, body = _drive(proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED)), "GET", "/v1/completions")
+    assert status == 405 and headers[b"allow"] == b"POST" and b"accepts POST, not GET" in body
+
+
+def test_oversized_bodies_are_refused() -> None:
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, max_body_bytes=10))
+    declared = [(b"content-length", b"11")]
+    assert _drive(app, "POST", "/v1/completions", [b"x" * 11], declared)[0] == 413
+    status, _, body = _drive(app, "POST", "/v1/completions", [b"x" * 6, b"x" * 6])  # chunked, no length
+    assert status == 413 and b"exceeds 10 bytes (the proxy's --max-body-bytes)" in body
+
+
+def test_slow_bodies_time_out() -> None:
+    """A body whose first chunk says more is coming, then nothing: 408 after the body timeout."""
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, body_timeout_s=0.2))
+    chunks = [b"{"]
+
+    async def run() -> int:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if chunks:
+                return {"type": "http.request", "body": chunks.pop(), "more_body": True}
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: Any) -> None:
+            sent.append(dict(message))
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        return int(sent[0]["status"])
+
+    assert asyncio.run(run()) == 408
+
+
+def test_unreachable_upstream_is_502_and_unhealthy() -> None:
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED))
+    status, _, body = _drive(app, "POST", "/v1/completions", [b"{}"])
+    assert status == 502 and b"is unreachable (ConnectError); it may still be starting" in body
+    status, _, body = _drive(app, "GET", "/health")
+    assert status == 503 and b'"status": "unavailable"' in body
+
+
+# -- over the wire, with a real upstream -----------------------------------------------------
+
+
+class Upstream:
+    """A small ASGI app standing in for vLLM's OpenAI routes; it records what reached it."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.disconnected = threading.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        self.seen.append({"path": scope["path"], "query": scope["query_string"], "headers": headers, "body": body})
+        if scope["path"] == "/health":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"x-upstream", b"1")]})  # fmt: skip
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+
+        watcher = asyncio.create_task(watch())
+        n = 3 if b"short" in body else 200
+        for i in range(n):
+            await send({"type": "http.response.body", "body": f"data: {i}\n\n".encode(), "more_body": True})
+            await asyncio.sleep(0.05)
+            if self.disconnected.is_set():
+                return
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        watcher.cancel()
+
+
+def _serve(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thread]:
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start within 10s"
+        time.sleep(0.02)
+    return server, thread
+
+
+@pytest.fixture(scope="module")
+def wire() -> Iterator[tuple[Upstream, str]]:
+    upstream = Upstream()
+    up_port, proxy_port = _free_port(), _free_port()
+    servers = [_serve(uvicorn.Config(upstream, host="127.0.0.1", port=up_port, log_level="warning"))]
+    try:
+        app = proxy.ProxyApp(proxy.ProxyConfig(upstream=f"http://127.0.0.1:{up_port}"))
+        servers.append(_serve(proxy.uvicorn_config(app, "127.0.0.1", proxy_port, log_level="warning")))
+        yield upstream, f"http://127.0.0.1:{proxy_port}"
+    finally:
+        for server, thread in servers:
+            server.should_exit = True
+            thread.join(10)
+
+
+def test_forwards_the_checked_path_and_sanitised_headers(wire: tuple[Upstream, str]) -> None:
+    upstream, url = wire
+    headers = {"x-forwarded-for": "6.6.6.6", "authorization": "Bearer k", "proxy-authorization": "x"}
+    r = httpx.post(f"{url}/v1/completions?a=1", content=b"short", headers=headers, timeout=10, trust_env=False)
+    assert r.status_code == 200 and r.headers["x-upstream"] == "1"
+    assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    seen = upstream.seen[-1]
+    assert seen["path"] == "/v1/completions" and seen["query"] == b"a=1" and seen["body"] == b"short"
+    assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"  # the client's own claim is dropped
+    assert seen["headers"]["authorization"] == "Bearer k" and "proxy-authorization" not in seen["headers"]
+
+
+def test_health_is_answered_by_the_proxy(wire: tuple[Upstream, str]) -> None:
+    _, url = wire
+    r = httpx.get(f"{url}/health", timeout=10, trust_env=False)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_streams_arrive_as_sent_and_a_leaving_client_stops_the_upstream(wire: tuple[Upstream, str]) -> None:
+    upstream, url = wire
+    upstream.disconnected.clear()
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", content=b"long", timeout=10, trust_env=False) as r:
+        first = next(r.iter_raw())
+    assert first.startswith(b"data: 0") and time.monotonic() - t0 < 5  # not buffered to the end (10 s)
+    assert upstream.disconnected.wait(5), "the upstream request was not closed after the client left"
+
+
+def test_non_loopback_vllm_urls_are_refused() -> None:
+    for ok in ["http://127.0.0.1:8001", "http://localhost:8001/", "http://[::1]:8001", "http://127.0.0.2:1"]:
+        assert http_engine.require_loopback(ok) == ok.rstrip("/")
+    for bad in ["http://10.0.0.5:8001", "http://vllm.default.svc:8001", "ftp://127.0.0.1", "127.0.0.1:8001"]:
+        with pytest.raises(PermanentError, match=r"(not on this host|not an http\(s\) URL).*127\.0\.0\.1"):
+            http_engine.HttpEngine(bad)
+
+
+def test_listen_flag() -> None:
+    assert proxy_cli.parse_listen("0.0.0.0:8000") == ("0.0.0.0", 8000)
+    assert proxy_cli.parse_listen("[::1]:8000") == ("::1", 8000)
+    for bad in ["8000", "host:", "host:99999"]:
+        with pytest.raises(SystemExit, match="expected HOST:PORT"):
+            proxy_cli.parse_listen(bad)
