@@ -85,8 +85,32 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
 
 
+def _limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas (as ``MALLOC_ARENA_MAX=2`` would), unless the environment already sets it.
+
+    gRPC serves each call on a pool thread, and glibc gives new threads their own arenas
+    (up to 8 per core); with hundreds of replicas renewing leases, the coordinator's
+    resident memory then crept up by about 1% a minute in the lease soak without any
+    Python-level growth (tracemalloc flat). Two arenas stopped the creep there.
+    """
+    import contextlib
+    import ctypes
+    import ctypes.util
+    import os
+
+    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+        return
+    name = ctypes.util.find_library("c")
+    if name:
+        # not glibc (musl has no arenas to cap): nothing to do
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).mallopt(-8, arenas)  # M_ARENA_MAX
+
+
 def _serve(args: argparse.Namespace) -> int:
     from weightsync.coordinator import auth, models, server, tls
+
+    _limit_malloc_arenas()
     from weightsync.vocabulary import Channel
 
     preference = models.DEFAULT_PREFERENCE
