@@ -116,8 +116,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": Channel.VOLUME.engine_name}),
     ]  # fmt: skip
-    proxy_cmd = [sys.executable, "-m", "weightsync.cli.main", "proxy", "--listen", f"127.0.0.1:{proxy_port}",
-                 "--upstream", url]  # fmt: skip
+    # the proxy command module alone (its add_arguments/run, as `weightsync proxy` calls them), so a
+    # half-added command elsewhere in the shared CLI cannot break this module's fixture
+    run_proxy = (
+        "import argparse, sys; from weightsync.cli import proxy; p = argparse.ArgumentParser(); "
+        "proxy.add_arguments(p); sys.exit(proxy.run(p.parse_args()))"
+    )
+    proxy_cmd = [sys.executable, "-c", run_proxy, "--listen", f"127.0.0.1:{proxy_port}", "--upstream", url]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(_start(vllm_cmd, work / "vllm.log", work, env))
@@ -136,6 +141,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
+    assert served.engine.healthy()
     before = served.engine.greedy(support.PROMPTS, support.TOKENS)
     pub, trainer = served.publish(seed=1)
     t0 = time.perf_counter()
@@ -199,3 +205,27 @@ def test_proxy_hides_dev_routes(served: Served) -> None:
     assert not served.engine.is_paused()
     # the same routes answer on vLLM's own (loopback) port: the proxy is what hides them
     assert httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).status_code == 200
+
+
+def test_a_request_in_flight_survives_an_update(served: Served) -> None:
+    """``/pause?mode=keep`` freezes a running generation instead of aborting it; it finishes after resume.
+
+    The overlap is by timing: 1500 tokens take about 2.5 s here, the update about 0.1 s,
+    and it starts as soon as the first token arrived. With ``mode=abort`` the stream
+    would end early with ``finish_reason`` "abort".
+    """
+    tokens = 1500
+    body = {"prompt": support.PROMPTS[0], "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}  # fmt: skip
+    pub, trainer = served.publish(seed=3)
+    with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+        events = [first] + [line for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
+    assert events[-1] == "data: [DONE]" and chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["token_ids"]) for c in chunks) == tokens
+    assert served.engine.weight_version() == str(served.version)
+    support.assert_generates_like(served.engine, trainer)
+    served.serving = trainer

@@ -253,6 +253,8 @@ def test_non_loopback_vllm_urls_are_refused() -> None:
     for bad in ["http://10.0.0.5:8001", "http://vllm.default.svc:8001", "ftp://127.0.0.1", "127.0.0.1:8001"]:
         with pytest.raises(PermanentError, match=r"(not on this host|not an http\(s\) URL).*127\.0\.0\.1"):
             http_engine.HttpEngine(bad)
+    with http_engine.HttpEngine(CLOSED) as engine:
+        assert not engine.healthy()
 
 
 def test_listen_flag() -> None:
