@@ -234,3 +234,16 @@ def test_mark_durable_checks_a_manifest_it_can_read(tmp_path: Path) -> None:
         core.mark_durable("job", v, str(manifest), "b" * 64)
     info = core.mark_durable("job", v, str(manifest), hashlib.sha256(b"{}").hexdigest())
     assert info.durable and info.manifest_path == str(manifest)
+
+
+def test_a_replica_that_stops_watching_is_not_planned() -> None:
+    core, t, (r0, r1) = fleet(2, ttl=0.3)
+    core.subscribe(r0)
+    core.subscribe(r1)
+    core.stream_ended(r1)  # r1's agent stopped reading its stream but keeps renewing
+    time.sleep(0.35)
+    core.renew(t)
+    core.renew(r0)
+    core.renew(r1)
+    opened = core.open_version(t, "job", "t1", 1, TABLE)
+    assert [p.replica_id for p in opened.plans] == ["r0"]

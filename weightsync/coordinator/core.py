@@ -132,6 +132,7 @@ class Coordinator:
                              forget_work=not same)
                 if same:
                     member.failed_channels = old.failed_channels
+                    member.streams, member.stream_seen = old.streams, old.stream_seen
                     member.current_version = max(current_version, old.current_version)
             if role is Role.TRAINER:
                 other = job.trainer()
@@ -203,9 +204,10 @@ class Coordinator:
                     f"step {step} goes backwards: incarnation {incarnation!r} already published step {last}; "
                     "versions never go backwards (register a new incarnation to publish from an older step)")
             all_offers = {**trainer.offers, **{o.channel: o for o in offers}}
+            now = time.monotonic()
             candidates = [
                 negotiation.Candidate(m.member_id, m.incarnation, m.capabilities, frozenset(m.failed_channels))
-                for m in job.members.values() if m.role is Role.REPLICA
+                for m in job.members.values() if m.role is Role.REPLICA and self._listening(m, now)
             ]
             plans, unplanned, job.groups = negotiation.negotiate(
                 trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups)
@@ -365,6 +367,7 @@ class Coordinator:
             job = self._job(member.job)
             # one queue per stream: a stale stream still draining must not steal the new stream's events
             old, member.events = member.events, queue.SimpleQueue()
+            member.streams += 1
             old.put(None)
             newest = job.newest(durable=True)
             if newest is not None and newest.version > member.current_version and member.capabilities.volume_mount:
@@ -379,6 +382,22 @@ class Coordinator:
                     member.events.put(Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, p, rec.table,
                                                  p.reason))
             return member.events
+
+    def stream_ended(self, lease_id: str) -> None:
+        """The servicer calls this when a watch stream of ``lease_id`` ends, however it ends."""
+        with self._cond:
+            member = self._leases.get(lease_id)
+            if member is not None:
+                member.streams = max(0, member.streams - 1)
+                member.stream_seen = time.monotonic()
+
+    def _listening(self, member: Member, now: float) -> bool:
+        """Planned only if it watches (or did within one lease TTL: a re-open, a fresh registration).
+
+        A replica whose agent renews its lease but no longer reads its stream would otherwise be
+        planned and hold every version STAGING until the version timeout.
+        """
+        return member.streams > 0 or now - member.stream_seen < self.lease_ttl_s
 
     # ---- reads ------------------------------------------------------------------------------------------------
 

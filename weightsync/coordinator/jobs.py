@@ -11,6 +11,7 @@ incarnation (versions never go backwards), and the groups of the last round.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 
 from weightsync.coordinator import negotiation
@@ -32,6 +33,9 @@ class Member:
     offers: dict[Channel, SenderOffer] = field(default_factory=dict)
     failed_channels: set[Channel] = field(default_factory=set)
     last_failed: bool = False
+    streams: int = 0
+    stream_seen: float = field(default_factory=time.monotonic)
+    """When the member registered or its last watch stream ended (monotonic)."""
     events: queue.SimpleQueue[Assignment | None] = field(default_factory=queue.SimpleQueue)
 
 

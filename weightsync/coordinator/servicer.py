@@ -108,8 +108,14 @@ class Servicer:
 
     @_guard
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
-        events = self.core.subscribe(_nonempty(request.lease_id, "lease_id", "register the replica first"))
-        context.add_callback(lambda: events.put(None))  # this stream's own queue: ends the loop on cancel
+        lease_id = _nonempty(request.lease_id, "lease_id", "register the replica first")
+        events = self.core.subscribe(lease_id)
+
+        def ended() -> None:
+            events.put(None)  # this stream's own queue: ends the loop on cancel
+            self.core.stream_ended(lease_id)
+
+        context.add_callback(ended)
         ends = time.monotonic() + STREAM_WINDOW_S * random.uniform(0.8, 1.0)
         while context.is_active():
             left = ends - time.monotonic()
