@@ -41,6 +41,21 @@ def stream(args: argparse.Namespace) -> None:
     sender.close()
 
 
+def receive(args: argparse.Namespace) -> None:
+    """One CPU-stream receiver; with --die-after N it exits hard after N groups (a replica that crashes)."""
+    from weightsync.channels.base import UpdateTicket
+    from weightsync.channels.cpu import CpuReceiver
+    from weightsync.tensors import TensorTable
+    from weightsync.vocabulary import Channel
+
+    receiver = CpuReceiver(args.address, 2, 1, timeout_s=30, bucket_bytes=args.bucket_bytes, group_id=args.group_id)
+    ticket = UpdateTicket(args.version, Channel.CPU, TensorTable(()))
+    for i, _ in enumerate(receiver.receive(ticket)):
+        if i + 1 == args.die_after:
+            os._exit(17)
+    Path(args.out).write_text(json.dumps(receiver.verified))
+
+
 def fsdp(args: argparse.Namespace) -> None:
     """Two gloo ranks train an FSDP2-sharded model one step and publish it to the volume."""
     import torch
@@ -89,6 +104,13 @@ def main() -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--bucket-bytes", type=int, default=256 << 10)
     s.add_argument("--die-after", type=int, default=None)
+    r = sub.add_parser("receive")
+    r.add_argument("--address", required=True)
+    r.add_argument("--group-id", required=True)
+    r.add_argument("--version", type=int, required=True)
+    r.add_argument("--bucket-bytes", type=int, default=1 << 20)
+    r.add_argument("--die-after", type=int, default=None)
+    r.add_argument("--out", required=True)
     f = sub.add_parser("fsdp")
     f.add_argument("--model", required=True)
     f.add_argument("--port", type=int, required=True)
@@ -96,7 +118,7 @@ def main() -> None:
     f.add_argument("--version", type=int, required=True)
     f.add_argument("--expected", required=True)
     args = p.parse_args()
-    {"stream": stream, "fsdp": fsdp}[args.cmd](args)
+    {"stream": stream, "receive": receive, "fsdp": fsdp}[args.cmd](args)
 
 
 if __name__ == "__main__":

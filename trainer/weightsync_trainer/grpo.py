@@ -66,6 +66,6 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rollout
         total = total - a * logp / len(rollouts)
     if not total.requires_grad:  # every group had equal rewards: nothing to learn from
         return 0.0
-    total.backward()
+    total.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
     return float(total.detach())

@@ -75,32 +75,28 @@ def _span(bucket: list[tuple[TensorSpec, ...]]) -> tuple[int, int]:
 
 
 class _Group:
-    """A gloo process group on its own store, so it never touches the global default group.
+    """A gloo process group on a prefix of a TCPStore, so it never touches the global default group.
 
-    The store lives as long as the sender; each membership gets its own group under a
-    prefix of that store (``connect(world_size, group_id)``), so the sender offers one
-    address for its lifetime and rebuilds the group when replicas come and go.
+    The sender's store lives as long as the sender: each membership is a new group
+    under its own prefix, so the sender offers one address for its lifetime.
     """
 
-    def __init__(self, host: str, port: int, world_size: int, rank: int, timeout_s: float, group_id: str = "") -> None:
-        self.host, self.timeout = host, datetime.timedelta(seconds=timeout_s)
-        self.world_size, self.rank, self.group_id = world_size, rank, group_id
-        self._check()
-        self.store = dist.TCPStore(host, port, None, is_master=rank == 0, timeout=self.timeout, wait_for_workers=False)
-        self.port = self.store.port
+    def __init__(self, store: Any, host: str, world_size: int, rank: int, timeout_s: float, group_id: str) -> None:
+        if world_size < 2:
+            raise PermanentError(f"cpu channel: world_size must be >= 2 (sender and receivers), got {world_size}")
+        if not 0 <= rank < world_size:
+            raise PermanentError(f"cpu channel: rank {rank} is outside world_size {world_size}")
+        self.store, self.host, self.world_size, self.rank, self.group_id = store, host, world_size, rank, group_id
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: dist.ProcessGroupGloo | None = None
 
-    def _check(self) -> None:
-        if self.world_size < 2:
-            raise PermanentError(f"cpu channel: world_size must be >= 2 (sender and receivers), got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise PermanentError(f"cpu channel: rank {self.rank} is outside world_size {self.world_size}")
+    @staticmethod
+    def store_for(host: str, port: int, master: bool, timeout_s: float) -> Any:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(host, port, None, is_master=master, timeout=timeout, wait_for_workers=False)
 
-    def connect(self, world_size: int | None = None, group_id: str | None = None) -> None:
+    def connect(self) -> None:
         """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
-        self.world_size = world_size or self.world_size
-        self.group_id = self.group_id if group_id is None else group_id
-        self._check()
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
@@ -109,7 +105,7 @@ class _Group:
             self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         except RuntimeError as e:
             raise TransferTimeoutError(
-                f"cpu channel: group {self.group_id!r} of {self.world_size} at {self.host}:{self.port} did not form "
+                f"cpu channel: group {self.group_id!r} of {self.world_size} at {self.host} did not form "
                 f"within {self.timeout.total_seconds():.0f}s: {e}"
             ) from e
 
@@ -133,33 +129,74 @@ class _Group:
 
 
 class CpuSender(Sender):
-    """Rank 0 of the group. Create it, hand ``address`` to the receivers, then ``connect()``."""
+    """Rank 0 of one or more groups. Create it, hand ``address`` to the receivers, then ``connect()``.
+
+    Each ``connect(world_size, group_id)`` forms one more group under the same store; a
+    version is broadcast to every connected group. A group whose member dies mid-stream
+    is dropped (named in ``failed``) and the others go on: with one group per replica, a
+    replica that dies never costs another replica its version.
+    """
 
     channel: ClassVar[Channel] = Channel.CPU
 
     def __init__(
         self,
-        world_size: int,
+        world_size: int = 2,
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 120.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        self._group = _Group(host, port, world_size, 0, timeout_s)
-        self.bucket_bytes = bucket_bytes
+        self.host, self.world_size, self.timeout_s, self.bucket_bytes = host, world_size, timeout_s, bucket_bytes
+        self._store = _Group.store_for(host, port, True, timeout_s)
+        self.port = int(self._store.port)
+        self.groups: dict[str, _Group] = {}
+        self.failed: dict[str, str] = {}
         self._buffers: list[torch.Tensor] = []
 
     @property
     def address(self) -> str:
-        return f"{self._group.host}:{self._group.port}"
+        return f"{self.host}:{self.port}"
 
-    def connect(self, world_size: int | None = None, group_id: str | None = None) -> None:
-        """Form the group (again, for a new membership: ``world_size`` members under ``group_id``)."""
-        self._group.connect(world_size, group_id)
+    def connect(self, world_size: int | None = None, group_id: str = "") -> None:
+        """Form a group of ``world_size`` members (default: the constructor's) named ``group_id``."""
+        group = _Group(self._store, self.host, world_size or self.world_size, 0, self.timeout_s, group_id)
+        group.connect()
+        self.groups[group_id] = group
 
-    @property
-    def group_id(self) -> str:
-        return self._group.group_id if self._group.pg is not None else ""
+    def retain(self, group_ids: Iterable[str]) -> None:
+        """Forget the groups whose membership is gone."""
+        keep = set(group_ids)
+        for gid in [g for g in self.groups if g not in keep]:
+            self.groups.pop(gid).close()
+
+    def _all(self, what: str, post: Any) -> dict[str, Any]:
+        """Post ``post(group)`` on every live group; a group that fails is dropped, not fatal."""
+        works = {}
+        for gid, group in list(self.groups.items()):
+            try:
+                works[gid] = post(group)
+            except (RuntimeError, TransferTimeoutError) as e:
+                self._drop(gid, f"{what}: {e}")
+        return works
+
+    def _wait(self, works: dict[str, Any], what: str) -> None:
+        for gid, work in works.items():
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            try:
+                group.wait(work, what)
+            except TransferTimeoutError as e:
+                self._drop(gid, str(e))
+        if not self.groups:
+            raise TransferTimeoutError(f"cpu channel: every group failed ({'; '.join(self.failed.values())})")
+
+    def _drop(self, gid: str, why: str) -> None:
+        self.failed[gid] = why
+        group = self.groups.pop(gid, None)
+        if group is not None:
+            group.close()
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
         while len(self._buffers) <= i:
@@ -169,17 +206,20 @@ class CpuSender(Sender):
         return self._buffers[i][:size]
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+        if not self.groups:
+            raise PermanentError("cpu channel: no group is connected; call connect() first")
+        self.failed = {}
         bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
         self._send_header(ticket)
         found: dict[str, str] = {}
         source = iter(groups)
-        in_flight: list[tuple[Any, str]] = []
+        in_flight: list[tuple[dict[str, Any], str]] = []
         for i, bucket in enumerate(plan_buckets(ticket.table, bucket_bytes)):
             base, end = _span(bucket)
             buf = self._buffer(i % 2, end - base)
             # the buffer we are about to overwrite was sent two buckets ago: make sure it left
             while len(in_flight) > 1:
-                self._group.wait(*in_flight.pop(0))
+                self._wait(*in_flight.pop(0))
             bucket_digests: list[str] = []
             for specs in bucket:
                 tensors = next(source)
@@ -195,13 +235,14 @@ class CpuSender(Sender):
                         d = digests.digest(dst)
                         found[spec.name] = d
                         bucket_digests.append(d)
-            in_flight.append((self._group.broadcast(buf), f"bucket {i} broadcast"))
+            label = f"bucket {i} broadcast"
+            in_flight.append((self._all(label, lambda g, b=buf: g.broadcast(b)), label))
             if ticket.verify:
                 # digests travel on their own small broadcast; wait for it so the tensor stays alive
                 words = digests.to_words(bucket_digests)
-                self._group.wait(self._group.broadcast(words), f"bucket {i} digests")
-        for work in in_flight:
-            self._group.wait(*work)
+                self._wait(self._all(f"bucket {i} digests", lambda g, w=words: g.broadcast(w)), f"bucket {i} digests")
+        for works, label in in_flight:
+            self._wait(works, label)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
         return found
@@ -210,11 +251,12 @@ class CpuSender(Sender):
         """The version number and the whole table go first, so receivers need only a version to start."""
         header = json.dumps({"version": ticket.version, "table": ticket.table.to_dict()}).encode()
         size = torch.tensor([len(header)], dtype=torch.int64)
-        self._group.wait(self._group.broadcast(size), "header size")
-        self._group.wait(self._group.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8)), "header")
+        raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self._wait(self._all("header size", lambda g: g.broadcast(size)), "header size")
+        self._wait(self._all("header", lambda g: g.broadcast(raw)), "header")
 
     def close(self) -> None:
-        self._group.close()
+        self.retain(())
 
 
 class CpuReceiver(Receiver):
@@ -234,7 +276,8 @@ class CpuReceiver(Receiver):
         self.bucket_bytes = bucket_bytes
         self.verified = {}
         host, _, port = address.rpartition(":")
-        self._group = _Group(host, int(port), world_size, rank, timeout_s, group_id)
+        store = _Group.store_for(host, int(port), False, timeout_s)
+        self._group = _Group(store, host, world_size, rank, timeout_s, group_id)
         self._group.connect()
 
     @classmethod

@@ -23,6 +23,8 @@ COMMANDS: dict[str, str] = {
     "sandbox": "weightsync.cli.sandbox",
     "coordinator": "weightsync.cli.coordinator",
     "proxy": "weightsync.cli.proxy",
+    "agent": "weightsync.cli.agent",
+    "demo": "weightsync.cli.demo",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -159,9 +159,11 @@ class OpenedVersion:
     plans: tuple[ChannelPlan, ...]
     reused: bool = False
 
-    def groups(self) -> dict[Channel, str]:
-        """Group id per group channel in this version (rebuild a sender whose id changed)."""
-        return {p.channel: p.rendezvous.group_id for p in self.plans if p.channel in GROUP_CHANNELS}
+    def groups(self) -> dict[str, tuple[Channel, int]]:
+        """Each group of this version: id -> (channel, world size). Form the ones the sender lacks."""
+        return {
+            p.rendezvous.group_id: (p.channel, p.rendezvous.world_size) for p in self.plans if p.channel in GROUP_CHANNELS
+        }
 
 
 @dataclass(frozen=True)

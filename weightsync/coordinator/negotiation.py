@@ -44,14 +44,26 @@ class Candidate:
     failed_channels: frozenset[Channel] = frozenset()
 
 
+PAIRWISE_CHANNELS = frozenset({Channel.CPU})
+"""Group channels whose groups hold one replica each. A gloo collective fails for every
+member when one member dies, so the CPU stream gives each replica its own group (the
+trainer broadcasts to all of them; a dead replica breaks only its own). NCCL keeps one
+group per membership: a broadcast to many GPUs costs what one costs on NVLink."""
+
+
 @dataclass(frozen=True)
 class GroupState:
-    """The groups of the previous round: members and rendezvous per channel, and their ids."""
+    """The groups of the previous round, by group key (the channel, or channel/replica for pairwise
+    channels): members, rendezvous, and their ids."""
 
-    members: Mapping[Channel, tuple[tuple[str, str], ...]] = field(default_factory=dict)
-    endpoints: Mapping[Channel, tuple[str, int]] = field(default_factory=dict)
-    ids: Mapping[Channel, str] = field(default_factory=dict)
+    members: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    endpoints: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    ids: Mapping[str, str] = field(default_factory=dict)
     minted: int = 0
+
+
+def group_key(channel: Channel, replica_id: str) -> str:
+    return f"{channel.value}/{replica_id}" if channel in PAIRWISE_CHANNELS else channel.value
 
 
 def why_not(channel: Channel, trainer: Capabilities, offer: SenderOffer | None, replica: Candidate) -> str:
@@ -122,33 +134,35 @@ def negotiate(
         else:
             chosen[replica.replica_id] = (replica, channel, reason)
 
-    members: dict[Channel, tuple[tuple[str, str], ...]] = {}
-    endpoints: dict[Channel, tuple[str, int]] = {}
-    ids: dict[Channel, str] = {}
+    members: dict[str, tuple[tuple[str, str], ...]] = {}
+    endpoints: dict[str, tuple[str, int]] = {}
+    ids: dict[str, str] = {}
+    devices: dict[str, int] = {}
     minted = previous.minted
-    for channel in sorted(GROUP_CHANNELS):
-        group = tuple((c.replica_id, c.incarnation) for c, ch, _ in chosen.values() if ch is channel)
-        if not group:
-            continue
-        endpoint = (offers[channel].host, offers[channel].port)
-        members[channel], endpoints[channel] = group, endpoint
-        same = previous.members.get(channel) == group and previous.endpoints.get(channel) == endpoint
-        if same and channel in previous.ids:
-            ids[channel] = previous.ids[channel]
+    for replica, channel, _ in sorted(chosen.values(), key=lambda x: x[0].replica_id):
+        if channel in GROUP_CHANNELS:
+            key = group_key(channel, replica.replica_id)
+            members[key] = (*members.get(key, ()), (replica.replica_id, replica.incarnation))
+            endpoints[key] = (offers[channel].host, offers[channel].port)
+            devices[key] = devices.get(key, 0) + replica.capabilities.devices
+    for key in sorted(members):
+        same = previous.members.get(key) == members[key] and previous.endpoints.get(key) == endpoints[key]
+        if same and key in previous.ids:
+            ids[key] = previous.ids[key]
         else:
             minted += 1
-            ids[channel] = f"{channel.value}-{minted}"
+            ids[key] = f"{key.split('/')[0]}-{minted}"
 
     plans: list[ChannelPlan] = []
-    next_rank: dict[Channel, int] = dict.fromkeys(GROUP_CHANNELS, 1)
-    world = {ch: 1 + sum(c.capabilities.devices for c, x, _ in chosen.values() if x is ch) for ch in GROUP_CHANNELS}
+    next_rank: dict[str, int] = dict.fromkeys(members, 1)
     for replica, channel, reason in chosen.values():
         caps, offer = replica.capabilities, offers.get(channel)
         if channel in GROUP_CHANNELS:
             assert offer is not None
-            rdv = Rendezvous(host=offer.host, port=offer.port, rank_offset=next_rank[channel],
-                             world_size=world[channel], group_id=ids[channel])
-            next_rank[channel] += caps.devices
+            key = group_key(channel, replica.replica_id)
+            rdv = Rendezvous(host=offer.host, port=offer.port, rank_offset=next_rank[key],
+                             world_size=1 + devices[key], group_id=ids[key])
+            next_rank[key] += caps.devices
         elif channel is Channel.IPC:
             assert offer is not None
             rdv = Rendezvous(host=trainer.host, ipc_handles={g: offer.ipc_handles[g] for g in caps.gpu_uuids})

@@ -1,0 +1,216 @@
+"""A fleet on one machine, as real processes: the coordinator and vLLM replicas with their agents.
+
+Each replica is what a Kubernetes pod would run: a vLLM OpenAI server on a loopback
+port in development mode (its weight-transfer routes reachable only here), the
+``weightsync agent`` attached to it, and the ``weightsync proxy`` that exposes only the
+OpenAI routes to clients. Logs go to files under the work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, sig)
+                self.popen.wait(timeout_s)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout_s)
+        self.log.close()
+
+
+def spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = None) -> Proc:
+    log = (logs / f"{name}.log").open("ab")
+    popen = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    return Proc(name, popen, log)
+
+
+def weightsync_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "weightsync.cli.main", *args]
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    vllm_port: int
+    proxy_port: int
+    metrics_port: int
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """What clients use: the proxy (OpenAI routes only)."""
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        for proc in reversed(self.procs):
+            proc.stop(sig)
+        self.procs = []
+
+
+@dataclass
+class LocalFleet:
+    workdir: Path
+    model: Path
+    job: str = "demo"
+    coordinator_port: int = field(default_factory=free_port)
+    coordinator_metrics_port: int = field(default_factory=free_port)
+    lease_ttl_s: float = 4.0
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    coordinator: Proc | None = None
+
+    @property
+    def volume(self) -> Path:
+        return self.workdir / "volume"
+
+    @property
+    def logs(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def coordinator_address(self) -> str:
+        return f"127.0.0.1:{self.coordinator_port}"
+
+    def start_coordinator(self) -> None:
+        self.volume.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.coordinator = spawn(
+            "coordinator",
+            weightsync_cmd(
+                "coordinator",
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.coordinator_port),
+                "--metrics-port",
+                str(self.coordinator_metrics_port),
+                "--job",
+                self.job,
+                "--volume",
+                str(self.volume),
+                "--lease-ttl",
+                str(self.lease_ttl_s),
+            ),
+            self.logs,
+        )
+
+    def start_replica(self, replica_id: str) -> Replica:
+        old = self.replicas.get(replica_id)
+        r = old or Replica(replica_id, free_port(), free_port(), free_port())
+        vllm = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(r.vllm_port),
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.05",
+            "--max-model-len",
+            "256",
+            "--seed",
+            "0",
+            "--weight-transfer-config",
+            json.dumps({"backend": "weightsync-cpu"}),
+        ]
+        r.procs = [
+            spawn(f"{replica_id}-vllm", vllm, self.logs, {"VLLM_SERVER_DEV_MODE": "1"}),
+            spawn(
+                f"{replica_id}-proxy",
+                weightsync_cmd(
+                    "proxy",
+                    "--listen",
+                    f"127.0.0.1:{r.proxy_port}",
+                    "--upstream",
+                    f"http://127.0.0.1:{r.vllm_port}",
+                ),
+                self.logs,
+            ),
+            spawn(
+                f"{replica_id}-agent",
+                weightsync_cmd(
+                    "agent",
+                    "--vllm-url",
+                    f"http://127.0.0.1:{r.vllm_port}",
+                    "--coordinator",
+                    self.coordinator_address,
+                    "--job",
+                    self.job,
+                    "--replica-id",
+                    replica_id,
+                    "--checkpoint-dir",
+                    str(self.volume),
+                    "--insecure",
+                    "--host",
+                    "localhost",
+                    "--metrics-port",
+                    str(r.metrics_port),
+                ),
+                self.logs,
+            ),
+        ]
+        self.replicas[replica_id] = r
+        return r
+
+    def wait_healthy(self, replicas: list[Replica], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for r in replicas:
+            while not r.healthy():
+                dead = [p.name for p in r.procs if p.popen.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited; see {self.logs}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{r.replica_id} not healthy within {timeout_s:.0f}s; see {self.logs}")
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        for r in self.replicas.values():
+            r.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
