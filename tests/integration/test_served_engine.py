@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests import support
+from weightsync.channels.base import UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.vocabulary import Channel
 from weightsync_inference.http_engine import HttpEngine
@@ -33,6 +34,7 @@ from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 START_TIMEOUT_S = 240.0
+ROOT = Path(__file__).resolve().parents[2]
 DEV_ROUTES = [
     "/pause",
     "/resume",
@@ -226,6 +228,39 @@ def test_a_request_in_flight_survives_an_update(served: Served) -> None:
     chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
     assert events[-1] == "data: [DONE]" and chunks[-1]["finish_reason"] == "length"
     assert sum(len(c["token_ids"]) for c in chunks) == tokens
+    assert served.engine.weight_version() == str(served.version)
+    support.assert_generates_like(served.engine, trainer)
+    served.serving = trainer
+
+
+def test_trainer_killed_mid_stream_leaves_the_server_paused_until_a_whole_version(served: Served) -> None:
+    """A torn update over HTTP: no UNTOUCHED marker in vLLM's 500, so the replica stays paused.
+
+    The same served engine (started for the volume) builds a CPU-stream receiver on
+    request (``init_info["channel"]``); the trainer process dies after two groups.
+    """
+    port = _free_port()
+    served.version += 1
+    cmd = [sys.executable, "-m", "tests.integration.procs", "stream", "--model", str(served.folder),
+           "--port", str(port), "--version", str(served.version), "--seed", "12", "--die-after", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=support.env_without_proxies())
+    try:
+        info = {"channel": Channel.CPU.value, "address": f"127.0.0.1:{port}", "world_size": 2, "rank_offset": 1,
+                "timeout_s": 60, "bucket_bytes": 256 << 10}  # fmt: skip
+        served.replica.init_transfer(info)
+        table = ModuleSource(support.hf_trainer(served.folder, seed=12)).table()
+        ticket = UpdateTicket(served.version, Channel.CPU, table, step=served.version, timeout_s=60)
+        with pytest.raises(UpdateFailed, match=r"failed after bytes reached the parameters: vLLM /update_weights"):
+            served.replica.apply(ticket)
+        assert served.replica.state is ReplicaState.TORN and served.engine.is_paused()
+        assert proc.wait(timeout=60) == 17
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+    pub, trainer = served.publish(seed=13)
+    served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
     assert served.engine.weight_version() == str(served.version)
     support.assert_generates_like(served.engine, trainer)
     served.serving = trainer
