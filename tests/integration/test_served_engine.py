@@ -252,7 +252,7 @@ def test_trainer_killed_mid_stream_leaves_the_server_paused_until_a_whole_versio
         ticket = UpdateTicket(served.version, Channel.CPU, table, step=served.version, timeout_s=60)
         with pytest.raises(UpdateFailed, match=r"failed after bytes reached the parameters: vLLM /update_weights"):
             served.replica.apply(ticket)
-        assert served.replica.state is ReplicaState.TORN and served.engine.is_paused()
+        assert (served.replica.state, served.engine.is_paused()) == (ReplicaState.TORN, True)
         assert proc.wait(timeout=60) == 17
     finally:
         proc.kill()
