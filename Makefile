@@ -1,4 +1,4 @@
-# weightsync developer entry points. `make sandbox` and `make test` are the README's two commands.
+# weightsync developer entry points. `make demo` and `make test` are the README's two commands.
 .DEFAULT_GOAL := help
 PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
@@ -9,7 +9,10 @@ help:  ## list the targets
 venv:  ## build .venv with torch 2.13.0, vLLM (CPU build) and the test tools (idempotent)
 	@bash tools/setup-env.sh
 
-sandbox: venv  ## sync a trainer into a real vLLM engine on a generated tiny model and verify it
+demo: venv  ## the embedded default: coordinator, 2 vLLM replicas, a GRPO trainer; reward rises as weights sync
+	.venv/bin/weightsync demo
+
+sandbox: venv  ## sync a trainer into one real vLLM engine on a generated tiny model and verify it
 	.venv/bin/weightsync sandbox
 
 lint: venv  ## ruff (lint + format check) and mypy
@@ -43,4 +46,4 @@ unit: venv  ## only the unit tier (seconds)
 integration: venv models  ## only the integration tier (real vLLM, real processes)
 	$(PY) -m pytest tests -m integration
 
-.PHONY: help venv sandbox lint format models e2e-tools crds test e2e unit integration
+.PHONY: help venv demo sandbox lint format models e2e-tools crds test e2e unit integration

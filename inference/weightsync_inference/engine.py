@@ -28,10 +28,15 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from weightsync import channels
+from weightsync.channels import placement
 from weightsync.channels.base import Receiver, UpdateTicket, WorkerContext
-from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
+from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError, WeightsyncError
 from weightsync.vocabulary import Channel
+from weightsync_inference import validation
 from weightsync_inference.lifecycle import UNTOUCHED
+
+RENAMES = ("prefix", "substr", "suffix", "regex", "renaming")
+"""``WeightsMapper`` rules that rename checkpoint tensors (the model's names then differ from the checkpoint's)."""
 
 
 class UpdateRefused(WeightsyncError):
@@ -121,6 +126,11 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
 
             initialize_layerwise_reload(self.model)
             self._reloading = True
+            try:
+                self._check_table()
+            except ModelMismatchError:
+                self._finalize()  # nothing was loaded: this puts every layer's weights back as they were
+                raise
             self.torn = True
         t0 = time.perf_counter()
         self.model.load_weights(weights)
@@ -156,8 +166,6 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
             self._loaded.update(receiver.verified)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         ticket = self._ticket
         if ticket is not None:
             table = self.receiver.table if self.receiver is not None and self.receiver.table else ticket.table
@@ -168,14 +176,43 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
                     f"(first: {missing[:3]!r}); the replica must stay paused until a whole version loads"
                 )
         t0 = time.perf_counter()
-        if self._reloading:
-            finalize_layerwise_reload(self.model, self.model_config)
-            self._refresh_tied_layers()
+        self._finalize()
         self._finish_seconds = time.perf_counter() - t0
-        self._reloading = False
         self.torn = False
         if ticket is not None and self.receipt_dir is not None:
             self._write_receipt(ticket)
+
+    def _check_table(self) -> None:
+        """Refuse a version that does not fit the model before its first tensor loads.
+
+        Runs after the layerwise reload began, because the CPU backend keeps only packed
+        copies of linear weights; the reload restores their shapes (on the meta device).
+        Models whose checkpoint names vLLM rewrites (a ``hf_to_vllm_mapper`` with renames)
+        are left to vLLM's loader.
+        """
+        ticket = self._ticket
+        table = self.receiver.table if self.receiver is not None and self.receiver.table else None
+        table = table or (ticket.table if ticket is not None else None)
+        mapper = getattr(type(self.model), "hf_to_vllm_mapper", None)
+        renames = any(getattr(mapper, f"orig_to_new_{kind}", None) for kind in RENAMES)
+        if not table or renames:
+            return
+        tied = bool(getattr(self.model_config.hf_config, "tie_word_embeddings", False))
+        validation.check_table(
+            table,
+            placement.layout_of(self.model.named_parameters()),
+            placement.fused_mapping(self.model),
+            optional=frozenset({"lm_head.weight"}) if tied else frozenset(),
+            sharded=int(self.parallel_config.tensor_parallel_size) > 1,
+        )
+
+    def _finalize(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if self._reloading:
+            finalize_layerwise_reload(self.model, self.model_config)
+            self._refresh_tied_layers()
+        self._reloading = False
 
     def _refresh_tied_layers(self) -> None:
         """Re-run post-processing for layers that share their weight with another layer.

@@ -133,3 +133,33 @@ def test_unknown_or_unready_channel_is_refused_untouched(live: Live) -> None:
         with pytest.raises(UpdateFailed, match=message):
             live.replica.apply(pub.ticket(live.version, live.version, channel))
         assert live.replica.state is ReplicaState.SERVING
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("extra", r"tensor 'model.layers.0.mlp.bogus.weight' was sent but the engine has no such parameter"),
+        ("missing", r"parameter 'model.norm.weight' \(shape \[256\]\) is not in the version"),
+        ("shape", r"tensor 'model.layers.1.mlp.down_proj.weight': shape \[256, 100\]"),
+        ("dtype", r"tensor 'model.norm.weight': dtype float16, the engine holds bfloat16"),
+    ],
+)
+def test_model_mismatch_is_refused_naming_the_tensor(live: Live, change: str, message: str) -> None:
+    serving = support.hf_trainer(live.folder, seed=7)
+    pub, _ = live.publish(ModuleSource(serving))
+    live.replica.apply(pub.ticket(live.version, live.version, Channel.VOLUME))
+
+    state = {n: p.detach().to(torch.bfloat16) for n, p in support.hf_trainer(live.folder, seed=8).named_parameters()}
+    if change == "extra":
+        state["model.layers.0.mlp.bogus.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    elif change == "missing":
+        del state["model.norm.weight"]
+    elif change == "shape":
+        state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(256, 100, dtype=torch.bfloat16)
+    else:
+        state["model.norm.weight"] = state["model.norm.weight"].half()
+    pub, _ = live.publish(ModuleSource(PlainModule(state), wire_dtype=None))
+    with pytest.raises(UpdateFailed, match=message) as err:
+        live.replica.apply(pub.ticket(live.version, live.version, Channel.VOLUME))
+    assert err.value.state is ReplicaState.SERVING
+    support.assert_generates_like(live.engine, serving)

@@ -61,7 +61,7 @@ def layout_of(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str,
     return {name: (DTYPE_NAMES[p.dtype], tuple(p.shape)) for name, p in named_parameters if p.dtype in DTYPE_NAMES}
 
 
-def _fused_target(name: str, mapping: Mapping[str, tuple[str, str | int]]) -> tuple[str, int] | None:
+def fused_target(name: str, mapping: Mapping[str, tuple[str, str | int]]) -> tuple[str, int] | None:
     for trainer_part, (engine_part, shard) in mapping.items():
         if trainer_part + "." in name:
             order = _SHARD_ORDER[shard] if isinstance(shard, str) else int(shard)
@@ -83,7 +83,7 @@ def direct_plan(
     plan: Plan = {}
     fused: dict[str, list[tuple[int, TensorSpec]]] = {}
     for spec in specs:
-        target = _fused_target(spec.name, mapping)
+        target = fused_target(spec.name, mapping)
         if target is not None and target[0] in layout:
             fused.setdefault(target[0], []).append((target[1], spec))
         elif layout.get(spec.name) == (spec.dtype, spec.shape):
