@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +57,57 @@ def raw_gloo(nbytes: int, reps: int) -> list[float]:
         group.wait(group.broadcast(buf), "raw")
         samples.append(time.perf_counter() - t0)
     proc.wait(timeout=120)
+    return samples
+
+
+def _stream_receiver(port: int, reps: int) -> None:
+    from weightsync.channels.base import UpdateTicket
+    from weightsync.channels.cpu import CpuReceiver
+    from weightsync.tensors import TensorTable
+    from weightsync.vocabulary import Channel
+
+    receiver = CpuReceiver(f"127.0.0.1:{port}", 2, 1)
+    for v in range(1, reps + 2):
+        for _ in receiver.receive(UpdateTicket(v, Channel.CPU, TensorTable(()), verify=False)):
+            pass
+
+
+def stream_transport(source: Any, reps: int) -> list[float]:
+    """The CPU stream alone: trainer tensors to a receiver that drains them (no engine)."""
+    from weightsync.channels.cpu import CpuSender
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer.publisher import Publisher
+
+    sender = CpuSender()
+    proc = subprocess.Popen([sys.executable, __file__, "--stream-receiver", str(sender.port), str(reps)])
+    sender.connect()
+    publisher = Publisher(source, [sender], verify=False)
+    samples = []
+    for v in range(1, reps + 2):
+        t0 = time.perf_counter()
+        publisher.publish(v, v, [publisher.ticket(v, v, Channel.CPU)])
+        samples.append(time.perf_counter() - t0)
+    proc.wait(timeout=300)
+    sender.close()
+    return samples[1:]
+
+
+def volume_transport(source: Any, base: Path, reps: int) -> list[float]:
+    """The volume alone: write (shards, sha256, fsync, rename), verify every shard, read every tensor."""
+    from weightsync.channels.volume import VolumeReceiver, VolumeSender
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer.publisher import Publisher
+
+    publisher = Publisher(source, [VolumeSender(base / "transport", keep=2)], verify=False)
+    receiver = VolumeReceiver(base / "transport")
+    samples = []
+    for v in range(1, reps + 1):
+        t0 = time.perf_counter()
+        publisher.publish(v, v)
+        for group in receiver.receive(publisher.ticket(v, v, Channel.VOLUME)):
+            for _, tensor in group:
+                tensor.sum()  # touch the bytes, as a loader would
+        samples.append(time.perf_counter() - t0)
     return samples
 
 
@@ -95,9 +147,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--raw-receiver", nargs=3, type=int, metavar=("PORT", "BYTES", "REPS"), help=argparse.SUPPRESS)
+    p.add_argument("--stream-receiver", nargs=2, type=int, metavar=("PORT", "REPS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.raw_receiver:
         _raw_gloo_receiver(*args.raw_receiver)
+        return
+    if args.stream_receiver:
+        _stream_receiver(*args.stream_receiver)
         return
 
     import transformers
@@ -154,7 +210,9 @@ def main() -> None:
         print(key, [f"{s:.3f}" for s in results[key]], flush=True)
         tensors = {s.name: t for s, t in zip(table, (t for g in source.groups() for t in g), strict=True)}
         results[f"raw safetensors save+fsync+load ({where})"] = raw_safetensors(tensors, base, args.reps)
+        results[f"volume transport only, no engine ({where})"] = volume_transport(source, base, args.reps)
     engine.close()
+    results["cpu stream transport only, no engine"] = stream_transport(source, args.reps)
 
     results["raw gloo flat broadcast"] = raw_gloo(nbytes, args.reps)
     results["raw memcpy"] = raw_memcpy(nbytes, args.reps)
@@ -172,11 +230,16 @@ def main() -> None:
     for k, v in med.items():
         lines.append(f"| {k} | {v:.3f} | {nbytes / v / 1e9:.2f} | {v / base:.2f}x |")
     for where in ("disk", "/dev/shm"):
+        raw = med[f"raw safetensors save+fsync+load ({where})"]
         lines.append(
             f"\nvolume ({where}) vs raw safetensors save+fsync+load: "
-            f"{med[f'volume channel ({where})'] / med[f'raw safetensors save+fsync+load ({where})']:.2f}x"
+            f"end to end {med[f'volume channel ({where})'] / raw:.2f}x, "
+            f"transport only {med[f'volume transport only, no engine ({where})'] / raw:.2f}x"
         )
-    lines.append(f"\ncpu channel bandwidth vs raw gloo flat broadcast: {base / med['cpu channel'] * 100:.0f}%")
+    lines.append(
+        f"\ncpu channel bandwidth vs raw gloo flat broadcast: end to end {base / med['cpu channel'] * 100:.0f}%, "
+        f"transport only {base / med['cpu stream transport only, no engine'] * 100:.0f}%"
+    )
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"samples": results, "median": med, "bytes": nbytes}, indent=1))

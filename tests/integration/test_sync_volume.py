@@ -116,7 +116,9 @@ def test_corrupt_shard_is_refused_and_previous_version_keeps_serving(live: Live)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    with pytest.raises(UpdateFailed, match=r"shard-00000.safetensors: sha256 .* tensor '.*' has changed") as err:
+    with pytest.raises(
+        UpdateFailed, match=r"shard-00000.safetensors of version \d+: sha256 .* tensor '.*' has changed"
+    ) as err:
         live.replica.apply(pub.ticket(live.version, live.version, Channel.VOLUME))
     assert err.value.state is ReplicaState.SERVING and live.replica.state is ReplicaState.SERVING
     support.assert_generates_like(live.engine, serving)

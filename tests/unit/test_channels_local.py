@@ -91,7 +91,7 @@ def test_truncated_shard_is_refused_naming_file_and_tensor(tmp_path: Path) -> No
     shard.write_bytes(shard.read_bytes()[:-100])
     receiver = VolumeReceiver(tmp_path)
     with pytest.raises(
-        IntegrityError, match=r"shard-00000.safetensors: shard is truncated .* tensor 'g0.t0' is cut off"
+        IntegrityError, match=r"shard-00000.safetensors of version 1: shard is truncated .* tensor 'g0.t0' is cut off"
     ):
         next(receiver.receive(ticket))
 
@@ -103,7 +103,8 @@ def test_corrupted_shard_is_refused_before_any_tensor(tmp_path: Path) -> None:
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(
-        IntegrityError, match=r"shard-00001.safetensors: sha256 .* does not match .* tensor 'g2.t0' has changed"
+        IntegrityError,
+        match=r"shard-00001.safetensors of version 1: sha256 .* does not match .* tensor 'g2.t0' has changed",
     ):
         next(VolumeReceiver(tmp_path).receive(ticket))
 

@@ -263,19 +263,21 @@ def verify_version(directory: Path, manifest: Manifest) -> None:
     def check(item: tuple[str, tuple[int, str]]) -> None:
         file, (size, sha) = item
         path = directory / file
+        # the bare file name and version survive where a server masks paths (vLLM answers with "<path>")
+        what = f"{path}: {file} of version {manifest.version}"
         if not path.is_file():
-            raise IntegrityError(f"{path}: shard is missing; the version is refused")
+            raise IntegrityError(f"{what}: shard is missing; the version is refused")
         actual = path.stat().st_size
         if actual != size:
             where = _name_damaged_tensor(path, actual, manifest, file)
             raise IntegrityError(
-                f"{path}: shard is truncated ({actual} of {size} bytes): {where}; the version is refused"
+                f"{what}: shard is truncated ({actual} of {size} bytes): {where}; the version is refused"
             )
         got = _sha256_file(path)
         if got != sha:
             where = _name_damaged_tensor(path, actual, manifest, file)
             raise IntegrityError(
-                f"{path}: sha256 {got} does not match the manifest's {sha}: {where}; the version is refused"
+                f"{what}: sha256 {got} does not match the manifest's {sha}: {where}; the version is refused"
             )
 
     with ThreadPoolExecutor(max_workers=2) as pool:

@@ -161,9 +161,8 @@ class OpenedVersion:
 
     def groups(self) -> dict[str, tuple[Channel, int]]:
         """Each group of this version: id -> (channel, world size). Form the ones the sender lacks."""
-        return {
-            p.rendezvous.group_id: (p.channel, p.rendezvous.world_size) for p in self.plans if p.channel in GROUP_CHANNELS
-        }
+        groups = (p for p in self.plans if p.channel in GROUP_CHANNELS)
+        return {p.rendezvous.group_id: (p.channel, p.rendezvous.world_size) for p in groups}
 
 
 @dataclass(frozen=True)
