@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 from weightsync.channels import digests
 from weightsync.channels.base import (
@@ -64,8 +64,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _fsync_and_hash(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return _sha256_file(path)
 
 
 def _sha256_file(path: Path) -> str:
@@ -183,13 +188,12 @@ class VolumeSender(Sender):
             if not pending:
                 return
             name = f"shard-{len(shards):05d}.safetensors"
-            data = st_save(pending)
-            with (tmp / name).open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            shards[name] = (len(data), "")
-            futures.append((name, hashing.submit(_sha256_bytes, data)))
+            path = tmp / name
+            # save_file serialises straight to the file (the in-memory `save` costs a second
+            # copy); the hash reads it back from the page cache while the next shard is written
+            save_file(pending, str(path))
+            shards[name] = (path.stat().st_size, "")
+            futures.append((name, hashing.submit(_fsync_and_hash, path)))
             pending, pending_bytes = {}, 0
 
         try:
