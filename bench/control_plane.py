@@ -49,9 +49,24 @@ def _free_port() -> int:
 def start_coordinator(lease_ttl: float) -> tuple[subprocess.Popen[str], str]:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightsync.cli.main", "coordinator", "--insecure", "--port", str(port), "--json",
-         "--lease-ttl", str(lease_ttl), "--max-workers", "1024"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli.main",
+            "coordinator",
+            "--insecure",
+            "--port",
+            str(port),
+            "--json",
+            "--lease-ttl",
+            str(lease_ttl),
+            "--max-workers",
+            "1024",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     return proc, json.loads(proc.stdout.readline())["target"]
 
@@ -82,8 +97,7 @@ def start_replicas(target: str, n: int, per_process: int, with_ready: bool = Fal
     ids = [f"replica-{i:04d}" for i in range(n)]
     procs = []
     for i in range(0, n, per_process):
-        p = ctx.Process(target=_replica, args=(target, ids[i:i + per_process], ready, stop, with_ready),
-                       daemon=True)
+        p = ctx.Process(target=_replica, args=(target, ids[i : i + per_process], ready, stop, with_ready), daemon=True)
         p.start()
         procs.append(p)
     for _ in range(n):
@@ -126,8 +140,12 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
     try:
         procs, stop = start_replicas(target, n, per_process, with_ready)
         trainer = CoordinatorClient(target, insecure=True, timeout_s=30)
-        trainer.register_trainer(JOB, "trainer", Capabilities(host="bench", channels=(Channel.CPU,)),
-                                 offers=[SenderOffer(Channel.CPU, "127.0.0.1", 29500)])
+        trainer.register_trainer(
+            JOB,
+            "trainer",
+            Capabilities(host="bench", channels=(Channel.CPU,)),
+            offers=[SenderOffer(Channel.CPU, "127.0.0.1", 29500)],
+        )
         samples: list[float] = []
         cpu0 = 0.0
         for step in range(warmup + syncs):
@@ -147,10 +165,17 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
                 samples.append(elapsed * 1000)
         cpu_ms = (cpu_seconds(coordinator.pid) - cpu0) * 1000 / syncs
         trainer.close()
-        return {"replicas": n, "with_ready": with_ready, "coordinator_cpu_ms_per_sync": round(cpu_ms, 2),
-                "syncs": syncs, "p50_ms": round(statistics.median(samples), 2),
-                "p99_ms": round(pct(samples, 0.99), 2), "mean_ms": round(statistics.fmean(samples), 2),
-                "max_ms": round(max(samples), 2), "coordinator_rss_mib": round(rss_mib(coordinator.pid), 1)}
+        return {
+            "replicas": n,
+            "with_ready": with_ready,
+            "coordinator_cpu_ms_per_sync": round(cpu_ms, 2),
+            "syncs": syncs,
+            "p50_ms": round(statistics.median(samples), 2),
+            "p99_ms": round(pct(samples, 0.99), 2),
+            "mean_ms": round(statistics.fmean(samples), 2),
+            "max_ms": round(max(samples), 2),
+            "coordinator_rss_mib": round(rss_mib(coordinator.pid), 1),
+        }
     finally:
         if stop is not None:
             stop.set()
@@ -180,10 +205,17 @@ def soak(n: int, seconds: float, per_process: int, sample_every: float) -> dict[
         observer.close()
         after_minute = [r for t, r, _ in series if t >= min(60.0, seconds / 2)]
         base, end = after_minute[0], after_minute[-1]
-        return {"replicas": n, "seconds": seconds, "rss_mib_at_start": series[0][1], "rss_mib_after_first_minute": base,
-                "rss_mib_at_end": end, "growth_after_first_minute_pct": round(100 * (end - base) / base, 2),
-                "rss_mib_max": max(r for _, r, _ in series), "threads_max": max(n for _, _, n in series),
-                "samples": series}
+        return {
+            "replicas": n,
+            "seconds": seconds,
+            "rss_mib_at_start": series[0][1],
+            "rss_mib_after_first_minute": base,
+            "rss_mib_at_end": end,
+            "growth_after_first_minute_pct": round(100 * (end - base) / base, 2),
+            "rss_mib_max": max(r for _, r, _ in series),
+            "threads_max": max(n for _, _, n in series),
+            "samples": series,
+        }
     finally:
         if stop is not None:
             stop.set()
@@ -200,8 +232,11 @@ def main() -> int:
     parser.add_argument("--syncs", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--per-process", type=int, default=1, help="simulated replicas per process")
-    parser.add_argument("--with-ready", action="store_true",
-                        help="also time the ready-to-receive barrier (one more RPC per replica, one more wait)")
+    parser.add_argument(
+        "--with-ready",
+        action="store_true",
+        help="also time the ready-to-receive barrier (one more RPC per replica, one more wait)",
+    )
     parser.add_argument("--soak", action="store_true", help="run the lease soak instead of the latency bench")
     parser.add_argument("--soak-replicas", type=int, default=256)
     parser.add_argument("--soak-seconds", type=float, default=600.0)
@@ -211,24 +246,32 @@ def main() -> int:
     args = parser.parse_args()
     machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0]}
     if args.soak:
-        result: dict[str, Any] = {"machine": machine, "soak": soak(args.soak_replicas, args.soak_seconds,
-                                                                   args.soak_per_process, args.sample_every)}
+        result: dict[str, Any] = {
+            "machine": machine,
+            "soak": soak(args.soak_replicas, args.soak_seconds, args.soak_per_process, args.sample_every),
+        }
         if not args.json:
             s = result["soak"]
-            print(f"soak: {s['replicas']} replicas renewing every 1 s for {s['seconds']:.0f} s: coordinator RSS "
-                  f"{s['rss_mib_after_first_minute']:.1f} MiB after the first minute -> {s['rss_mib_at_end']:.1f} MiB "
-                  f"at the end ({s['growth_after_first_minute_pct']:+.2f}%)")
+            print(
+                f"soak: {s['replicas']} replicas renewing every 1 s for {s['seconds']:.0f} s: coordinator RSS "
+                f"{s['rss_mib_after_first_minute']:.1f} MiB after the first minute -> {s['rss_mib_at_end']:.1f} MiB "
+                f"at the end ({s['growth_after_first_minute_pct']:+.2f}%)"
+            )
     else:
         rows = [sync_latency(n, args.syncs, args.warmup, args.per_process, args.with_ready) for n in args.replicas]
         result = {"machine": machine, "sync": rows}
         if not args.json:
             steps = "open -> ready -> acks -> READY" if args.with_ready else "open -> acks -> READY"
             print(f"control-plane overhead per sync on loopback ({machine['cpus']} CPUs), {steps}")
-            print(f"{'replicas':>8} {'syncs':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max ms':>8} "
-                  f"{'coord CPU ms/sync':>18} {'RSS MiB':>8}")
+            print(
+                f"{'replicas':>8} {'syncs':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max ms':>8} "
+                f"{'coord CPU ms/sync':>18} {'RSS MiB':>8}"
+            )
             for r in rows:
-                print(f"{r['replicas']:>8} {r['syncs']:>6} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['mean_ms']:>8} "
-                      f"{r['max_ms']:>8} {r['coordinator_cpu_ms_per_sync']:>18} {r['coordinator_rss_mib']:>8}")
+                print(
+                    f"{r['replicas']:>8} {r['syncs']:>6} {r['p50_ms']:>8} {r['p99_ms']:>8} {r['mean_ms']:>8} "
+                    f"{r['max_ms']:>8} {r['coordinator_cpu_ms_per_sync']:>18} {r['coordinator_rss_mib']:>8}"
+                )
     if args.json:
         print(json.dumps(result))
     return 0

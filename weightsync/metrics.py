@@ -22,8 +22,26 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from weightsync.vocabulary import Channel, SyncPhase, VersionState
 
 SYNC_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-    1200.0, 1800.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
 )
 """1 ms to 30 min: an IPC handoff of a small model up to a volume reload of a very large one."""
 
@@ -42,13 +60,16 @@ def sync_duration(registry: CollectorRegistry) -> Histogram:
     return Histogram(
         "weightsync_sync_duration_seconds",
         "Seconds one sync phase took for one replica (publish: on the trainer).",
-        ["phase", "channel"], buckets=SYNC_BUCKETS, registry=registry,
+        ["phase", "channel"],
+        buckets=SYNC_BUCKETS,
+        registry=registry,
     )
 
 
 def bytes_moved(registry: CollectorRegistry) -> Counter:
-    return Counter("weightsync_transferred_bytes", "Tensor bytes delivered, by channel.", ["channel"],
-                   registry=registry)
+    return Counter(
+        "weightsync_transferred_bytes", "Tensor bytes delivered, by channel.", ["channel"], registry=registry
+    )
 
 
 @dataclass(frozen=True)
@@ -71,23 +92,37 @@ class CoordinatorMetrics:
             bytes_total=bytes_moved(registry),
             versions=Gauge("weightsync_versions", "Retained versions by state.", ["state"], registry=registry),
             version_transitions_total=Counter(
-                "weightsync_version_transitions", "Versions that entered each state.", ["state"], registry=registry),
+                "weightsync_version_transitions", "Versions that entered each state.", ["state"], registry=registry
+            ),
             replicas=Gauge("weightsync_replicas", "Live replicas by state.", ["state"], registry=registry),
             fleet_version_lag_max=Gauge(
                 "weightsync_fleet_version_lag_max",
-                "Largest gap between the newest READY version number and a live replica's.", registry=registry),
+                "Largest gap between the newest READY version number and a live replica's.",
+                registry=registry,
+            ),
             fleet_replicas_lagging=Gauge(
-                "weightsync_fleet_replicas_lagging", "Live replicas not serving the newest READY version.",
-                registry=registry),
+                "weightsync_fleet_replicas_lagging",
+                "Live replicas not serving the newest READY version.",
+                registry=registry,
+            ),
             negotiations_total=Counter(
-                "weightsync_negotiations", "Channel negotiations by outcome (channel, or none).", ["channel"],
-                registry=registry),
+                "weightsync_negotiations",
+                "Channel negotiations by outcome (channel, or none).",
+                ["channel"],
+                registry=registry,
+            ),
             leases_expired_total=Counter(
-                "weightsync_leases_expired", "Leases that expired without renewal, by role.", ["role"],
-                registry=registry),
+                "weightsync_leases_expired",
+                "Leases that expired without renewal, by role.",
+                ["role"],
+                registry=registry,
+            ),
             version_ready_seconds=Histogram(
-                "weightsync_version_ready_seconds", "Seconds from opening a version to READY.",
-                buckets=SYNC_BUCKETS, registry=registry),
+                "weightsync_version_ready_seconds",
+                "Seconds from opening a version to READY.",
+                buckets=SYNC_BUCKETS,
+                registry=registry,
+            ),
         )
         for state in VersionState:
             m.versions.labels(state.value)
@@ -109,13 +144,24 @@ class AgentMetrics:
     def create(cls, registry: CollectorRegistry = REGISTRY) -> AgentMetrics:
         return cls(
             version=Gauge("weightsync_agent_version", "Version this replica serves (0: none).", registry=registry),
-            version_lag=Gauge("weightsync_agent_version_lag",
-                              "Newest READY version number minus the one this replica serves.", registry=registry),
-            sync_seconds=Histogram("weightsync_agent_sync_duration_seconds",
-                                   "Seconds this replica spent per sync phase.", ["phase", "channel"],
-                                   buckets=SYNC_BUCKETS, registry=registry),
-            failures_total=Counter("weightsync_agent_update_failures", "Updates this replica refused or failed.",
-                                   ["channel"], registry=registry),
+            version_lag=Gauge(
+                "weightsync_agent_version_lag",
+                "Newest READY version number minus the one this replica serves.",
+                registry=registry,
+            ),
+            sync_seconds=Histogram(
+                "weightsync_agent_sync_duration_seconds",
+                "Seconds this replica spent per sync phase.",
+                ["phase", "channel"],
+                buckets=SYNC_BUCKETS,
+                registry=registry,
+            ),
+            failures_total=Counter(
+                "weightsync_agent_update_failures",
+                "Updates this replica refused or failed.",
+                ["channel"],
+                registry=registry,
+            ),
         )
 
 
@@ -131,8 +177,11 @@ class PublisherMetrics:
             sync_seconds=sync_duration(registry),
             bytes_total=bytes_moved(registry),
             versions_published_total=Counter(
-                "weightsync_versions_published", "Versions this trainer published, by outcome state.", ["state"],
-                registry=registry),
+                "weightsync_versions_published",
+                "Versions this trainer published, by outcome state.",
+                ["state"],
+                registry=registry,
+            ),
         )
 
     def observe_publish(self, seconds: float, channel: Channel) -> None:
@@ -148,11 +197,19 @@ class OperatorMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry = REGISTRY) -> OperatorMetrics:
         return cls(
-            reconciles_total=Counter("weightsync_operator_reconciles", "Reconciles by resource kind and result.",
-                                     ["kind", "result"], registry=registry),
-            reconcile_seconds=Histogram("weightsync_operator_reconcile_duration_seconds",
-                                        "Seconds per reconcile, by resource kind.", ["kind"],
-                                        buckets=RECONCILE_BUCKETS, registry=registry),
+            reconciles_total=Counter(
+                "weightsync_operator_reconciles",
+                "Reconciles by resource kind and result.",
+                ["kind", "result"],
+                registry=registry,
+            ),
+            reconcile_seconds=Histogram(
+                "weightsync_operator_reconcile_duration_seconds",
+                "Seconds per reconcile, by resource kind.",
+                ["kind"],
+                buckets=RECONCILE_BUCKETS,
+                registry=registry,
+            ),
             jobs=Gauge("weightsync_operator_jobs", "RLJobs by phase.", ["phase"], registry=registry),
         )
 

@@ -137,8 +137,10 @@ def test_late_joiner_catches_up_from_the_newest_durable_ready_version(fleet: Fle
     assert trainer.wait_version(v2, 30) is VersionState.READY
     fleet.expect("assign", "late", v2)
     job = trainer.get_job()
-    assert {m.member_id: m.current_version for m in job.members if m.member_id != "trainer"} == {"early": v2,
-                                                                                                "late": v2}
+    assert {m.member_id: m.current_version for m in job.members if m.member_id != "trainer"} == {
+        "early": v2,
+        "late": v2,
+    }
 
 
 def test_a_replica_killed_mid_transfer_does_not_fail_the_version(fleet: Fleet) -> None:
@@ -164,8 +166,9 @@ def test_trainer_killed_mid_publish_fails_the_version_and_aborts_unfinished_repl
     assert trainer.wait_version(v1, 30) is VersionState.READY
     trainer.close()  # the first trainer leaves cleanly after v1... then a second trainer dies mid-publish
     member = simulation.Member(fleet.server.target, "job", "trainer", channels=("cpu",))
-    proc = fleet.ctx.Process(target=simulation.trainer_main,
-                             args=(member, 2, fleet.events, (("cpu", "127.0.0.1", 29999),)), daemon=True)
+    proc = fleet.ctx.Process(
+        target=simulation.trainer_main, args=(member, 2, fleet.events, (("cpu", "127.0.0.1", 29999),)), daemon=True
+    )
     proc.start()
     fleet.procs["trainer-proc"] = proc
     _, _, v2, _ = fleet.expect("opened", "trainer")

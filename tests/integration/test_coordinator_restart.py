@@ -38,9 +38,24 @@ def free_port() -> int:
 
 def start_coordinator(port: int, volume: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightsync.cli.main", "coordinator", "--insecure", "--port", str(port), "--json",
-         "--volume", f"{JOB}={volume}", "--lease-ttl", "1"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "weightsync.cli.main",
+            "coordinator",
+            "--insecure",
+            "--port",
+            str(port),
+            "--json",
+            "--volume",
+            f"{JOB}={volume}",
+            "--lease-ttl",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, "the coordinator exited before printing its startup record"
@@ -70,15 +85,22 @@ def test_ready_state_survives_a_coordinator_kill(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     events: Any = ctx.Queue()
     target = f"127.0.0.1:{port}"
-    replica = ctx.Process(target=simulation.replica_main, daemon=True, args=(simulation.Member(
-        target, JOB, "r0", channels=("cpu", "volume"), volume_id="vol", volume_mount=str(volume)), events))
+    replica = ctx.Process(
+        target=simulation.replica_main,
+        daemon=True,
+        args=(
+            simulation.Member(target, JOB, "r0", channels=("cpu", "volume"), volume_id="vol", volume_mount=str(volume)),
+            events,
+        ),
+    )
     replica.start()
     trainer = CoordinatorClient(target, insecure=True, timeout_s=20)
     procs: list[Any] = [replica]
     try:
         assert events.get(timeout=30)[0] == "registered"
-        trainer.register_trainer(JOB, "trainer", Capabilities(host="n", channels=(Channel.VOLUME,), volume_id="vol",
-                                                              engine=EngineKind.CPU))
+        trainer.register_trainer(
+            JOB, "trainer", Capabilities(host="n", channels=(Channel.VOLUME,), volume_id="vol", engine=EngineKind.CPU)
+        )
         _, _, table = write_version(tmp_path / "scratch", 1, 1)  # only for the table's summary
         v1 = trainer.open_version(1, summarize(table)).version
         assert trainer.wait_version(v1, 30) is VersionState.READY
@@ -101,8 +123,14 @@ def test_ready_state_survives_a_coordinator_kill(tmp_path: Path) -> None:
         v3 = trainer.open_version(3, summarize(table)).version
         assert v3 == v2 + 1
         assert trainer.wait_version(v3, 30) is VersionState.READY
-        late = ctx.Process(target=simulation.replica_main, daemon=True, args=(simulation.Member(
-            target, JOB, "late", channels=("volume",), volume_id="vol", volume_mount=str(volume)), events))
+        late = ctx.Process(
+            target=simulation.replica_main,
+            daemon=True,
+            args=(
+                simulation.Member(target, JOB, "late", channels=("volume",), volume_id="vol", volume_mount=str(volume)),
+                events,
+            ),
+        )
         late.start()
         procs.append(late)
         deadline = time.monotonic() + 30
@@ -126,7 +154,9 @@ def test_recovery_from_manifests_alone(tmp_path: Path) -> None:
     write_version(volume, 5, 50)
     recovered = store.VolumeStore({JOB: volume}).load(JOB)
     assert [(v.version, v.step, v.state, v.durable) for v in recovered] == [
-        (4, 40, VersionState.READY, True), (5, 50, VersionState.READY, True)]
+        (4, 40, VersionState.READY, True),
+        (5, 50, VersionState.READY, True),
+    ]
     assert recovered[0].manifest_path == path and recovered[0].manifest_sha256 == sha
     assert recovered[0].table == summarize(table)
 

@@ -38,13 +38,25 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey,
-          ca: bool = False, sans: list[x509.GeneralName] | None = None) -> x509.Certificate:
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    ca: bool = False,
+    sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
@@ -53,8 +65,11 @@ def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key
 def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
     path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     if key is not None:
-        path.with_suffix(".key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        path.with_suffix(".key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +89,19 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mtls_server(pki: Path) -> Iterator[server.CoordinatorServer]:
     config = server.ServerConfig(
-        port=0, token=TOKEN, max_message_bytes=4096,
-        tls=ServerTls(str(pki / "server.crt"), str(pki / "server.key"), client_ca_file=str(pki / "ca.crt")))
+        port=0,
+        token=TOKEN,
+        max_message_bytes=4096,
+        tls=ServerTls(str(pki / "server.crt"), str(pki / "server.key"), client_ca_file=str(pki / "ca.crt")),
+    )
     s = server.CoordinatorServer(config).start()
     yield s
     s.stop(0.5)
 
 
-def client(s: server.CoordinatorServer, pki: Path, who: str = "client", token: str | None = TOKEN,
-           **kw: Any) -> CoordinatorClient:
+def client(
+    s: server.CoordinatorServer, pki: Path, who: str = "client", token: str | None = TOKEN, **kw: Any
+) -> CoordinatorClient:
     tls = TlsConfig(ca_file=str(pki / "ca.crt"), cert_file=str(pki / f"{who}.crt"), key_file=str(pki / f"{who}.key"))
     return CoordinatorClient(s.target, token=token, tls=tls, timeout_s=kw.pop("timeout_s", 5.0), **kw)
 
@@ -90,8 +109,15 @@ def client(s: server.CoordinatorServer, pki: Path, who: str = "client", token: s
 def test_mtls_and_token_let_a_replica_process_in(mtls_server: server.CoordinatorServer, pki: Path) -> None:
     ctx = mp.get_context("spawn")
     events: Any = ctx.Queue()
-    member = simulation.Member(mtls_server.target, "secure", "replica-0", token=TOKEN, ca_file=str(pki / "ca.crt"),
-                               cert_file=str(pki / "client.crt"), key_file=str(pki / "client.key"))
+    member = simulation.Member(
+        mtls_server.target,
+        "secure",
+        "replica-0",
+        token=TOKEN,
+        ca_file=str(pki / "ca.crt"),
+        cert_file=str(pki / "client.crt"),
+        key_file=str(pki / "client.key"),
+    )
     proc = ctx.Process(target=simulation.replica_main, args=(member, events), daemon=True)
     proc.start()
     try:
@@ -106,17 +132,19 @@ def test_mtls_and_token_let_a_replica_process_in(mtls_server: server.Coordinator
 def test_missing_and_wrong_tokens_are_unauthenticated(mtls_server: server.CoordinatorServer, pki: Path) -> None:
     with client(mtls_server, pki, token=None) as c, pytest.raises(faults.Unauthenticated, match="missing bearer token"):
         c.register_replica("secure", "x", CAPS)
-    with client(mtls_server, pki, token="wrong") as c, \
-            pytest.raises(faults.Unauthenticated, match=r"bearer token rejected.*--token-file"):
+    with (
+        client(mtls_server, pki, token="wrong") as c,
+        pytest.raises(faults.Unauthenticated, match=r"bearer token rejected.*--token-file"),
+    ):
         c.get_job("secure")
 
 
-def test_clients_without_a_trusted_certificate_cannot_connect(mtls_server: server.CoordinatorServer,
-                                                               pki: Path) -> None:
+def test_clients_without_a_trusted_certificate_cannot_connect(mtls_server: server.CoordinatorServer, pki: Path) -> None:
     with client(mtls_server, pki, who="rogue-client", timeout_s=1.5) as c, pytest.raises(faults.Unavailable):
         c.register_replica("secure", "x", CAPS)
-    no_cert = CoordinatorClient(mtls_server.target, token=TOKEN, tls=TlsConfig(ca_file=str(pki / "ca.crt")),
-                                timeout_s=1.5)
+    no_cert = CoordinatorClient(
+        mtls_server.target, token=TOKEN, tls=TlsConfig(ca_file=str(pki / "ca.crt")), timeout_s=1.5
+    )
     with no_cert, pytest.raises(faults.Unavailable):
         no_cert.register_replica("secure", "x", CAPS)
     plaintext = CoordinatorClient(mtls_server.target, token=TOKEN, insecure=True, timeout_s=1.5)
@@ -145,9 +173,16 @@ def test_malformed_calls_get_clear_statuses(mtls_server: server.CoordinatorServe
         with pytest.raises(faults.FailedPrecondition, match="step 6 goes backwards"):
             trainer.open_version(6, table)
         with pytest.raises(faults.InvalidArgument, match=r"table.tensor_count must be >= 1"):
-            trainer._call("OpenVersion", pb.OpenVersionRequest(
-                lease_id=trainer.lease.lease_id, job="secure", incarnation=trainer.incarnation, step=8,
-                table=pb.TableSummary(tensor_count=0, table_digest="d")))
+            trainer._call(
+                "OpenVersion",
+                pb.OpenVersionRequest(
+                    lease_id=trainer.lease.lease_id,
+                    job="secure",
+                    incarnation=trainer.incarnation,
+                    step=8,
+                    table=pb.TableSummary(tensor_count=0, table_digest="d"),
+                ),
+            )
         with pytest.raises(faults.NotFound, match="has no version 99"):
             trainer.mark_durable(99, "/x/manifest.json", "a" * 64)
 

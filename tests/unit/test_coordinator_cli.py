@@ -20,8 +20,18 @@ def test_help_explains_security_and_examples(capsys: pytest.CaptureFixture[str])
         cli.main(["coordinator", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for phrase in ("Secure by default", "--insecure", "--tls-client-ca", "--token-file", "WEIGHTSYNC_TOKEN",
-                   "--volume", "--metrics-port", "127.0.0.1", "examples:", "--status"):
+    for phrase in (
+        "Secure by default",
+        "--insecure",
+        "--tls-client-ca",
+        "--token-file",
+        "WEIGHTSYNC_TOKEN",
+        "--volume",
+        "--metrics-port",
+        "127.0.0.1",
+        "examples:",
+        "--status",
+    ):
         assert phrase in out, phrase
 
 
@@ -41,8 +51,9 @@ def test_status_json(capsys: pytest.CaptureFixture[str]) -> None:
         with CoordinatorClient(s.target, insecure=True) as c:
             c.register_replica("cli-job", "replica-0", Capabilities(channels=(Channel.CPU,)))
             port = s.target.rsplit(":", 1)[1]
-            assert cli.main(["coordinator", "--status", "--insecure", "--port", port, "--job", "cli-job",
-                             "--json"]) == 0
+            assert (
+                cli.main(["coordinator", "--status", "--insecure", "--port", port, "--job", "cli-job", "--json"]) == 0
+            )
             status = json.loads(capsys.readouterr().out)
             assert status["job"]["job"] == "cli-job"
             assert status["job"]["members"][0]["member_id"] == "replica-0"

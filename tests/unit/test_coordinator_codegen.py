@@ -21,7 +21,17 @@ def test_generated_code_does_not_pin_the_protobuf_runtime() -> None:
 
 def test_service_table_covers_the_proto() -> None:
     methods = _service.methods()
-    assert set(methods) == {"Register", "Renew", "OpenVersion", "WatchVersions", "ReportProgress", "Ack",
-                            "WaitVersion", "MarkDurable", "GetJob", "ListVersions"}
+    assert set(methods) == {
+        "Register",
+        "Renew",
+        "OpenVersion",
+        "WatchVersions",
+        "ReportProgress",
+        "Ack",
+        "WaitVersion",
+        "MarkDurable",
+        "GetJob",
+        "ListVersions",
+    }
     assert methods["WatchVersions"].server_streaming and not methods["Ack"].server_streaming
     assert methods["Ack"].path == "/weightsync.v1.Coordinator/Ack"

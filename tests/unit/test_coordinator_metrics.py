@@ -50,8 +50,10 @@ def test_agent_lag_has_no_labels_and_publisher_observes_publish() -> None:
     from weightsync.vocabulary import Channel
 
     pub.observe_publish(0.02, Channel.NCCL)
-    assert pub_registry.get_sample_value("weightsync_sync_duration_seconds_count",
-                                         {"phase": "publish", "channel": "nccl"}) == 1
+    assert (
+        pub_registry.get_sample_value("weightsync_sync_duration_seconds_count", {"phase": "publish", "channel": "nccl"})
+        == 1
+    )
 
 
 def test_serve_exposes_the_registry() -> None:

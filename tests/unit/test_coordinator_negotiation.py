@@ -11,8 +11,15 @@ from weightsync.vocabulary import Channel
 pytestmark = pytest.mark.unit
 
 ALL = tuple(Channel)
-TRAINER = Capabilities(host="n1", gpu_uuids=("GPU-0", "GPU-1"), channels=ALL, nccl_domain="rack1", nixl=True,
-                       volume_id="vol", engine=EngineKind.GPU)
+TRAINER = Capabilities(
+    host="n1",
+    gpu_uuids=("GPU-0", "GPU-1"),
+    channels=ALL,
+    nccl_domain="rack1",
+    nixl=True,
+    volume_id="vol",
+    engine=EngineKind.GPU,
+)
 OFFERS = {
     Channel.IPC: SenderOffer(Channel.IPC, ipc_handles={"GPU-0": b"h0", "GPU-1": b"h1"}),
     Channel.NCCL: SenderOffer(Channel.NCCL, "10.0.0.1", 29500),
@@ -21,15 +28,19 @@ OFFERS = {
 
 
 def gpu(rid: str, **kw: object) -> negotiation.Candidate:
-    caps = dict(host="n2", channels=ALL, nccl_domain="rack1", volume_id="vol", volume_mount="/ckpt",
-                engine=EngineKind.GPU)
+    caps = dict(
+        host="n2", channels=ALL, nccl_domain="rack1", volume_id="vol", volume_mount="/ckpt", engine=EngineKind.GPU
+    )
     failed = kw.pop("failed", frozenset())
     caps.update(kw)
     return negotiation.Candidate(rid, "inc-" + rid, Capabilities(**caps), failed)  # type: ignore[arg-type]
 
 
-def pick(c: negotiation.Candidate, preference: tuple[Channel, ...] = DEFAULT_PREFERENCE,
-         offers: dict[Channel, SenderOffer] = OFFERS) -> Channel | None:
+def pick(
+    c: negotiation.Candidate,
+    preference: tuple[Channel, ...] = DEFAULT_PREFERENCE,
+    offers: dict[Channel, SenderOffer] = OFFERS,
+) -> Channel | None:
     return negotiation.choose(TRAINER, offers, c, preference)[0]
 
 
@@ -45,8 +56,9 @@ def test_default_preference_order() -> None:
 def test_ipc_needs_the_trainers_gpu_and_a_handle() -> None:
     assert pick(gpu("a", host="n1", gpu_uuids=("GPU-9",))) is Channel.NCCL
     no_handle = {**OFFERS, Channel.IPC: SenderOffer(Channel.IPC, ipc_handles={"GPU-0": b"h0"})}
-    channel, reason = negotiation.choose(TRAINER, no_handle, gpu("a", host="n1", gpu_uuids=("GPU-1",)),
-                                         DEFAULT_PREFERENCE)
+    channel, reason = negotiation.choose(
+        TRAINER, no_handle, gpu("a", host="n1", gpu_uuids=("GPU-1",)), DEFAULT_PREFERENCE
+    )
     assert channel is Channel.NCCL and "no IPC handle offered for GPU GPU-1" in reason
 
 
@@ -73,8 +85,9 @@ def test_reason_names_what_was_skipped() -> None:
 
 def test_groups_ranks_and_ids() -> None:
     a, b = gpu("a", devices=2), gpu("b")
-    plans, unplanned, groups = negotiation.negotiate(TRAINER, OFFERS, [b, a], DEFAULT_PREFERENCE,
-                                                     negotiation.GroupState())
+    plans, unplanned, groups = negotiation.negotiate(
+        TRAINER, OFFERS, [b, a], DEFAULT_PREFERENCE, negotiation.GroupState()
+    )
     by = {p.replica_id: p for p in plans}
     assert unplanned == []
     assert (by["a"].rendezvous.rank_offset, by["b"].rendezvous.rank_offset) == (1, 3)
@@ -95,8 +108,12 @@ def test_groups_ranks_and_ids() -> None:
 
 def test_volume_plan_carries_the_replicas_mount_and_ipc_its_handles() -> None:
     plans, _, _ = negotiation.negotiate(
-        TRAINER, OFFERS, [gpu("v", nccl_domain="x"), gpu("i", host="n1", gpu_uuids=("GPU-1",))], DEFAULT_PREFERENCE,
-        negotiation.GroupState())
+        TRAINER,
+        OFFERS,
+        [gpu("v", nccl_domain="x"), gpu("i", host="n1", gpu_uuids=("GPU-1",))],
+        DEFAULT_PREFERENCE,
+        negotiation.GroupState(),
+    )
     by = {p.replica_id: p for p in plans}
     assert by["v"].channel is Channel.VOLUME and by["v"].rendezvous.volume_path == "/ckpt"
     assert by["i"].channel is Channel.IPC and dict(by["i"].rendezvous.ipc_handles) == {"GPU-1": b"h1"}

@@ -22,12 +22,21 @@ def test_enums_map_one_to_one_onto_the_vocabulary() -> None:
 
 
 def test_capabilities_and_plans_round_trip() -> None:
-    caps = models.Capabilities(host="n", gpu_uuids=("GPU-1",), devices=2, channels=(Channel.NCCL, Channel.VOLUME),
-                               nccl_domain="d", nixl=True, volume_id="v", volume_mount="/m",
-                               engine=models.EngineKind.GPU)
+    caps = models.Capabilities(
+        host="n",
+        gpu_uuids=("GPU-1",),
+        devices=2,
+        channels=(Channel.NCCL, Channel.VOLUME),
+        nccl_domain="d",
+        nixl=True,
+        volume_id="v",
+        volume_mount="/m",
+        engine=models.EngineKind.GPU,
+    )
     assert serde.capabilities(serde.capabilities_to(caps)) == caps
-    plan = models.ChannelPlan("r", Channel.IPC, models.Rendezvous("h", 1, 2, 3, "g", {"GPU-1": b"\x00\x01"}, b"n",
-                                                                  "/m"), "why")
+    plan = models.ChannelPlan(
+        "r", Channel.IPC, models.Rendezvous("h", 1, 2, 3, "g", {"GPU-1": b"\x00\x01"}, b"n", "/m"), "why"
+    )
     assert serde.plan(serde.plan_to(plan)) == plan
     event = models.Assignment(models.EventKind.CATCH_UP, "job", 3, 7, plan, models.TableSummary(1, 2, "d"), "r")
     assert serde.event(serde.event_to(event)) == event

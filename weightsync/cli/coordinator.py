@@ -46,14 +46,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sec.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted (default 4 MiB)")
     job = p.add_argument_group("jobs and versions")
     job.add_argument("--job", default="default", help="job a bare --volume PATH belongs to, and --status's job")
-    job.add_argument("--volume", default="", help="checkpoint volume root(s): PATH or JOB=PATH[,JOB=PATH...]; "
-                                                  "enables the version journal and recovery after a restart")
+    job.add_argument(
+        "--volume",
+        default="",
+        help="checkpoint volume root(s): PATH or JOB=PATH[,JOB=PATH...]; "
+        "enables the version journal and recovery after a restart",
+    )
     job.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a member may go without renewing")
     job.add_argument("--version-timeout", type=float, default=600.0, help="seconds a version may stay STAGING")
     job.add_argument("--ack-quorum", type=int, default=0, help="acks that make a version READY (0: all live replicas)")
     job.add_argument("--channel-preference", default="", help=f"default channel order, comma-separated ({CHANNELS})")
-    job.add_argument("--max-workers", type=int, default=640, help="gRPC worker threads (each watching replica "
-                                                                   "holds one; default 640)")
+    job.add_argument(
+        "--max-workers",
+        type=int,
+        default=640,
+        help="gRPC worker threads (each watching replica holds one; default 640)",
+    )
     p.add_argument("--status", action="store_true", help="do not serve: print a running coordinator's job status")
     p.add_argument("--json", action="store_true", help="print status (or the startup record) as one JSON object")
     p.add_argument("-v", "--verbose", action="store_true", help="log every version transition")
@@ -77,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
     from weightsync.errors import WeightsyncError
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return _status(args) if args.status else _serve(args)
     except WeightsyncError as e:
@@ -125,15 +135,24 @@ def _serve(args: argparse.Namespace) -> int:
             return _fail("--tls-cert and --tls-key go together")
         server_tls = tls.ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
     config = server.ServerConfig(
-        host=args.host, port=args.port, tls=None if args.insecure else server_tls,
-        token=auth.load_token(args.token_file), insecure=args.insecure, max_message_bytes=args.max_message_bytes,
-        max_workers=args.max_workers, lease_ttl_s=args.lease_ttl,
+        host=args.host,
+        port=args.port,
+        tls=None if args.insecure else server_tls,
+        token=auth.load_token(args.token_file),
+        insecure=args.insecure,
+        max_message_bytes=args.max_message_bytes,
+        max_workers=args.max_workers,
+        lease_ttl_s=args.lease_ttl,
         policy=models.JobPolicy(preference, args.ack_quorum, args.version_timeout),
-        volumes=_volumes(args.volume, args.job), metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        volumes=_volumes(args.volume, args.job),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     coordinator = server.CoordinatorServer(config).start()
     record: dict[str, Any] = {
-        "target": coordinator.target, "tls": not args.insecure, "mtls": bool(args.tls_client_ca and not args.insecure),
+        "target": coordinator.target,
+        "tls": not args.insecure,
+        "mtls": bool(args.tls_client_ca and not args.insecure),
         "token": bool(config.token),
         "metrics": coordinator.metrics_server.url if coordinator.metrics_server else None,
         "jobs": {j: {"newest_ready": coordinator.core.get_job(j).newest_ready} for j in coordinator.core.jobs()},
@@ -141,8 +160,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record), flush=True)
     else:
-        print(f"coordinator listening on {record['target']} ({'TLS' if record['tls'] else 'insecure'})"
-              + (f", metrics on {record['metrics']}" if record["metrics"] else ""), flush=True)
+        print(
+            f"coordinator listening on {record['target']} ({'TLS' if record['tls'] else 'insecure'})"
+            + (f", metrics on {record['metrics']}" if record["metrics"] else ""),
+            flush=True,
+        )
         for job, info in record["jobs"].items():
             print(f"  recovered job {job}: newest READY version {info['newest_ready']}", flush=True)
     done = threading.Event()
@@ -160,23 +182,32 @@ def _status(args: argparse.Namespace) -> int:
 
     target = f"{args.host}:{args.port}"
     cfg = None if args.insecure else tls.TlsConfig(ca_file=args.tls_ca)
-    with client.CoordinatorClient(target, token=auth.load_token(args.token_file), tls=cfg, insecure=args.insecure,
-                                  timeout_s=5.0) as c:
+    with client.CoordinatorClient(
+        target, token=auth.load_token(args.token_file), tls=cfg, insecure=args.insecure, timeout_s=5.0
+    ) as c:
         job = c.get_job(args.job)
         versions = c.list_versions(args.job, limit=10)
     if args.json:
+
         def plain(o: Any) -> Any:
             return o.hex() if isinstance(o, bytes) else str(o)
 
-        print(json.dumps({"job": dataclasses.asdict(job), "versions": [dataclasses.asdict(v) for v in versions]},
-                         default=plain))
+        print(
+            json.dumps(
+                {"job": dataclasses.asdict(job), "versions": [dataclasses.asdict(v) for v in versions]}, default=plain
+            )
+        )
         return 0
     print(f"job {job.job}: newest READY {job.newest_ready}, newest durable READY {job.newest_durable_ready}")
     for m in job.members:
-        print(f"  {m.role.value:8} {m.member_id:24} version {m.current_version:<6} "
-              f"lease {m.lease_expires_in_s:4.1f}s  channels {','.join(c.value for c in m.capabilities.channels)}")
+        print(
+            f"  {m.role.value:8} {m.member_id:24} version {m.current_version:<6} "
+            f"lease {m.lease_expires_in_s:4.1f}s  channels {','.join(c.value for c in m.capabilities.channels)}"
+        )
     for v in versions:
         acked = sum(r.status == "acked" for r in v.replicas)
-        print(f"  v{v.version:<6} step {v.step:<6} {v.state.value:10} durable={'yes' if v.durable else 'no ':3} "
-              f"acked {acked}/{len(v.replicas)}  {v.reason}")
+        print(
+            f"  v{v.version:<6} step {v.step:<6} {v.state.value:10} durable={'yes' if v.durable else 'no ':3} "
+            f"acked {acked}/{len(v.replicas)}  {v.reason}"
+        )
     return 0

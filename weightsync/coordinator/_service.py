@@ -36,8 +36,13 @@ def methods() -> dict[str, Method]:
     for m in service.methods:
         if m.client_streaming:
             raise NotImplementedError(f"{m.full_name}: client streaming is not supported by this table")
-        out[m.name] = Method(m.name, f"/{SERVICE}/{m.name}", getattr(pb, m.input_type.name),
-                             getattr(pb, m.output_type.name), m.server_streaming)
+        out[m.name] = Method(
+            m.name,
+            f"/{SERVICE}/{m.name}",
+            getattr(pb, m.input_type.name),
+            getattr(pb, m.output_type.name),
+            m.server_streaming,
+        )
     return out
 
 
@@ -50,8 +55,11 @@ def handler(implementations: Mapping[str, Callable[[Any, grpc.ServicerContext], 
     handlers = {}
     for name, m in table.items():
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(implementations[name], request_deserializer=m.request.FromString,
-                              response_serializer=m.response.SerializeToString)
+        handlers[name] = make(
+            implementations[name],
+            request_deserializer=m.request.FromString,
+            response_serializer=m.response.SerializeToString,
+        )
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
@@ -60,6 +68,7 @@ def stubs(channel: grpc.Channel) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, m in methods().items():
         make = channel.unary_stream if m.server_streaming else channel.unary_unary
-        out[name] = make(m.path, request_serializer=m.request.SerializeToString,
-                         response_deserializer=m.response.FromString)
+        out[name] = make(
+            m.path, request_serializer=m.request.SerializeToString, response_deserializer=m.response.FromString
+        )
     return out

@@ -40,10 +40,12 @@ def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMeth
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, request_deserializer=handler.request_deserializer,
-                                                    response_serializer=handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(abort, request_deserializer=handler.request_deserializer,
-                                               response_serializer=handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        abort, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unused-ignore]
@@ -53,7 +55,8 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unuse
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
@@ -61,10 +64,16 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unuse
             return None
         got = next((v for k, v in handler_call_details.invocation_metadata or () if k == HEADER), None)
         if got is None:
-            return _abort_handler(handler, "missing bearer token: send metadata 'authorization: Bearer <token>' "
-                                           f"(CoordinatorClient(token=...), or set {TOKEN_ENV})")
+            return _abort_handler(
+                handler,
+                "missing bearer token: send metadata 'authorization: Bearer <token>' "
+                f"(CoordinatorClient(token=...), or set {TOKEN_ENV})",
+            )
         value = got.encode() if isinstance(got, str) else bytes(got)
         if not hmac.compare_digest(value, self._expected):
-            return _abort_handler(handler, "bearer token rejected: it does not match the coordinator's token "
-                                           "(check --token-file / WEIGHTSYNC_TOKEN on both ends)")
+            return _abort_handler(
+                handler,
+                "bearer token rejected: it does not match the coordinator's token "
+                "(check --token-file / WEIGHTSYNC_TOKEN on both ends)",
+            )
         return handler

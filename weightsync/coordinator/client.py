@@ -94,8 +94,10 @@ class CoordinatorClient:
         self.target, self.timeout_s = target, timeout_s
         self.incarnation = incarnation or uuid.uuid4().hex
         self._metadata = ((auth.HEADER, f"Bearer {token}"),) if token else ()
-        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
         if insecure:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
@@ -134,8 +136,10 @@ class CoordinatorClient:
                     raise _error(e) from None
                 if time.monotonic() + delay >= deadline:
                     waited = timeout_s or self.timeout_s
-                    raise faults.Unavailable(f"coordinator {self.target} unavailable for {waited:g}s: {e.details()}; "
-                                             "is it running, and is the address right?") from None
+                    raise faults.Unavailable(
+                        f"coordinator {self.target} unavailable for {waited:g}s: {e.details()}; "
+                        "is it running, and is the address right?"
+                    ) from None
                 time.sleep(delay * (0.5 + random.random()))
                 delay = min(delay * 2, 2.0)
 
@@ -164,20 +168,36 @@ class CoordinatorClient:
         return lease
 
     def register_trainer(
-        self, job: str, trainer_id: str, capabilities: Capabilities, *, policy: JobPolicy | None = None,
+        self,
+        job: str,
+        trainer_id: str,
+        capabilities: Capabilities,
+        *,
+        policy: JobPolicy | None = None,
         offers: Sequence[SenderOffer] = (),
     ) -> Lease:
-        request = pb.RegisterRequest(job=job, role=pb.ROLE_TRAINER, member_id=trainer_id,
-                                     incarnation=self.incarnation, capabilities=serde.capabilities_to(capabilities),
-                                     policy=serde.policy_to(policy) if policy else None,
-                                     offers=[serde.offer_to(o) for o in offers])
+        request = pb.RegisterRequest(
+            job=job,
+            role=pb.ROLE_TRAINER,
+            member_id=trainer_id,
+            incarnation=self.incarnation,
+            capabilities=serde.capabilities_to(capabilities),
+            policy=serde.policy_to(policy) if policy else None,
+            offers=[serde.offer_to(o) for o in offers],
+        )
         return self._register(request)
 
-    def register_replica(self, job: str, replica_id: str, capabilities: Capabilities, *,
-                         current_version: int = 0) -> Lease:
-        request = pb.RegisterRequest(job=job, role=pb.ROLE_REPLICA, member_id=replica_id,
-                                     incarnation=self.incarnation, capabilities=serde.capabilities_to(capabilities),
-                                     current_version=current_version)
+    def register_replica(
+        self, job: str, replica_id: str, capabilities: Capabilities, *, current_version: int = 0
+    ) -> Lease:
+        request = pb.RegisterRequest(
+            job=job,
+            role=pb.ROLE_REPLICA,
+            member_id=replica_id,
+            incarnation=self.incarnation,
+            capabilities=serde.capabilities_to(capabilities),
+            current_version=current_version,
+        )
         return self._register(request)
 
     def _renew_loop(self) -> None:
@@ -198,18 +218,27 @@ class CoordinatorClient:
 
     # ---- publisher -------------------------------------------------------------------------------------------------
 
-    def open_version(self, step: int, table: TableSummary, *, offers: Sequence[SenderOffer] = (),
-                     timeout_s: float | None = None) -> OpenedVersion:
-        request = pb.OpenVersionRequest(lease_id=self.lease.lease_id, job=self.job, incarnation=self.incarnation,
-                                        step=step, table=serde.table_to(table),
-                                        offers=[serde.offer_to(o) for o in offers])
+    def open_version(
+        self, step: int, table: TableSummary, *, offers: Sequence[SenderOffer] = (), timeout_s: float | None = None
+    ) -> OpenedVersion:
+        request = pb.OpenVersionRequest(
+            lease_id=self.lease.lease_id,
+            job=self.job,
+            incarnation=self.incarnation,
+            step=step,
+            table=serde.table_to(table),
+            offers=[serde.offer_to(o) for o in offers],
+        )
         response = self._call("OpenVersion", request, timeout_s)
         return OpenedVersion(response.version, tuple(serde.plan(p) for p in response.plans), response.reused)
 
     def _wait(self, version: int, until: WaitFor, timeout_s: float) -> tuple[VersionInfo, bool]:
-        request = pb.WaitVersionRequest(job=self.job, version=version, timeout_s=timeout_s,
-                                        until=pb.WAIT_FOR_RECEIVERS_READY if until is WaitFor.RECEIVERS_READY
-                                        else pb.WAIT_FOR_SETTLED)
+        request = pb.WaitVersionRequest(
+            job=self.job,
+            version=version,
+            timeout_s=timeout_s,
+            until=pb.WAIT_FOR_RECEIVERS_READY if until is WaitFor.RECEIVERS_READY else pb.WAIT_FOR_SETTLED,
+        )
         response = self._call("WaitVersion", request, timeout_s + self.timeout_s)
         return serde.version_info(response.info), response.condition_met
 
@@ -229,9 +258,12 @@ class CoordinatorClient:
         return self._wait(version, WaitFor.SETTLED, timeout_s)[0]
 
     def mark_durable(self, version: int, manifest_path: str, manifest_sha256: str) -> VersionInfo:
-        response = self._call("MarkDurable", pb.MarkDurableRequest(job=self.job, version=version,
-                                                                    manifest_path=manifest_path,
-                                                                    manifest_sha256=manifest_sha256))
+        response = self._call(
+            "MarkDurable",
+            pb.MarkDurableRequest(
+                job=self.job, version=version, manifest_path=manifest_path, manifest_sha256=manifest_sha256
+            ),
+        )
         return serde.version_info(response.info)
 
     # ---- replica -----------------------------------------------------------------------------------------------------
@@ -241,8 +273,9 @@ class CoordinatorClient:
         delay = 0.05
         while not self._closed.is_set():
             lease_id = self.lease.lease_id
-            call = self._rpc["WatchVersions"](pb.WatchRequest(lease_id=lease_id),
-                                              timeout=STREAM_WINDOW_S, metadata=self._metadata)
+            call = self._rpc["WatchVersions"](
+                pb.WatchRequest(lease_id=lease_id), timeout=STREAM_WINDOW_S, metadata=self._metadata
+            )
             with self._lock:
                 self._active.append(call)
             try:
@@ -279,10 +312,14 @@ class CoordinatorClient:
         self.report_progress(version, Progress.READY_TO_RECEIVE)
 
     def report_progress(self, version: int, progress: Progress) -> None:
-        wire = {Progress.READY_TO_RECEIVE: pb.PROGRESS_READY_TO_RECEIVE, Progress.RECEIVING: pb.PROGRESS_RECEIVING,
-                Progress.LOADING: pb.PROGRESS_LOADING}[progress]
-        self._call("ReportProgress", pb.ReportProgressRequest(lease_id=self.lease.lease_id, version=version,
-                                                              progress=wire))
+        wire = {
+            Progress.READY_TO_RECEIVE: pb.PROGRESS_READY_TO_RECEIVE,
+            Progress.RECEIVING: pb.PROGRESS_RECEIVING,
+            Progress.LOADING: pb.PROGRESS_LOADING,
+        }[progress]
+        self._call(
+            "ReportProgress", pb.ReportProgressRequest(lease_id=self.lease.lease_id, version=version, progress=wire)
+        )
 
     def ack(self, report: AckReport) -> VersionState:
         """Report the outcome of one version; returns the version's state after this ack."""
@@ -321,7 +358,6 @@ def cpu_replica(host: str = "127.0.0.1", volume_id: str = "", volume_mount: str 
     from weightsync.vocabulary import Channel
 
     channels = (Channel.CPU, Channel.VOLUME) if volume_id else (Channel.CPU,)
-    return Capabilities(host=host, channels=channels, engine=EngineKind.CPU, volume_id=volume_id,
-                        volume_mount=volume_mount)
-
-
+    return Capabilities(
+        host=host, channels=channels, engine=EngineKind.CPU, volume_id=volume_id, volume_mount=volume_mount
+    )

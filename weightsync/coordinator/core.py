@@ -104,32 +104,54 @@ class Coordinator:
             job.next_version = max(job.next_version, info.version + 1)
         if job.versions:
             ready = job.newest()
-            log.info("job %s: recovered %d versions (newest READY: %s)", name, len(job.versions),
-                     ready.version if ready else None)
+            log.info(
+                "job %s: recovered %d versions (newest READY: %s)",
+                name,
+                len(job.versions),
+                ready.version if ready else None,
+            )
         self._jobs[name] = job
         self._dirty = True
         return job
 
     def register(
-        self, job_name: str, role: Role, member_id: str, incarnation: str, capabilities: Capabilities, *,
-        policy: JobPolicy | None = None, offers: Sequence[SenderOffer] = (), current_version: int = 0,
+        self,
+        job_name: str,
+        role: Role,
+        member_id: str,
+        incarnation: str,
+        capabilities: Capabilities,
+        *,
+        policy: JobPolicy | None = None,
+        offers: Sequence[SenderOffer] = (),
+        current_version: int = 0,
     ) -> Lease:
         if not JOB_NAME.match(job_name):
             raise faults.InvalidArgument(
-                f"job {job_name!r} is not a valid name; use lowercase letters, digits, '-' and '.', at most 63 chars")
+                f"job {job_name!r} is not a valid name; use lowercase letters, digits, '-' and '.', at most 63 chars"
+            )
         _require(member_id, "member_id", "give each replica a unique id (e.g. its pod name)")
         _require(incarnation, "incarnation", "send a fresh random id per process start")
         with self._cond:
             job = self._job(job_name, create=True)
             old = job.members.get(member_id)
-            member = Member(job_name, member_id, role, incarnation, capabilities, secrets.token_hex(16),
-                            time.monotonic() + self.lease_ttl_s, current_version=current_version,
-                            offers={o.channel: o for o in offers})
+            member = Member(
+                job_name,
+                member_id,
+                role,
+                incarnation,
+                capabilities,
+                secrets.token_hex(16),
+                time.monotonic() + self.lease_ttl_s,
+                current_version=current_version,
+                offers={o.channel: o for o in offers},
+            )
             if old is not None:
                 # the same process reconnecting keeps its place in staging plans; a restart loses it
                 same = old.incarnation == incarnation and old.role is role
-                self._remove(job, old, reason=f"{member_id} registered again (incarnation {incarnation})",
-                             forget_work=not same)
+                self._remove(
+                    job, old, reason=f"{member_id} registered again (incarnation {incarnation})", forget_work=not same
+                )
                 if same:
                     member.failed_channels = old.failed_channels
                     member.streams, member.stream_seen = old.streams, old.stream_seen
@@ -151,7 +173,8 @@ class Coordinator:
             raise faults.NotFound(f"lease {lease_id[:8]!r}... is unknown or expired; register again")
         if role is not None and member.role is not role:
             raise faults.PermissionDenied(
-                f"lease of {member.member_id!r} is a {member.role.value} lease; this call needs a {role.value} lease")
+                f"lease of {member.member_id!r} is a {member.role.value} lease; this call needs a {role.value} lease"
+            )
         return member
 
     def renew(self, lease_id: str) -> Lease:
@@ -182,7 +205,12 @@ class Coordinator:
     # ---- versions ---------------------------------------------------------------------------------------------
 
     def open_version(
-        self, lease_id: str, job_name: str, incarnation: str, step: int, table: TableSummary,
+        self,
+        lease_id: str,
+        job_name: str,
+        incarnation: str,
+        step: int,
+        table: TableSummary,
         offers: Sequence[SenderOffer] = (),
     ) -> OpenedVersion:
         with self._cond:
@@ -193,7 +221,8 @@ class Coordinator:
             if incarnation != trainer.incarnation:
                 raise faults.InvalidArgument(
                     f"incarnation {incarnation!r} differs from the registered {trainer.incarnation!r}; "
-                    "register again after a restart")
+                    "register again after a restart"
+                )
             key = (incarnation, step)
             if key in job.keys and job.keys[key] in job.versions:
                 rec = job.versions[job.keys[key]]
@@ -202,17 +231,27 @@ class Coordinator:
             if last is not None and step < last:
                 raise faults.FailedPrecondition(
                     f"step {step} goes backwards: incarnation {incarnation!r} already published step {last}; "
-                    "versions never go backwards (register a new incarnation to publish from an older step)")
+                    "versions never go backwards (register a new incarnation to publish from an older step)"
+                )
             all_offers = {**trainer.offers, **{o.channel: o for o in offers}}
             now = time.monotonic()
             candidates = [
                 negotiation.Candidate(m.member_id, m.incarnation, m.capabilities, frozenset(m.failed_channels))
-                for m in job.members.values() if m.role is Role.REPLICA and self._listening(m, now)
+                for m in job.members.values()
+                if m.role is Role.REPLICA and self._listening(m, now)
             ]
             plans, unplanned, job.groups = negotiation.negotiate(
-                trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups)
-            rec = VersionRecord(job_name, job.next_version, step, incarnation, table, {p.replica_id: p for p in plans},
-                                quorum=job.policy.ack_quorum)
+                trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups
+            )
+            rec = VersionRecord(
+                job_name,
+                job.next_version,
+                step,
+                incarnation,
+                table,
+                {p.replica_id: p for p in plans},
+                quorum=job.policy.ack_quorum,
+            )
             job.next_version += 1
             job.versions[rec.version] = rec
             job.keys[key] = rec.version
@@ -226,7 +265,8 @@ class Coordinator:
                     self.metrics.negotiations_total.labels(metrics_mod.NEGOTIATION_NONE).inc()
             for p in plans:
                 job.members[p.replica_id].events.put(
-                    Assignment(EventKind.ASSIGN, job_name, rec.version, step, p, table, p.reason))
+                    Assignment(EventKind.ASSIGN, job_name, rec.version, step, p, table, p.reason)
+                )
             self.store.save(rec.info(with_replicas=False))
             self._settle(job, rec)
             self._trim(job)
@@ -257,13 +297,23 @@ class Coordinator:
             rid = member.member_id
             ok, error = report.ok, report.error
             if ok and report.table_digest != rec.table.table_digest:
-                ok, error = False, (f"table_digest {report.table_digest!r} does not match version {rec.version}'s "
-                                    f"{rec.table.table_digest!r}: the replica loaded a different table")
+                ok, error = (
+                    False,
+                    (
+                        f"table_digest {report.table_digest!r} does not match version {rec.version}'s "
+                        f"{rec.table.table_digest!r}: the replica loaded a different table"
+                    ),
+                )
             if ok and report.content_digest:
                 others = {d for r, d in rec.content.items() if d and r != rid}
                 if others and report.content_digest not in others:
-                    ok, error = False, (f"content_digest {report.content_digest} differs from other replicas' "
-                                        f"{min(others)}: the bytes this replica loaded differ")
+                    ok, error = (
+                        False,
+                        (
+                            f"content_digest {report.content_digest} differs from other replicas' "
+                            f"{min(others)}: the bytes this replica loaded differ"
+                        ),
+                    )
             member.last_failed = not ok
             if ok:
                 member.current_version = max(member.current_version, rec.version)
@@ -286,7 +336,8 @@ class Coordinator:
                 self._settle(job, rec)
             elif self.metrics and ok and SyncPhase.TOTAL in report.phases:  # a catch-up from the volume
                 self.metrics.sync_seconds.labels(SyncPhase.TOTAL.value, Channel.VOLUME.value).observe(
-                    report.phases[SyncPhase.TOTAL])
+                    report.phases[SyncPhase.TOTAL]
+                )
             self._dirty = True
             return rec.state
 
@@ -314,8 +365,9 @@ class Coordinator:
             for rid in rec.waiting():
                 member = job.members.get(rid)
                 if member is not None:
-                    member.events.put(Assignment(EventKind.ABORT, job.name, rec.version, rec.step, rec.plans[rid],
-                                                 rec.table, reason))
+                    member.events.put(
+                        Assignment(EventKind.ABORT, job.name, rec.version, rec.step, rec.plans[rid], rec.table, reason)
+                    )
         self.store.save(rec.info(with_replicas=False))
         self._cond.notify_all()
 
@@ -342,14 +394,16 @@ class Coordinator:
         if not re.fullmatch(r"[0-9a-f]{64}", manifest_sha256):
             raise faults.InvalidArgument(
                 f"manifest_sha256 {manifest_sha256[:80]!r} is not 64 lowercase hex digits; "
-                "send hashlib.sha256(manifest_bytes).hexdigest()")
+                "send hashlib.sha256(manifest_bytes).hexdigest()"
+            )
         local = Path(manifest_path)
         if local.is_file():  # the coordinator mounts the volume at the same path: check the claim
             actual = hashlib.sha256(local.read_bytes()).hexdigest()
             if actual != manifest_sha256:
                 raise faults.InvalidArgument(
                     f"manifest_sha256 {manifest_sha256} does not match {manifest_path} (sha256 {actual}); "
-                    "hash the manifest after its final write")
+                    "hash the manifest after its final write"
+                )
         with self._cond:
             job = self._job(job_name)
             rec = self._record(job, version)
@@ -371,16 +425,23 @@ class Coordinator:
             old.put(None)
             newest = job.newest(durable=True)
             if newest is not None and newest.version > member.current_version and member.capabilities.volume_mount:
-                plan = ChannelPlan(member.member_id, Channel.VOLUME,
-                                   Rendezvous(volume_path=member.capabilities.volume_mount),
-                                   "catch up from the newest durable READY version")
-                member.events.put(Assignment(EventKind.CATCH_UP, job.name, newest.version, newest.step, plan,
-                                             newest.table, plan.reason))
+                plan = ChannelPlan(
+                    member.member_id,
+                    Channel.VOLUME,
+                    Rendezvous(volume_path=member.capabilities.volume_mount),
+                    "catch up from the newest durable READY version",
+                )
+                member.events.put(
+                    Assignment(
+                        EventKind.CATCH_UP, job.name, newest.version, newest.step, plan, newest.table, plan.reason
+                    )
+                )
             for rec in job.versions.values():
                 if rec.state is VersionState.STAGING and rec.status.get(member.member_id) in lifecycle.WAITING:
                     p = rec.plans[member.member_id]
-                    member.events.put(Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, p, rec.table,
-                                                 p.reason))
+                    member.events.put(
+                        Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, p, rec.table, p.reason)
+                    )
             return member.events
 
     def stream_ended(self, lease_id: str) -> None:
@@ -407,12 +468,14 @@ class Coordinator:
             now = time.monotonic()
             ready, durable = job.newest(), job.newest(durable=True)
             members = tuple(
-                MemberInfo(m.member_id, m.role, m.incarnation, m.current_version, max(0.0, m.expires_at - now),
-                           m.capabilities)
+                MemberInfo(
+                    m.member_id, m.role, m.incarnation, m.current_version, max(0.0, m.expires_at - now), m.capabilities
+                )
                 for m in sorted(job.members.values(), key=lambda m: (m.role.value, m.member_id))
             )
-            return JobInfo(job.name, job.policy, ready.version if ready else 0, durable.version if durable else 0,
-                           members)
+            return JobInfo(
+                job.name, job.policy, ready.version if ready else 0, durable.version if durable else 0, members
+            )
 
     def list_versions(self, job_name: str, limit: int = 0) -> list[VersionInfo]:
         with self._cond:
@@ -442,19 +505,27 @@ class Coordinator:
     def _tick(self, now: float) -> None:
         for member in [m for m in self._leases.values() if m.expires_at < now]:
             job = self._jobs[member.job]
-            log.warning("job %s: %s %s stopped renewing its lease; dropping it", member.job, member.role.value,
-                        member.member_id)
+            log.warning(
+                "job %s: %s %s stopped renewing its lease; dropping it", member.job, member.role.value, member.member_id
+            )
             if self.metrics:
                 self.metrics.leases_expired_total.labels(member.role.value).inc()
             self._remove(job, member, reason=f"{member.role.value} {member.member_id} lease expired")
             self._dirty = True
         for job in self._jobs.values():
             for rec in list(job.versions.values()):
-                if rec.state is VersionState.STAGING and rec.opened_mono and \
-                        now - rec.opened_mono > job.policy.version_timeout_s:
+                if (
+                    rec.state is VersionState.STAGING
+                    and rec.opened_mono
+                    and now - rec.opened_mono > job.policy.version_timeout_s
+                ):
                     waiting = ", ".join(rec.waiting()) or "nobody"
-                    self._finish(job, rec, VersionState.FAILED,
-                                 f"timed out after {job.policy.version_timeout_s:g}s waiting for {waiting}")
+                    self._finish(
+                        job,
+                        rec,
+                        VersionState.FAILED,
+                        f"timed out after {job.policy.version_timeout_s:g}s waiting for {waiting}",
+                    )
                     self._dirty = True
 
     def _trim(self, job: Job) -> None:

@@ -48,8 +48,17 @@ class Internal(PermanentError):
 
 BY_CODE: dict[str, type[PermanentError | RetryableError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, Unauthenticated, PermissionDenied,
-                ResourceExhausted, Unavailable, DeadlineExceeded, Internal)
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        Unauthenticated,
+        PermissionDenied,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Internal,
+    )
 }
 
 

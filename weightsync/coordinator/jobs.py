@@ -60,5 +60,3 @@ class Job:
             if settled_ok and (rec.durable if durable else rec.state is VersionState.READY):
                 return rec
         return None
-
-

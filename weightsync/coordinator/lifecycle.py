@@ -63,10 +63,22 @@ class VersionRecord:
     @classmethod
     def from_info(cls, info: VersionInfo) -> VersionRecord:
         table = info.table or TableSummary(1, 0, "unknown")
-        return cls(info.job, info.version, info.step, info.incarnation, table, {}, state=info.state,
-                   reason=info.reason, durable=info.durable, manifest_path=info.manifest_path,
-                   manifest_sha256=info.manifest_sha256, opened_at=info.opened_at, opened_mono=0.0,
-                   settled_at=info.settled_at)
+        return cls(
+            info.job,
+            info.version,
+            info.step,
+            info.incarnation,
+            table,
+            {},
+            state=info.state,
+            reason=info.reason,
+            durable=info.durable,
+            manifest_path=info.manifest_path,
+            manifest_sha256=info.manifest_sha256,
+            opened_at=info.opened_at,
+            opened_mono=0.0,
+            settled_at=info.settled_at,
+        )
 
     def count(self, status: str) -> int:
         return self.counts.get(status, 0)
@@ -90,8 +102,10 @@ class VersionRecord:
             if acked >= self.quorum:
                 return VersionState.READY, f"quorum met: {acked} of {self.quorum} acks"
             if acked + waiting < self.quorum:
-                return VersionState.FAILED, (f"quorum {self.quorum} unreachable: {acked} acked, {failed} failed, "
-                                             f"{dropped} dropped, {waiting} waiting{self._first_error()}")
+                return VersionState.FAILED, (
+                    f"quorum {self.quorum} unreachable: {acked} acked, {failed} failed, "
+                    f"{dropped} dropped, {waiting} waiting{self._first_error()}"
+                )
             return None
         if failed:
             return VersionState.FAILED, f"{failed} replica(s) failed to load it{self._first_error()}"
@@ -108,14 +122,32 @@ class VersionRecord:
         return ""
 
     def info(self, with_replicas: bool = True) -> VersionInfo:
-        replicas = tuple(
-            ReplicaStatus(rid, self.plans[rid].channel if rid in self.plans else None, self.status[rid],
-                          self.errors.get(rid, ""), self.content.get(rid, ""))
-            for rid in sorted(self.status)
-        ) if with_replicas else ()
+        replicas = (
+            tuple(
+                ReplicaStatus(
+                    rid,
+                    self.plans[rid].channel if rid in self.plans else None,
+                    self.status[rid],
+                    self.errors.get(rid, ""),
+                    self.content.get(rid, ""),
+                )
+                for rid in sorted(self.status)
+            )
+            if with_replicas
+            else ()
+        )
         return VersionInfo(
-            job=self.job, version=self.version, step=self.step, incarnation=self.incarnation, state=self.state,
-            durable=self.durable, manifest_path=self.manifest_path, manifest_sha256=self.manifest_sha256,
-            table=self.table, reason=self.reason, opened_at=self.opened_at, settled_at=self.settled_at,
+            job=self.job,
+            version=self.version,
+            step=self.step,
+            incarnation=self.incarnation,
+            state=self.state,
+            durable=self.durable,
+            manifest_path=self.manifest_path,
+            manifest_sha256=self.manifest_sha256,
+            table=self.table,
+            reason=self.reason,
+            opened_at=self.opened_at,
+            settled_at=self.settled_at,
             replicas=replicas,
         )

@@ -23,7 +23,8 @@ class SizeLimitInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unused-
         self.max_bytes = max_bytes
 
     def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
@@ -34,9 +35,11 @@ class SizeLimitInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unused-
         def check(request: Any, context: grpc.ServicerContext) -> None:
             size = request.ByteSize()
             if size > limit:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{method}: request is {size} bytes, over the limit of {limit}; "
-                              "raise the coordinator's --max-message-bytes if this is expected")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: request is {size} bytes, over the limit of {limit}; "
+                    "raise the coordinator's --max-message-bytes if this is expected",
+                )
 
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary

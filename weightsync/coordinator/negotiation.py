@@ -160,15 +160,23 @@ def negotiate(
         if channel in GROUP_CHANNELS:
             assert offer is not None
             key = group_key(channel, replica.replica_id)
-            rdv = Rendezvous(host=offer.host, port=offer.port, rank_offset=next_rank[key],
-                             world_size=1 + devices[key], group_id=ids[key])
+            rdv = Rendezvous(
+                host=offer.host,
+                port=offer.port,
+                rank_offset=next_rank[key],
+                world_size=1 + devices[key],
+                group_id=ids[key],
+            )
             next_rank[key] += caps.devices
         elif channel is Channel.IPC:
             assert offer is not None
             rdv = Rendezvous(host=trainer.host, ipc_handles={g: offer.ipc_handles[g] for g in caps.gpu_uuids})
         elif channel is Channel.NIXL:
-            rdv = Rendezvous(host=offer.host if offer else trainer.host, port=offer.port if offer else 0,
-                             nixl_metadata=offer.nixl_metadata if offer else b"")
+            rdv = Rendezvous(
+                host=offer.host if offer else trainer.host,
+                port=offer.port if offer else 0,
+                nixl_metadata=offer.nixl_metadata if offer else b"",
+            )
         else:
             rdv = Rendezvous(volume_path=caps.volume_mount)
         plans.append(ChannelPlan(replica.replica_id, channel, rdv, reason))

@@ -51,11 +51,15 @@ class ServerConfig:
 
     def check(self) -> None:
         if not self.insecure and self.tls is None:
-            raise PermanentError("TLS is on by default: pass --tls-cert and --tls-key (and --tls-client-ca for mutual "
-                                 "TLS), or --insecure for a local run")
+            raise PermanentError(
+                "TLS is on by default: pass --tls-cert and --tls-key (and --tls-client-ca for mutual "
+                "TLS), or --insecure for a local run"
+            )
         if not self.insecure and not self.token:
-            raise PermanentError("a bearer token is required with TLS: pass --token-file or set WEIGHTSYNC_TOKEN, "
-                                 "or --insecure for a local run")
+            raise PermanentError(
+                "a bearer token is required with TLS: pass --token-file or set WEIGHTSYNC_TOKEN, "
+                "or --insecure for a local run"
+            )
         if self.max_message_bytes < 1024:
             raise PermanentError(f"--max-message-bytes {self.max_message_bytes} is too small; use at least 1024")
 
@@ -76,8 +80,9 @@ class _RefreshOnScrape:
 class CoordinatorServer:
     """A running coordinator. ``stop()`` ends the listener, the reaper and /metrics."""
 
-    def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None,
-                 store: VersionStore | None = None) -> None:
+    def __init__(
+        self, config: ServerConfig, registry: CollectorRegistry | None = None, store: VersionStore | None = None
+    ) -> None:
         config.check()
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -86,8 +91,9 @@ class CoordinatorServer:
         self.metrics = metrics_mod.CoordinatorMetrics.create(self.registry)
         if store is None:
             store = VolumeStore(config.volumes) if config.volumes else MemoryStore()
-        self.core = Coordinator(lease_ttl_s=config.lease_ttl_s, default_policy=config.policy, store=store,
-                                metrics=self.metrics)
+        self.core = Coordinator(
+            lease_ttl_s=config.lease_ttl_s, default_policy=config.policy, store=store, metrics=self.metrics
+        )
         refresher.core = self.core
         interceptors: list[grpc.ServerInterceptor] = [limits.SizeLimitInterceptor(config.max_message_bytes)]
         if config.token:
@@ -95,9 +101,13 @@ class CoordinatorServer:
         hard_cap = config.max_message_bytes + (1 << 20)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="coordinator"),
-            interceptors=interceptors, maximum_concurrent_rpcs=config.max_workers,
-            options=[("grpc.max_receive_message_length", hard_cap), ("grpc.max_send_message_length", hard_cap),
-                     ("grpc.so_reuseport", 0)],
+            interceptors=interceptors,
+            maximum_concurrent_rpcs=config.max_workers,
+            options=[
+                ("grpc.max_receive_message_length", hard_cap),
+                ("grpc.max_send_message_length", hard_cap),
+                ("grpc.so_reuseport", 0),
+            ],
         )
         self._server.add_generic_rpc_handlers((_service.handler(Servicer(self.core).implementations()),))
         address = f"{config.host}:{config.port}"

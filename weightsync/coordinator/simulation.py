@@ -43,22 +43,27 @@ class Member:
 
     def client(self) -> CoordinatorClient:
         if self.ca_file:
-            tls = TlsConfig(ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file,
-                            server_name="localhost")
+            tls = TlsConfig(
+                ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file, server_name="localhost"
+            )
             return CoordinatorClient(self.target, token=self.token, tls=tls, timeout_s=10.0)
         return CoordinatorClient(self.target, token=self.token, insecure=True, timeout_s=10.0)
 
     def capabilities(self) -> Capabilities:
-        return Capabilities(host=self.host, channels=tuple(Channel(c) for c in self.channels),
-                            engine=EngineKind(self.engine), volume_id=self.volume_id, volume_mount=self.volume_mount,
-                            nccl_domain=self.nccl_domain)
+        return Capabilities(
+            host=self.host,
+            channels=tuple(Channel(c) for c in self.channels),
+            engine=EngineKind(self.engine),
+            volume_id=self.volume_id,
+            volume_mount=self.volume_mount,
+            nccl_domain=self.nccl_domain,
+        )
 
 
 def replica_main(member: Member, events: Queue[Any]) -> None:
     """Register, watch, and ack every assignment (catch-ups included) until killed."""
     client = member.client()
-    client.register_replica(member.job, member.member_id, member.capabilities(),
-                            current_version=member.current_version)
+    client.register_replica(member.job, member.member_id, member.capabilities(), current_version=member.current_version)
     events.put(("registered", member.member_id, 0, ""))
     for a in client.watch():
         channel = a.plan.channel.value if a.plan else ""
@@ -74,20 +79,30 @@ def replica_main(member: Member, events: Queue[Any]) -> None:
         if member.work_s:
             time.sleep(member.work_s)
         total = time.perf_counter() - started
-        phases = {SyncPhase.TRANSFER: total * 0.6, SyncPhase.LOAD: total * 0.3, SyncPhase.VERIFY: total * 0.1,
-                  SyncPhase.TOTAL: total}
+        phases = {
+            SyncPhase.TRANSFER: total * 0.6,
+            SyncPhase.LOAD: total * 0.3,
+            SyncPhase.VERIFY: total * 0.1,
+            SyncPhase.TOTAL: total,
+        }
         state = client.ack(AckReport(a.version, a.table.table_digest, ok=True, phases=phases))
         events.put(("acked", member.member_id, a.version, state.value))
 
 
-def trainer_main(member: Member, step: int, events: Queue[Any], offers: tuple[tuple[str, str, int], ...] = (),
-                 policy: JobPolicy | None = None) -> None:
+def trainer_main(
+    member: Member,
+    step: int,
+    events: Queue[Any],
+    offers: tuple[tuple[str, str, int], ...] = (),
+    policy: JobPolicy | None = None,
+) -> None:
     """Register, open one version at ``step``, report it, then hang (a test kills us mid-publish)."""
     client = member.client()
     client.register_trainer(member.job, member.member_id, member.capabilities(), policy=policy)
     from weightsync.coordinator.models import TableSummary
 
-    opened = client.open_version(step, TableSummary(2, 1024, "sha256:sim"),
-                                 offers=[SenderOffer(Channel(c), h, p) for c, h, p in offers])
+    opened = client.open_version(
+        step, TableSummary(2, 1024, "sha256:sim"), offers=[SenderOffer(Channel(c), h, p) for c, h, p in offers]
+    )
     events.put(("opened", member.member_id, opened.version, ",".join(p.channel.value for p in opened.plans)))
     time.sleep(3600)

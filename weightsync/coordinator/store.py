@@ -56,11 +56,18 @@ def to_json(info: VersionInfo) -> dict[str, Any]:
 def from_json(d: Mapping[str, Any]) -> VersionInfo:
     table = d.get("table")
     return VersionInfo(
-        job=str(d["job"]), version=int(d["version"]), step=int(d["step"]), incarnation=str(d.get("incarnation", "")),
-        state=VersionState(d["state"]), durable=bool(d.get("durable", False)),
-        manifest_path=str(d.get("manifest_path", "")), manifest_sha256=str(d.get("manifest_sha256", "")),
-        table=TableSummary(**table) if table else None, reason=str(d.get("reason", "")),
-        opened_at=float(d.get("opened_at", 0.0)), settled_at=float(d.get("settled_at", 0.0)),
+        job=str(d["job"]),
+        version=int(d["version"]),
+        step=int(d["step"]),
+        incarnation=str(d.get("incarnation", "")),
+        state=VersionState(d["state"]),
+        durable=bool(d.get("durable", False)),
+        manifest_path=str(d.get("manifest_path", "")),
+        manifest_sha256=str(d.get("manifest_sha256", "")),
+        table=TableSummary(**table) if table else None,
+        reason=str(d.get("reason", "")),
+        opened_at=float(d.get("opened_at", 0.0)),
+        settled_at=float(d.get("settled_at", 0.0)),
     )
 
 
@@ -119,12 +126,14 @@ class VolumeStore(MemoryStore):
                 found[info.version] = info
             elif not known.durable:
                 found[info.version] = dataclasses.replace(
-                    known, durable=True, manifest_path=info.manifest_path, manifest_sha256=info.manifest_sha256)
+                    known, durable=True, manifest_path=info.manifest_path, manifest_sha256=info.manifest_sha256
+                )
         on_volume = {v.version for v in self._from_manifests(job)}
         for v, info in list(found.items()):
             if info.state is VersionState.STAGING:
-                found[v] = dataclasses.replace(info, state=VersionState.FAILED,
-                                               reason="the coordinator restarted while this version was staging")
+                found[v] = dataclasses.replace(
+                    info, state=VersionState.FAILED, reason="the coordinator restarted while this version was staging"
+                )
             if info.durable and v not in on_volume:
                 found[v] = dataclasses.replace(found[v], durable=False, manifest_path="", manifest_sha256="")
         self._by_job[job] = found
@@ -145,11 +154,22 @@ class VolumeStore(MemoryStore):
                 log.warning("skipping %s during recovery: %s", directory, e)
                 continue
             path = directory / volume.MANIFEST
-            out.append(VersionInfo(
-                job=job, version=v, step=manifest.step, incarnation="", state=VersionState.READY, durable=True,
-                manifest_path=str(path), manifest_sha256=sha256_file(path), table=summarize(manifest.table),
-                reason="recovered from the volume manifest", opened_at=manifest.created, settled_at=manifest.created,
-            ))
+            out.append(
+                VersionInfo(
+                    job=job,
+                    version=v,
+                    step=manifest.step,
+                    incarnation="",
+                    state=VersionState.READY,
+                    durable=True,
+                    manifest_path=str(path),
+                    manifest_sha256=sha256_file(path),
+                    table=summarize(manifest.table),
+                    reason="recovered from the volume manifest",
+                    opened_at=manifest.created,
+                    settled_at=manifest.created,
+                )
+            )
         return out
 
     def save(self, info: VersionInfo) -> None:

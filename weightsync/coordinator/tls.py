@@ -53,6 +53,8 @@ class TlsConfig:
     def credentials(self) -> grpc.ChannelCredentials:
         if bool(self.cert_file) != bool(self.key_file):
             raise PermanentError("TLS client: give both cert_file and key_file for mutual TLS, or neither")
-        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca_file, "CA file"),
-                                            private_key=_read(self.key_file, "client key"),
-                                            certificate_chain=_read(self.cert_file, "client certificate"))
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_file, "CA file"),
+            private_key=_read(self.key_file, "client key"),
+            certificate_chain=_read(self.cert_file, "client certificate"),
+        )
