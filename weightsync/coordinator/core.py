@@ -414,14 +414,15 @@ class Coordinator:
 
     def subscribe(self, lease_id: str) -> queue.SimpleQueue[Assignment | None]:
         """A fresh event queue for the member's new stream (ending any previous one), primed with a catch-up
-        and any staging assignment it missed. Events put on the old queue between two streams are re-derived
-        here (assignments still staging, the catch-up); an ABORT sent in that gap is not."""
+        and any staging assignment it missed, then the old queue's unread events (an ABORT sent while no
+        stream was open, say). The agent may see a version twice: it dedupes by version number."""
         with self._cond:
             member = self._member(lease_id, Role.REPLICA)
             job = self._job(member.job)
             # one queue per stream: a stale stream still draining must not steal the new stream's events
             old, member.events = member.events, queue.SimpleQueue()
             member.streams += 1
+            carried = _drain(old)  # events queued between the old stream's end and now (an ABORT, say)
             old.put(None)
             newest = job.newest(durable=True)
             if newest is not None and newest.version > member.current_version and member.capabilities.volume_mount:
@@ -436,6 +437,8 @@ class Coordinator:
                         EventKind.CATCH_UP, job.name, newest.version, newest.step, plan, newest.table, plan.reason
                     )
                 )
+            for event in carried:
+                member.events.put(event)
             for rec in job.versions.values():
                 if rec.state is VersionState.STAGING and rec.status.get(member.member_id) in lifecycle.WAITING:
                     p = rec.plans[member.member_id]
@@ -542,3 +545,15 @@ class Coordinator:
         self._dirty = False
         if self.metrics is not None:
             gauges.refresh(self.metrics, self._jobs.values())
+
+
+def _drain(events: queue.SimpleQueue[Assignment | None]) -> list[Assignment]:
+    """Everything queued and not yet consumed (end-of-stream markers dropped)."""
+    out: list[Assignment] = []
+    while True:
+        try:
+            item = events.get_nowait()
+        except queue.Empty:
+            return out
+        if item is not None:
+            out.append(item)
