@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoint volume root(s): PATH or JOB=PATH[,JOB=PATH...]; "
         "enables the version journal and recovery after a restart",
     )
+    job.add_argument(
+        "--kubernetes-namespace",
+        default="",
+        help="mirror versions into WeightVersion objects in this namespace (in-cluster credentials, else "
+        "KUBECONFIG) and recover READY state from them after a restart",
+    )
     job.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a member may go without renewing")
     job.add_argument("--version-timeout", type=float, default=600.0, help="seconds a version may stay STAGING")
     job.add_argument("--ack-quorum", type=int, default=0, help="acks that make a version READY (0: all live replicas)")
@@ -118,7 +124,7 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from weightsync.coordinator import auth, models, server, tls
+    from weightsync.coordinator import auth, kubestore, models, server, tls
 
     _limit_malloc_arenas()
     from weightsync.vocabulary import Channel
@@ -148,7 +154,10 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )
-    coordinator = server.CoordinatorServer(config).start()
+    store = kubestore.around(args.kubernetes_namespace, config.volumes) if args.kubernetes_namespace else None
+    coordinator = server.CoordinatorServer(config, store=store).start()
+    if store is not None:
+        store.attach(coordinator.core)
     record: dict[str, Any] = {
         "target": coordinator.target,
         "tls": not args.insecure,
@@ -172,6 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     coordinator.stop(grace_s=2.0)
+    if store is not None:
+        store.close()
     return 0
 
 
