@@ -280,3 +280,7 @@ class IpcEngine(WeightsyncEngine):
 
 
 __all__ = ["CpuEngine", "IpcEngine", "NcclEngine", "VolumeEngine", "WeightsyncEngine"]
+
+
+class NixlEngine(WeightsyncEngine):
+    channel = Channel.NIXL

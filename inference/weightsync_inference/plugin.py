@@ -16,6 +16,7 @@ ENGINE_CLASSES: dict[Channel, str] = {
     Channel.VOLUME: "VolumeEngine",
     Channel.NCCL: "NcclEngine",
     Channel.IPC: "IpcEngine",
+    Channel.NIXL: "NixlEngine",
 }
 
 

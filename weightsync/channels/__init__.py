@@ -19,6 +19,7 @@ _MODULES: dict[Channel, str] = {
     Channel.VOLUME: "weightsync.channels.volume",
     Channel.NCCL: "weightsync.channels.nccl",
     Channel.IPC: "weightsync.channels.ipc",
+    Channel.NIXL: "weightsync.channels.nixl",
 }
 
 
