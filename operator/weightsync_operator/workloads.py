@@ -28,7 +28,8 @@ from weightsync_operator.podspecs import Obj
 
 
 def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: bool) -> Obj:
-    """The coordinator: one replica (it holds the version counter), recreated, never rolled."""
+    """The coordinator: one replica (it holds the version counter), recreated, never rolled; it writes the job's
+    WeightVersion objects in ``namespace`` with its ServiceAccount and recovers from them when restarted."""
     container = {
         "name": "coordinator",
         "image": spec.coordinator.image or image,
@@ -43,6 +44,8 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
             str(names.METRICS_PORT),
             "--metrics-host",
             "0.0.0.0",
+            "--kubernetes-namespace",
+            namespace,
         ],
         "env": podspecs.common_env(job, namespace),
         "ports": [

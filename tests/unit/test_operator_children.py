@@ -52,6 +52,8 @@ def test_gpu_requests_and_gpu_pool_placement() -> None:
     assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2" and env["MASTER_ADDR"].startswith("grpo-trainer-0.")
     coordinator = objs[("Deployment", "grpo-coordinator")]["spec"]["template"]["spec"]
     assert "nodeSelector" not in coordinator and "nvidia.com/gpu" not in str(coordinator)
+    command = coordinator["containers"][0]["command"]
+    assert command[command.index("--kubernetes-namespace") + 1] == "ml"  # it writes the job's WeightVersions
 
 
 def test_spread_and_colocate() -> None:
