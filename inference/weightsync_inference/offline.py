@@ -59,12 +59,16 @@ class OfflineEngine:
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
-        """Greedy token ids and their log-probabilities for each token-id prompt."""
+    def greedy(
+        self, prompts: list[list[int]], max_tokens: int, lora_request: object | None = None
+    ) -> list[tuple[list[int], list[float]]]:
+        """Greedy token ids and their log-probabilities for each token-id prompt (optionally with an adapter)."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora_request
+        )
         result = []
         for out in outs:
             comp = out.outputs[0]

@@ -29,7 +29,7 @@ from weightsync.channels.digests import table_digest
 from weightsync.errors import PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
-from weightsync_trainer.sources import WeightSource
+from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
 
 @dataclass
@@ -143,3 +143,22 @@ class Publisher:
         for r in results:
             merged.update(r)
         return merged
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def publish_adapter(source: LoraAdapterSource, volume: Sender, version: int, step: int) -> PublishReport:
+    """Write a LoRA adapter as a volume version laid out as a PEFT folder (one file + its config).
+
+    The replica verifies it like any volume version, then hands the folder to vLLM's LoRA
+    loader; the base weights never change.
+    """
+    if volume.channel is not Channel.VOLUME:
+        raise PermanentError(f"adapters travel on the volume; got a {volume.channel.value!r} sender")
+    publisher = Publisher(source, [volume])
+    ticket = publisher.ticket(
+        version, step, Channel.VOLUME, shard_name=ADAPTER_FILE, files={ADAPTER_CONFIG: source.adapter_config()}
+    )
+    return publisher.publish(version, step, [ticket])

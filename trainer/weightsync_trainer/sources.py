@@ -13,6 +13,9 @@ Sources:
   de-duplicates shared tensors, and vLLM ties the head itself).
 - ``LoraMergedSource``: a PEFT model published as merged base weights
   (W + scale * B @ A computed per group, the training model untouched).
+- ``LoraAdapterSource``: only the adapter tensors of a PEFT model, under the names
+  PEFT saves them with, plus the adapter config: the engine serves them as a LoRA
+  adapter next to its unchanged base weights (``publish_adapter``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from weightsync.channels.base import dtype_name
+from weightsync.errors import PermanentError
 from weightsync.tensors import TensorTable
 from weightsync_trainer import naming
 
@@ -110,3 +114,29 @@ class LoraMergedSource(ModuleSource):
                     delta: torch.Tensor = layer.get_delta_weight(adapter)
                     t = t + delta.to(t.dtype)
         return t.to(self._wire_dtype(t))
+
+
+class LoraAdapterSource(ModuleSource):
+    """The trainable LoRA tensors of a PEFT model, named as in PEFT's ``adapter_model.safetensors``."""
+
+    def __init__(self, module: torch.nn.Module, wire_dtype: torch.dtype | None = torch.bfloat16) -> None:
+        self.adapter = str(getattr(module, "active_adapter", "default"))
+        super().__init__(module, wire_dtype)
+
+    def _select(self) -> dict[str, torch.Tensor]:
+        suffix = f".{self.adapter}.weight"
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.module.named_parameters():
+            if ".lora_" in name and name.endswith(suffix):
+                out[name.removesuffix(suffix) + ".weight"] = param
+        if not out:
+            raise PermanentError(f"no LoRA tensors for adapter {self.adapter!r}: is this a PEFT LoRA model?")
+        return out
+
+    def adapter_config(self) -> str:
+        """The adapter's ``adapter_config.json`` as PEFT writes it."""
+        import json
+
+        configs: Any = getattr(self.module, "peft_config", {})
+        data = configs[self.adapter].to_dict()
+        return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in data.items()}, indent=1)

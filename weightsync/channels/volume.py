@@ -182,12 +182,20 @@ class VolumeSender(Sender):
         pending_bytes = 0
         hashing = ThreadPoolExecutor(max_workers=2)
         futures = []
+        # A version may be laid out for another reader: one file under a fixed name plus side
+        # files (a PEFT adapter folder: adapter_model.safetensors + adapter_config.json).
+        single = str(ticket.params.get("shard_name", ""))
+        files = {str(k): str(v) for k, v in dict(ticket.params.get("files", {})).items()}
+        for fname in [single, *files]:
+            if fname and (Path(fname).name != fname or fname == MANIFEST):
+                raise PermanentError(f"volume file name {fname!r} must be a plain name other than {MANIFEST}")
+        shard_limit = float("inf") if single else self.shard_bytes
 
         def flush() -> None:
             nonlocal pending, pending_bytes
             if not pending:
                 return
-            name = f"shard-{len(shards):05d}.safetensors"
+            name = single or f"shard-{len(shards):05d}.safetensors"
             path = tmp / name
             # save_file serialises straight to the file (the in-memory `save` costs a second
             # copy); the hash reads it back from the page cache while the next shard is written
@@ -208,9 +216,9 @@ class VolumeSender(Sender):
                     if ticket.verify:
                         found[spec.name] = digests.digest(t)
                     pending[spec.name] = t
-                    shard_of[spec.name] = f"shard-{len(shards):05d}.safetensors"
+                    shard_of[spec.name] = single or f"shard-{len(shards):05d}.safetensors"
                     pending_bytes += spec.nbytes
-                    if pending_bytes >= self.shard_bytes:
+                    if pending_bytes >= shard_limit:
                         flush()
             flush()
             for name, fut in futures:
@@ -223,6 +231,11 @@ class VolumeSender(Sender):
                 shards,
                 time.time(),
             )
+            for fname, text in files.items():
+                with (tmp / fname).open("w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
             with (tmp / MANIFEST).open("w") as f:
                 f.write(manifest.to_json())
                 f.flush()
