@@ -210,6 +210,7 @@ def ipc_worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
             if rank == 1:
                 for _ in receiver.receive(ticket, dests):
                     raise AssertionError("every tensor should land in place")
+
         return run
 
     for label, dtype in (("bf16", None), ("fp32_cast", torch.float32)):
@@ -262,8 +263,10 @@ def main() -> None:
     res = json.loads(Path(args.json).read_text())
     gb = res["bytes"] / 1e9
     base = res.get("raw_flat_broadcast") or res["raw_flat_copy"]
-    print(f"{args.model} {args.part} receivers={res.get('receivers', 1)} {gb:.3f} GB in {res['tensors']} tensors "
-          f"on {res['card']}")
+    print(
+        f"{args.model} {args.part} receivers={res.get('receivers', 1)} {gb:.3f} GB in {res['tensors']} tensors "
+        f"on {res['card']}"
+    )
     for k, v in res.items():
         if isinstance(v, float):
             print(f"  {k:34s} {v * 1e3:9.2f} ms  {gb / v:8.1f} GB/s  {v / base:5.2f}x")

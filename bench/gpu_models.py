@@ -31,19 +31,21 @@ def trainer_table(model: str, dtype: str = "bfloat16") -> TensorTable:
     groups = [[("model.embed_tokens.weight", dtype, (vocab, h))]]
     for i in range(layers):
         p = f"model.layers.{i}."
-        groups.append([
-            (p + "self_attn.q_proj.weight", dtype, (nh * hd, h)),
-            (p + "self_attn.k_proj.weight", dtype, (nkv * hd, h)),
-            (p + "self_attn.v_proj.weight", dtype, (nkv * hd, h)),
-            (p + "self_attn.o_proj.weight", dtype, (h, nh * hd)),
-            (p + "self_attn.q_norm.weight", dtype, (hd,)),
-            (p + "self_attn.k_norm.weight", dtype, (hd,)),
-            (p + "mlp.gate_proj.weight", dtype, (inter, h)),
-            (p + "mlp.up_proj.weight", dtype, (inter, h)),
-            (p + "mlp.down_proj.weight", dtype, (h, inter)),
-            (p + "input_layernorm.weight", dtype, (h,)),
-            (p + "post_attention_layernorm.weight", dtype, (h,)),
-        ])
+        groups.append(
+            [
+                (p + "self_attn.q_proj.weight", dtype, (nh * hd, h)),
+                (p + "self_attn.k_proj.weight", dtype, (nkv * hd, h)),
+                (p + "self_attn.v_proj.weight", dtype, (nkv * hd, h)),
+                (p + "self_attn.o_proj.weight", dtype, (h, nh * hd)),
+                (p + "self_attn.q_norm.weight", dtype, (hd,)),
+                (p + "self_attn.k_norm.weight", dtype, (hd,)),
+                (p + "mlp.gate_proj.weight", dtype, (inter, h)),
+                (p + "mlp.up_proj.weight", dtype, (inter, h)),
+                (p + "mlp.down_proj.weight", dtype, (h, inter)),
+                (p + "input_layernorm.weight", dtype, (h,)),
+                (p + "post_attention_layernorm.weight", dtype, (h,)),
+            ]
+        )
     groups.append([("model.norm.weight", dtype, (h,))] + ([] if tied else [("lm_head.weight", dtype, (vocab, h))]))
     return TensorTable.build(groups)
 
@@ -76,11 +78,16 @@ def main() -> None:
     for model in MODELS:
         layout = engine_layout(model)
         plan = placement.direct_plan(trainer_table(model), layout)
-        out = {"model": model, "layout": {k: [d, list(s)] for k, (d, s) in layout.items()},
-               "plan": placement.plan_to_json(plan)}
+        out = {
+            "model": model,
+            "layout": {k: [d, list(s)] for k, (d, s) in layout.items()},
+            "plan": placement.plan_to_json(plan),
+        }
         (DATA / f"{model}.plan.json").write_text(json.dumps(out, indent=0))
-        print(f"{model}: {len(layout)} engine parameters, {len(plan)} of {len(trainer_table(model))} tensors direct",
-              file=sys.stderr)
+        print(
+            f"{model}: {len(layout)} engine parameters, {len(plan)} of {len(trainer_table(model))} tensors direct",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

@@ -15,18 +15,20 @@ from weightsync.tensors import TensorTable
 pytestmark = pytest.mark.unit
 
 H, Q, KV, FF = 64, 128, 32, 96
-TABLE = TensorTable.build([
-    [("model.embed_tokens.weight", "bfloat16", (100, H))],
+TABLE = TensorTable.build(
     [
-        ("model.layers.0.self_attn.q_proj.weight", "bfloat16", (Q, H)),
-        ("model.layers.0.self_attn.k_proj.weight", "bfloat16", (KV, H)),
-        ("model.layers.0.self_attn.v_proj.weight", "bfloat16", (KV, H)),
-        ("model.layers.0.mlp.gate_proj.weight", "bfloat16", (FF, H)),
-        ("model.layers.0.mlp.up_proj.weight", "bfloat16", (FF, H)),
-        ("model.layers.0.mlp.down_proj.weight", "bfloat16", (H, FF)),
-        ("model.norm.weight", "bfloat16", (H,)),
-    ],
-])
+        [("model.embed_tokens.weight", "bfloat16", (100, H))],
+        [
+            ("model.layers.0.self_attn.q_proj.weight", "bfloat16", (Q, H)),
+            ("model.layers.0.self_attn.k_proj.weight", "bfloat16", (KV, H)),
+            ("model.layers.0.self_attn.v_proj.weight", "bfloat16", (KV, H)),
+            ("model.layers.0.mlp.gate_proj.weight", "bfloat16", (FF, H)),
+            ("model.layers.0.mlp.up_proj.weight", "bfloat16", (FF, H)),
+            ("model.layers.0.mlp.down_proj.weight", "bfloat16", (H, FF)),
+            ("model.norm.weight", "bfloat16", (H,)),
+        ],
+    ]
+)
 LAYOUT = {
     "model.embed_tokens.weight": ("bfloat16", (100, H)),
     "model.layers.0.self_attn.qkv_proj.weight": ("bfloat16", (Q + 2 * KV, H)),
