@@ -43,6 +43,7 @@ from pydantic import ValidationError
 
 from weightsync.coordinator.models import TableSummary, VersionInfo
 from weightsync.coordinator.store import MemoryStore, VersionStore, VolumeStore
+from weightsync.errors import PermanentError
 from weightsync.resources import GROUP, JOB_LABEL, VERSION, WeightVersion, WeightVersionSpec, WeightVersionStatus
 from weightsync.resources.weightversion import MAX_LISTED_REPLICAS, ChannelShare, PhaseSeconds, version_name
 from weightsync.vocabulary import VersionState
@@ -73,7 +74,13 @@ def api_client() -> Any:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as e:
+            raise PermanentError(
+                f"--kubernetes-namespace needs API server credentials: none in-cluster and no usable kubeconfig ({e}); "
+                "run in a pod with a ServiceAccount or set KUBECONFIG"
+            ) from None
     return client.ApiClient()
 
 
