@@ -33,8 +33,12 @@ e2e-tools: ## build (once, cached under ~/.cache/weightsync) the control plane b
 crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resources
 	.venv/bin/weightsync crds
 
+proto: venv  ## regenerate the gRPC code in weightsync/coordinator/_proto from proto/
+	$(PY) -m weightsync.coordinator.codegen
+
 test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
 	.venv/bin/weightsync crds --check
+	$(PY) -m weightsync.coordinator.codegen --check
 	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests
 
 e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
@@ -46,4 +50,4 @@ unit: venv  ## only the unit tier (seconds)
 integration: venv models  ## only the integration tier (real vLLM, real processes)
 	$(PY) -m pytest tests -m integration
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds test e2e unit integration
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration

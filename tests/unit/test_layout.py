@@ -81,6 +81,19 @@ def test_core_imports_torch_only_in_channels_and_components_only_in_cli() -> Non
     assert not bad, "\n".join(bad)
 
 
+def test_generated_code_stays_behind_the_coordinators_edge() -> None:
+    """Only the coordinator touches generated protobuf types; channels never reach for gRPC."""
+    bad = []
+    for path in _modules("weightsync"):
+        rel = path.relative_to(ROOT / "weightsync").as_posix()
+        text = path.read_text()
+        if "coordinator._proto" in text and not rel.startswith("coordinator/"):
+            bad.append(f"weightsync/{rel} imports the generated code (convert in weightsync.coordinator.serde)")
+        if rel.startswith("channels/") and ("weightsync.coordinator" in text or "import grpc" in text):
+            bad.append(f"weightsync/{rel}: channels must not import the coordinator or gRPC")
+    assert not bad, "\n".join(bad)
+
+
 def test_component_folders_have_no_init_that_could_shadow() -> None:
     for folder in ("operator", "trainer", "inference", "proto", "crds", "helm", "images", "e2e"):
         assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/__init__.py would shadow an import name"
