@@ -21,10 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed
 
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
+
+# The process-group and store classes the channels use (TCPStore, PrefixStore, the gloo and
+# NCCL backends) are public in practice but missing from torch's type stubs; one Any-typed
+# handle keeps every channel module strictly checked otherwise.
+dist: Any = torch.distributed
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

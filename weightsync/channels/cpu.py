@@ -26,7 +26,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed
 
 from weightsync.channels import digests
 from weightsync.channels.base import (
@@ -37,6 +36,7 @@ from weightsync.channels.base import (
     WorkerContext,
     as_bytes,
     check_tensor,
+    dist,
     init_field,
     verify_group,
     view_from_bytes,
@@ -44,10 +44,6 @@ from weightsync.channels.base import (
 from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
-
-# The store and backend classes used here are public in practice but missing from torch's
-# type stubs; typing them as Any keeps the rest of the module strictly checked.
-dist: Any = torch.distributed
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 MAX_HEADER_BYTES = 64 << 20

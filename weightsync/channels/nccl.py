@@ -31,7 +31,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed
 
 from weightsync.channels import digests, gpu
 from weightsync.channels.base import (
@@ -41,16 +40,13 @@ from weightsync.channels.base import (
     Sender,
     UpdateTicket,
     WorkerContext,
+    dist,
     init_field,
     verify_group,
 )
 from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, align
 from weightsync.vocabulary import Channel
-
-# The store and backend classes used here are public in practice but missing from torch's
-# type stubs (as in cpu.py); typing them as Any keeps the rest of the module strictly checked.
-dist: Any = torch.distributed
 
 IN_FLIGHT_GROUPS = 2
 _WATCHDOG_FACTOR = 4

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed
 
 from weightsync.channels import digests, gpu
 from weightsync.channels.base import (
@@ -61,15 +60,13 @@ from weightsync.channels.base import (
     Sender,
     UpdateTicket,
     WorkerContext,
+    dist,
     init_field,
     verify_group,
 )
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
-
-# The store class is public in practice but missing from torch's type stubs (as in ipc.py).
-dist: Any = torch.distributed
 
 BACKENDS = ["UCX"]
 DEFAULT_WINDOW = 8
