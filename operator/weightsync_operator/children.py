@@ -67,7 +67,7 @@ def current_hash(obj: Obj | None) -> str | None:
 
 
 def desired(owner: Owner, spec: RLJobSpec, coordinator_image: str, coordinator_role: str, parked: bool) -> list[Obj]:
-    """Every child except the trainer pods and the token Secret (which have their own life cycles)."""
+    """Every child except the trainer pods and the token and TLS Secrets (which have their own life cycles)."""
     objs = [
         *support.checkpoint_claim(owner.name, spec),
         support.job_config(owner.name, spec),
@@ -89,3 +89,8 @@ def trainer_pods(owner: Owner, spec: RLJobSpec) -> list[Obj]:
 
 def token_secret(owner: Owner) -> Obj:
     return stamp(support.token_secret(owner.name), owner)
+
+
+def tls_secret(owner: Owner) -> Obj:
+    """A new CA and coordinator certificate each call: create it only when the Secret is missing."""
+    return stamp(support.tls_secret(owner.name, owner.namespace), owner)

@@ -4,8 +4,8 @@ Children are written with server-side apply under one field manager
 (``weightsync-operator``) and ``force``: applying the same object twice is a
 no-op, two racing reconciles converge on the same object, and a restarted
 operator re-applies what it applied before instead of creating a duplicate.
-The token Secret is the exception: it is created once and never re-applied, so
-a reconcile can never rotate it under running pods.
+The token and TLS Secrets are the exception: each is created once and never
+re-applied, so a reconcile can never rotate them under running pods.
 
 This is the only module that talks to the kubernetes client; everything above
 it passes plain dicts (the same JSON the API server stores).

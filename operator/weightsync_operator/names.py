@@ -33,6 +33,13 @@ TRAINER_MASTER_PORT = 29500
 CONFIG_MOUNT = "/etc/weightsync"
 CHECKPOINT_MOUNT = "/checkpoints"
 TOKEN_KEY = "token"
+TLS_DIR = "tls"
+"""The TLS files appear under ``CONFIG_MOUNT/TLS_DIR`` (projected into the config volume, see podspecs)."""
+TLS_MOUNT = f"{CONFIG_MOUNT}/{TLS_DIR}"
+TLS_CERT_KEY, TLS_KEY_KEY, TLS_CA_KEY = "tls.crt", "tls.key", "ca.crt"
+"""Keys of the TLS Secret (type kubernetes.io/tls, plus the CA) and file names under ``TLS_MOUNT``."""
+TLS_CA_ENV = "WEIGHTSYNC_TLS_CA"
+"""Set in trainer pods: the path of the CA that signed the coordinator's certificate."""
 
 
 class Component(enum.StrEnum):
@@ -86,6 +93,10 @@ def config_map(job: str) -> str:
 
 def token_secret(job: str) -> str:
     return f"{job}-token"
+
+
+def tls_secret(job: str) -> str:
+    return f"{job}-tls"
 
 
 def checkpoint_claim(job: str) -> str:

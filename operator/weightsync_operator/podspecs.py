@@ -91,8 +91,39 @@ def shm_mount() -> Obj:
     return {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
 
 
-def config_volume(job: str) -> Obj:
-    return {"name": "config", "configMap": {"name": names.config_map(job)}}
+KEY_MODE = 0o440
+"""The server key's file mode: owner root, group the pod's fsGroup (the process's group), nobody else."""
+
+
+def config_volume(job: str, server_tls: bool = False) -> Obj:
+    """``job.json`` from the job's ConfigMap and, under ``tls/``, files of the job's TLS Secret.
+
+    Every pod gets the CA (``tls/ca.crt``) to verify the coordinator; only the
+    coordinator (``server_tls``) gets its certificate and private key. One
+    projected volume rather than a Secret volume mounted inside the ConfigMap's:
+    a mount point cannot be created inside a read-only mount.
+    """
+    keys = [names.TLS_CERT_KEY, names.TLS_KEY_KEY, names.TLS_CA_KEY] if server_tls else [names.TLS_CA_KEY]
+    items: list[Obj] = []
+    for key in keys:
+        item: Obj = {"key": key, "path": f"{names.TLS_DIR}/{key}"}
+        if key == names.TLS_KEY_KEY:
+            item["mode"] = KEY_MODE
+        items.append(item)
+    return {
+        "name": "config",
+        "projected": {
+            "sources": [
+                {"configMap": {"name": names.config_map(job)}},
+                {"secret": {"name": names.tls_secret(job), "items": items}},
+            ]
+        },
+    }
+
+
+def tls_path(key: str) -> str:
+    """Where file ``key`` of the TLS Secret is in a container that mounts ``config_mount``."""
+    return f"{names.TLS_MOUNT}/{key}"
 
 
 def config_mount() -> Obj:

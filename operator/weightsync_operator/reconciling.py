@@ -81,10 +81,16 @@ def _ready(obj: dict[str, Any] | None) -> int:
 
 
 def _ensure_children(api: Api, owner: children.Owner, spec: RLJobSpec, settings: Settings, parked: bool) -> int:
-    """Apply each child that is missing or differs from the spec; create the token once. Returns writes."""
+    """Apply each child that is missing or differs from the spec; create the token and TLS Secrets once.
+
+    The Secrets are made only when a read finds them missing, and ``create``
+    keeps whatever exists (a racing reconcile's): never regenerated, never
+    applied over. Returns writes."""
     writes = 0
     if api.get("Secret", owner.namespace, names.token_secret(owner.name)) is None:
         writes += api.create(children.token_secret(owner))
+    if api.get("Secret", owner.namespace, names.tls_secret(owner.name)) is None:
+        writes += api.create(children.tls_secret(owner))
     for obj in children.desired(owner, spec, settings.coordinator_image, settings.coordinator_role, parked):
         current = api.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
         if children.current_hash(current) != children.current_hash(obj):

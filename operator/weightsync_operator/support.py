@@ -1,4 +1,4 @@
-"""The children that are not pods: checkpoint claim, job config, token, the coordinator's identity.
+"""The children that are not pods: checkpoint claim, job config, token and TLS Secrets, the coordinator's identity.
 
 - The checkpoint PersistentVolumeClaim (unless the spec names an existing one):
   ReadWriteMany by default since the trainer writes and every replica reads.
@@ -7,6 +7,10 @@
 - The token Secret: a random bearer token the coordinator checks on every call.
   Created once and never re-applied (see kubeapi), so it never changes under a
   running job; it goes with the RLJob through its ownerReference.
+- The TLS Secret ``<job>-tls`` (type kubernetes.io/tls plus ``ca.crt``): the
+  job's CA and the coordinator's server certificate and key (see certs). Made
+  only when the Secret is missing and created, never applied, like the token:
+  a replayed event or a restarted operator keeps the material the pods use.
 - The coordinator's ServiceAccount and a RoleBinding to the chart's
   ``weightsync-coordinator`` ClusterRole (WeightVersion objects and their status):
   the operator holds only ``bind`` on that role, not the permissions in it.
@@ -20,7 +24,7 @@ import secrets
 
 from weightsync.resources import GROUP
 from weightsync.resources.rljob import RLJobSpec
-from weightsync_operator import names
+from weightsync_operator import certs, names
 from weightsync_operator.podspecs import Obj
 
 
@@ -70,6 +74,26 @@ def token_secret(job: str) -> Obj:
         "metadata": {"name": names.token_secret(job)},
         "type": "Opaque",
         "data": {names.TOKEN_KEY: token},
+    }
+
+
+def tls_secret(job: str, namespace: str) -> Obj:
+    """Fresh TLS material for the job's coordinator Service (call only when the Secret does not exist)."""
+    issued = certs.issue(names.child(job, names.Component.COORDINATOR), namespace, job)
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": names.tls_secret(job)},
+        "type": "kubernetes.io/tls",
+        "data": {
+            names.TLS_CERT_KEY: b64(issued.cert),
+            names.TLS_KEY_KEY: b64(issued.key),
+            names.TLS_CA_KEY: b64(issued.ca_cert),
+        },
     }
 
 

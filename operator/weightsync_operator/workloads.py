@@ -5,6 +5,11 @@ The commands here are the contract with the weightsync CLI each container runs
 config from ``$WEIGHTSYNC_CONFIG`` and its identity from the environment
 (podspecs.common_env), so the flags stay few.
 
+The coordinator serves TLS with the job's certificate and key
+(``--tls-cert/--tls-key``, from the ``<job>-tls`` Secret); its clients verify it
+with the job's CA: the agent by ``--tls-ca``, the trainer's own code through
+``$WEIGHTSYNC_TLS_CA`` (a path). Only the coordinator pod mounts the key.
+
 vLLM is started with ``VLLM_SERVER_DEV_MODE=1`` because its RL routes (pause,
 weight transfer, resume) exist only in that mode, and that mode also opens other
 development routes. So vLLM binds 127.0.0.1: only containers of its own pod
@@ -46,6 +51,10 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
             "0.0.0.0",
             "--kubernetes-namespace",
             namespace,
+            "--tls-cert",
+            podspecs.tls_path(names.TLS_CERT_KEY),
+            "--tls-key",
+            podspecs.tls_path(names.TLS_KEY_KEY),
         ],
         "env": podspecs.common_env(job, namespace),
         "ports": [
@@ -71,7 +80,7 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
                     "serviceAccountName": names.coordinator_account(job),
                     "securityContext": podspecs.pod_security(),
                     "containers": [container],
-                    "volumes": [podspecs.config_volume(job), podspecs.tmp_volume()],
+                    "volumes": [podspecs.config_volume(job, server_tls=True), podspecs.tmp_volume()],
                 },
             },
         },
@@ -89,6 +98,7 @@ def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
             {"name": "MASTER_ADDR", "value": f"{names.trainer_pod(job, 0)}.{service}.{namespace}.svc"},
             {"name": "MASTER_PORT", "value": str(names.TRAINER_MASTER_PORT)},
             {"name": "WEIGHTSYNC_CHECKPOINT_DIR", "value": names.CHECKPOINT_MOUNT},
+            {"name": names.TLS_CA_ENV, "value": podspecs.tls_path(names.TLS_CA_KEY)},
         ]
         + [e.to_wire() for e in spec.trainer.env]
     )
@@ -172,6 +182,8 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
             "0.0.0.0",
             "--checkpoint-dir",
             names.CHECKPOINT_MOUNT,
+            "--tls-ca",
+            podspecs.tls_path(names.TLS_CA_KEY),
         ],
         "env": podspecs.common_env(job, namespace),
         "ports": [podspecs.metrics_port()],

@@ -120,7 +120,9 @@ def _phase(kube: Kube, namespace: str, phase: str, name: str = JOB) -> dict[str,
         job = _rljob(kube, namespace, name)
         return job if job.get("status", {}).get("phase") == phase else None
 
-    return kube.wait_for(check, Timeouts.POD_RUNNING, f"RLJob {namespace}/{name} phase {phase}")
+    found = kube.wait_for(check, Timeouts.POD_RUNNING, f"RLJob {namespace}/{name} phase {phase}")
+    assert found is not None
+    return found
 
 
 def _pv(kube: Kube, namespace: str, job: str = JOB) -> None:
@@ -158,7 +160,7 @@ def _children(kube: Kube, namespace: str) -> dict[str, list[str]]:
 
 def _version(kube: Kube, kubeconfig: Path, namespace: str, version: int, phase: str) -> None:
     """Create and finish a WeightVersion as the job's coordinator ServiceAccount."""
-    wv = {
+    wv: dict[str, Any] = {
         "apiVersion": "weightsync.io/v1alpha1",
         "kind": "WeightVersion",
         "metadata": {"name": f"{JOB}-v{version}", "labels": {"weightsync.io/job": JOB}},
@@ -262,7 +264,16 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": false}}')
     _phase(kube, namespace, "Running")
 
-    # an operator restarted mid-reconcile converges without duplicates
+    # the TLS Secret: a CA and the coordinator's certificate, owned by the job, mounted by every pod
+    tls = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
+    assert tls.type == "kubernetes.io/tls" and set(tls.data) == {"tls.crt", "tls.key", "ca.crt"}
+    assert tls.metadata.owner_references[0].kind == "RLJob" and tls.metadata.owner_references[0].name == JOB
+    coordinator_pod = kube.core.list_namespaced_pod(
+        namespace, label_selector=f"weightsync.io/job={JOB},app.kubernetes.io/component=coordinator"
+    ).items[0]
+    assert "--tls-cert" in coordinator_pod.spec.containers[0].command
+
+    # an operator restarted mid-reconcile converges without duplicates, and keeps the TLS material
     kube.kubectl("delete", "deploy", f"{JOB}-coordinator", "-n", namespace, "--wait=false")
     operator.stop()
     operator.start()
@@ -275,6 +286,8 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     _phase(kube, namespace, "Running")
     after = _children(kube, namespace)
     assert {k: v for k, v in after.items() if k != "Pod"} == {k: v for k, v in before.items() if k != "Pod"}
+    kept = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
+    assert kept.metadata.uid == tls.metadata.uid and kept.data == tls.data
     assert _rljob(kube, namespace)["status"]["restarts"] == 0
 
     # deleting the RLJob removes every child (and its WeightVersions, via the finalizer)
@@ -299,6 +312,7 @@ def test_unschedulable_job_says_why(kube: Kube, namespace: str, operator: Operat
         return next((c for c in conds if c["type"] == "Scheduled" and c["status"] == "False"), None)
 
     cond = kube.wait_for(scheduled_false, Timeouts.POD_UNSCHEDULABLE, "Scheduled=False")
+    assert cond is not None
     assert cond["reason"] == "Unschedulable" and "pod too-big-inference-" in cond["message"]
     assert "Insufficient nvidia.com/gpu" in cond["message"], cond["message"]
     assert _rljob(kube, namespace, "too-big")["status"]["phase"] == "Pending"

@@ -9,9 +9,13 @@ ServiceAccount through a TokenRequest token), one vLLM CPU replica with its
 agent, and a trainer rank whose command (in the RLJob, like a user's) publishes
 three versions with ``FleetPublisher``. Only what a laptop cannot have is
 rewritten: ports (free loopback ports instead of the pod ports), the
-coordinator's address (loopback instead of the Service name), the checkpoint
-mount (a temporary folder) and ``--insecure`` (the pod spec carries no TLS
-material yet).
+coordinator's address (loopback instead of the Service name), and the paths of
+mounted files: the checkpoint volume (a temporary folder) and the job's TLS
+Secret (its files written to a temporary folder, the paths in ``--tls-cert``,
+``--tls-key``, ``--tls-ca`` and ``$WEIGHTSYNC_TLS_CA`` pointed there). Every
+connection to the coordinator is TLS, verified against the job's CA; the
+certificate names ``127.0.0.1`` besides the Service's DNS names, so the loopback
+address verifies.
 
 Then: every version was a WeightVersion that reached Ready and durable, written
 a few times each (not once per ack); the RLJob's status and ``kubectl get rljobs``
@@ -57,6 +61,7 @@ from pathlib import Path
 import torch, transformers
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.tls import TlsConfig
 from weightsync.vocabulary import Channel
 from weightsync_trainer.fleet import FleetPublisher
 from weightsync_trainer.sources import ModuleSource
@@ -64,7 +69,8 @@ from weightsync_trainer.sources import ModuleSource
 cfg = json.loads(Path(os.environ["WEIGHTSYNC_CONFIG"]).read_text())
 volume = Path(os.environ["WEIGHTSYNC_CHECKPOINT_DIR"])
 model = transformers.AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
-client = CoordinatorClient(os.environ["WEIGHTSYNC_COORDINATOR"], token=os.environ["WEIGHTSYNC_TOKEN"], insecure=True)
+client = CoordinatorClient(os.environ["WEIGHTSYNC_COORDINATOR"], token=os.environ["WEIGHTSYNC_TOKEN"],
+                           tls=TlsConfig(ca_file=os.environ["WEIGHTSYNC_TLS_CA"]))
 publisher = FleetPublisher(ModuleSource(model), client, volume=volume, keep=cfg["sync"]["retention"])
 policy = models.JobPolicy(tuple(Channel.parse(c) for c in cfg["sync"]["channels"]),
                           version_timeout_s=cfg["sync"]["timeoutSeconds"])
@@ -194,6 +200,12 @@ class Pods:
         self.config.parent.mkdir()
         cm = kube.core.read_namespaced_config_map(f"{JOB}-config", namespace)
         self.config.write_text(cm.data["job.json"])
+        self.tls = work / "etc" / "tls"  # the TLS Secret's files, as the pods mount them
+        self.tls.mkdir()
+        secret = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
+        assert secret.type == "kubernetes.io/tls", secret.type
+        for key in ("tls.crt", "tls.key", "ca.crt"):
+            (self.tls / key).write_bytes(base64.b64decode(secret.data[key]))
         self.coordinator_port = free_port()
         self.procs: list[Proc] = []
 
@@ -218,6 +230,7 @@ class Pods:
             "WEIGHTSYNC_COORDINATOR": self.coordinator,
             "WEIGHTSYNC_CONFIG": str(self.config),
             "WEIGHTSYNC_CHECKPOINT_DIR": str(self.volume),
+            "WEIGHTSYNC_TLS_CA": str(self.tls / "ca.crt"),
         }
         out.update({k: v for k, v in local.items() if k in out})
         out.pop("HOME", None)  # the pod's HOME=/tmp: keep this machine's caches
@@ -244,9 +257,9 @@ class Pods:
     def start_coordinator(self, kubeconfig: Path) -> Proc:
         pod = _pod(self.kube, self.namespace, "coordinator")
         swaps = {"--host": "127.0.0.1", "--port": str(self.coordinator_port), "--metrics-port": str(free_port()),
-                 "--metrics-host": "127.0.0.1", "--kubernetes-namespace": self.namespace}  # fmt: skip
-        return self.start("coordinator", pod, "coordinator", swaps, ("--insecure", "-v"),
-                          {"KUBECONFIG": str(kubeconfig)})  # fmt: skip
+                 "--metrics-host": "127.0.0.1", "--kubernetes-namespace": self.namespace,
+                 "--tls-cert": str(self.tls / "tls.crt"), "--tls-key": str(self.tls / "tls.key")}  # fmt: skip
+        return self.start("coordinator", pod, "coordinator", swaps, ("-v",), {"KUBECONFIG": str(kubeconfig)})
 
     def log(self, name: str) -> str:
         path = self.logs / f"{name}.log"
@@ -289,10 +302,12 @@ class VersionWatch:
 
 def _wait_replica_registered(pods: Pods, replica: str, timeout: float) -> None:
     from weightsync.coordinator.client import CoordinatorClient
+    from weightsync.coordinator.tls import TlsConfig
 
     secret = pods.kube.core.read_namespaced_secret(f"{JOB}-token", pods.namespace)
     token = base64.b64decode(secret.data["token"]).decode()
-    with CoordinatorClient(pods.coordinator, token=token, insecure=True, timeout_s=5.0) as c:
+    tls = TlsConfig(ca_file=str(pods.tls / "ca.crt"))
+    with CoordinatorClient(pods.coordinator, token=token, tls=tls, timeout_s=5.0) as c:
 
         def registered() -> bool:
             return any(m.member_id == replica for m in c.get_job(JOB).members)
@@ -330,9 +345,10 @@ def test_real_syncs_write_weightversions(kube: Kube, namespace: str, operator: s
         pods.start("vllm", replica, "vllm", {"--port": str(vllm_port)})
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         agent_swaps = {"--vllm-url": vllm_url, "--metrics-port": str(free_port()), "--metrics-host": "127.0.0.1",
-                       "--checkpoint-dir": str(pods.volume)}  # fmt: skip
-        pods.start("agent", replica, "agent", agent_swaps, ("--insecure",))
+                       "--checkpoint-dir": str(pods.volume), "--tls-ca": str(pods.tls / "ca.crt")}  # fmt: skip
+        pods.start("agent", replica, "agent", agent_swaps)
         _wait_replica_registered(pods, replica.metadata.name, timeout=600)
+        assert "(TLS)" in pods.log("coordinator"), pods.log("coordinator")[-2000:]
         t_fleet = time.monotonic()
 
         trainer = pods.start("trainer", _pod(kube, namespace, "trainer"), "trainer", {})

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from weightsync.resources.rljob import RLJobSpec
+from weightsync.resources.rljob import PlacementMode, RLJobSpec
 from weightsync_operator import children, names
 
 pytestmark = pytest.mark.unit
@@ -22,7 +22,7 @@ OWNER = children.Owner("grpo", "ml", "uid-1")
 
 def _by_kind(parked: bool = False, spec: RLJobSpec = SPEC) -> dict[tuple[str, str], dict[str, Any]]:
     objs = children.desired(OWNER, spec, "coord:1", "weightsync-coordinator", parked)
-    objs += [*children.trainer_pods(OWNER, spec), children.token_secret(OWNER)]
+    objs += [*children.trainer_pods(OWNER, spec), children.token_secret(OWNER), children.tls_secret(OWNER)]
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
 
 
@@ -60,7 +60,7 @@ def test_spread_and_colocate() -> None:
     sts = _by_kind()[("StatefulSet", "grpo-inference")]["spec"]["template"]["spec"]
     assert sts["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     colocated = SPEC.model_copy(deep=True)
-    colocated.placement.mode = "Colocate"
+    colocated.placement.mode = PlacementMode.COLOCATE
     objs = _by_kind(spec=colocated)
     for key in (("StatefulSet", "grpo-inference"), ("Pod", "grpo-trainer-0")):
         obj = objs[key]
