@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     client: CoordinatorClient | None = None
     rewards: list[float] = []
     steps: list[dict[str, Any]] = []
+    by_phase: dict[str, dict[str, float]] = {}
     try:
         fleet.start_coordinator()
         replicas = [fleet.start_replica(r) for r in REPLICAS]
@@ -168,6 +169,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             )
             log(f"step {step + 1:3}/{args.steps} reward {reward:.3f} | serving {served}{sync}")
         catch_up = _wait_caught_up(fleet, client, publisher, log) if publisher else {}
+        by_phase = _latency_by_phase(f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics")
     finally:
         if publisher is not None:
             publisher.close()
@@ -185,6 +187,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         "reward_last_quarter": last,
         "reward_gain": last - first,
         "sync_latency_seconds": _latency(sync_times),
+        "sync_latency_by_phase": by_phase,
         "catch_up": catch_up,
         "metrics": {
             "coordinator": f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics",
@@ -220,6 +223,29 @@ def _wait_caught_up(fleet: Any, client: Any, publisher: Any, log: Any) -> dict[s
     }
 
 
+def _latency_by_phase(url: str) -> dict[str, dict[str, float]]:
+    """Mean seconds and count per phase/channel, read from the coordinator's own /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    text = httpx.get(url, timeout=10.0, trust_env=False).text
+    for family in text_string_to_metric_families(text):
+        if family.name != "weightsync_sync_duration_seconds":
+            continue
+        for sample in family.samples:
+            key = f"{sample.labels.get('phase')}/{sample.labels.get('channel')}"
+            if sample.name.endswith("_sum"):
+                out.setdefault(key, {})["sum"] = sample.value
+            elif sample.name.endswith("_count"):
+                out.setdefault(key, {})["count"] = sample.value
+    return {
+        k: {"count": v.get("count", 0.0), "mean": v.get("sum", 0.0) / v["count"]}
+        for k, v in out.items()
+        if v.get("count")
+    }
+
+
 def _latency(samples: list[float]) -> dict[str, float]:
     if not samples:
         return {}
@@ -246,6 +272,11 @@ def _print_summary(result: dict[str, Any]) -> None:
             f"\nSYNC LATENCY (publish -> READY, cpu stream + volume)\n  versions {lat['count']}  "
             f"p50 {lat['p50']:.3f}s  p90 {lat['p90']:.3f}s  max {lat['max']:.3f}s"
         )
+    if result["sync_latency_by_phase"]:
+        print("\nSYNC LATENCY BY PHASE AND CHANNEL (replicas' acks, from the coordinator's /metrics)")
+        print(f"  {'phase/channel':24} {'count':>6} {'mean s':>9}")
+        for key, row in sorted(result["sync_latency_by_phase"].items()):
+            print(f"  {key:24} {int(row['count']):6d} {row['mean']:9.3f}")
     if result["catch_up"]:
         print(f"\nCATCH-UP: {result['catch_up']}")
     print("\nMETRICS were served at:")
