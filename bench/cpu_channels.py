@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _raw_gloo_receiver(port: int, nbytes: int, reps: int) -> None:
+    from weightsync.channels.base import tcp_store
     from weightsync.channels.cpu import _Group
 
-    group = _Group(_Group.store_for("127.0.0.1", port, False, 120), "127.0.0.1", 2, 1, 120, "raw")
+    group = _Group(tcp_store("127.0.0.1", port, False, 120), "127.0.0.1", 2, 1, 120, "raw")
     group.connect()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(reps + 1):
@@ -43,9 +44,10 @@ def _raw_gloo_receiver(port: int, nbytes: int, reps: int) -> None:
 
 
 def raw_gloo(nbytes: int, reps: int) -> list[float]:
+    from weightsync.channels.base import tcp_store
     from weightsync.channels.cpu import _Group
 
-    store = _Group.store_for("127.0.0.1", 0, True, 120)
+    store = tcp_store("127.0.0.1", 0, True, 120)
     group = _Group(store, "127.0.0.1", 2, 0, 120, "raw")
     proc = subprocess.Popen([sys.executable, __file__, "--raw-receiver", str(store.port), str(nbytes), str(reps)])
     group.connect()

@@ -15,6 +15,7 @@ itself when parsed back.
 
 from __future__ import annotations
 
+import datetime
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed
 
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
 
@@ -31,6 +32,24 @@ from weightsync.vocabulary import Channel
 # NCCL backends) are public in practice but missing from torch's type stubs; one Any-typed
 # handle keeps every channel module strictly checked otherwise.
 dist: Any = torch.distributed
+
+
+def tcp_store(host: str, port: int, master: bool, timeout_s: float) -> Any:
+    """A channel's own rendezvous store (port 0 on the master picks a free one); never the global group's."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, port, None, is_master=master, timeout=timeout, wait_for_workers=False)
+
+
+def wait_key(store: Any, key: str, timeout_s: float, what: str, channel: Channel) -> bytes:
+    """A store key's value, or ``TransferTimeoutError`` naming what did not arrive."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TransferTimeoutError(
+            f"{channel.value} channel: {what} did not arrive within {timeout_s:.1f}s: {e}"
+        ) from e
+    return bytes(store.get(key))
+
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -38,6 +38,7 @@ from weightsync.channels.base import (
     check_tensor,
     dist,
     init_field,
+    tcp_store,
     verify_group,
     view_from_bytes,
 )
@@ -85,11 +86,6 @@ class _Group:
         self.store, self.host, self.world_size, self.rank, self.group_id = store, host, world_size, rank, group_id
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.pg: dist.ProcessGroupGloo | None = None
-
-    @staticmethod
-    def store_for(host: str, port: int, master: bool, timeout_s: float) -> Any:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        return dist.TCPStore(host, port, None, is_master=master, timeout=timeout, wait_for_workers=False)
 
     def connect(self) -> None:
         """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
@@ -144,7 +140,7 @@ class CpuSender(Sender):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.host, self.world_size, self.timeout_s, self.bucket_bytes = host, world_size, timeout_s, bucket_bytes
-        self._store = _Group.store_for(host, port, True, timeout_s)
+        self._store = tcp_store(host, port, True, timeout_s)
         self.port = int(self._store.port)
         self.groups: dict[str, _Group] = {}
         self.failed: dict[str, str] = {}
@@ -272,7 +268,7 @@ class CpuReceiver(Receiver):
         self.bucket_bytes = bucket_bytes
         self.verified = {}
         host, _, port = address.rpartition(":")
-        store = _Group.store_for(host, int(port), False, timeout_s)
+        store = tcp_store(host, int(port), False, timeout_s)
         self._group = _Group(store, host, world_size, rank, timeout_s, group_id)
         self._group.connect()
 

@@ -24,7 +24,6 @@ per-tensor launches, not bytes, make 310 copies 1.5x one flat copy).
 
 from __future__ import annotations
 
-import datetime
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,11 +39,12 @@ from weightsync.channels.base import (
     Sender,
     UpdateTicket,
     WorkerContext,
-    dist,
     init_field,
+    tcp_store,
     verify_group,
+    wait_key,
 )
-from weightsync.errors import PermanentError, TransferTimeoutError
+from weightsync.errors import PermanentError
 from weightsync.tensors import TensorSpec
 from weightsync.vocabulary import Channel
 
@@ -110,20 +110,6 @@ class Export:
         return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
 
 
-def _store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
-    return dist.TCPStore(
-        host, port, None, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-
-
-def _wait_key(store: Any, key: str, timeout_s: float, what: str) -> bytes:
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TransferTimeoutError(f"ipc channel: {what} did not arrive within {timeout_s:.1f}s: {e}") from e
-    return bytes(store.get(key))
-
-
 class IpcSender(Sender):
     """The trainer's side. Hand ``init_info()`` to the colocated replica's workers."""
 
@@ -134,7 +120,7 @@ class IpcSender(Sender):
     ) -> None:
         self.device = gpu.cuda_device(device)
         self.timeout_s = timeout_s
-        self._store = _store(host, port, True, timeout_s)
+        self._store = tcp_store(host, port, True, timeout_s)
         self.host, self.port = host, self._store.port
         # name -> (the trainer's tensor, the tensor shared for it, its location), kept alive until replaced
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
@@ -213,8 +199,12 @@ class IpcSender(Sender):
     def wait_consumed(self, version: int, receivers: int = 1, timeout_s: float | None = None) -> None:
         """Block until ``receivers`` workers have copied ``version`` (before the trainer overwrites its tensors)."""
         for r in range(receivers):
-            _wait_key(
-                self._store, f"v{version}/done/{r}", timeout_s or self.timeout_s, f"receiver {r}'s ack of v{version}"
+            wait_key(
+                self._store,
+                f"v{version}/done/{r}",
+                timeout_s or self.timeout_s,
+                f"receiver {r}'s ack of v{version}",
+                Channel.IPC,
             )
 
     def close(self) -> None:
@@ -241,7 +231,7 @@ class IpcReceiver(Receiver):
     def __init__(self, address: str, rank: int, device: str | torch.device, timeout_s: float = 120.0) -> None:
         host, _, port = address.rpartition(":")
         self.rank, self.device = rank, gpu.cuda_device(device)
-        self._store = _store(host, int(port), False, timeout_s)
+        self._store = tcp_store(host, int(port), False, timeout_s)
         self._mapped: dict[int, torch.Tensor] = {}
         self._prepared: _Prepared | None = None
 
@@ -262,7 +252,7 @@ class IpcReceiver(Receiver):
             )
         used = {loc[0] for loc in locations if loc is not None}
         for buf in used - self._mapped.keys():
-            raw = _wait_key(self._store, f"buf/{buf}", ticket.timeout_s, f"buffer {buf}'s handle")
+            raw = wait_key(self._store, f"buf/{buf}", ticket.timeout_s, f"buffer {buf}'s handle", Channel.IPC)
             self._mapped[buf] = Export.from_dict(json.loads(raw)).open()
         self._mapped = {k: v for k, v in self._mapped.items() if k in used}
         views: dict[str, torch.Tensor] = {}
@@ -314,7 +304,7 @@ class IpcReceiver(Receiver):
         """
         self.verified = {}
         key = f"v{ticket.version}/meta"
-        meta = json.loads(_wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles"))
+        meta = json.loads(wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles", Channel.IPC))
         prepared = self._prepare(ticket, meta, destinations if destinations is not None else {})
         if prepared.graph is not None:
             prepared.graph.replay()

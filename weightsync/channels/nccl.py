@@ -42,6 +42,7 @@ from weightsync.channels.base import (
     WorkerContext,
     dist,
     init_field,
+    tcp_store,
     verify_group,
 )
 from weightsync.errors import PermanentError, TransferTimeoutError
@@ -58,9 +59,7 @@ class NcclGroup:
 
     def __init__(self, host: str, port: int, rank: int, device: torch.device, timeout_s: float) -> None:
         self.host, self.rank, self.device, self.timeout_s = host, rank, device, timeout_s
-        self._store = dist.TCPStore(
-            host, port, None, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        self._store = tcp_store(host, port, rank == 0, timeout_s)
         self.port = self._store.port
         self._pg: Any = None
         self._opts = dist.BroadcastOptions()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import datetime
 import importlib
 import json
 import time
@@ -60,9 +59,10 @@ from weightsync.channels.base import (
     Sender,
     UpdateTicket,
     WorkerContext,
-    dist,
     init_field,
+    tcp_store,
     verify_group,
+    wait_key,
 )
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
@@ -174,20 +174,6 @@ def _device(device: str | int | torch.device) -> torch.device:
     return dev if dev.type == "cpu" else gpu.cuda_device(dev)
 
 
-def _store(host: str, port: int, is_master: bool, timeout_s: float) -> Any:
-    return dist.TCPStore(
-        host, port, None, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-
-
-def _wait_key(store: Any, key: str, timeout_s: float, what: str) -> bytes:
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TransferTimeoutError(f"nixl channel: {what} did not arrive within {timeout_s:.1f}s: {e}") from e
-    return bytes(store.get(key))
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -253,7 +239,7 @@ class NixlSender(Sender):
         self.timeout_s, self.window = timeout_s, window
         self.name = f"weightsync-trainer-{uuid.uuid4().hex[:12]}"
         self._agent = _nixl_agent(self.name)
-        self._store = _store(host, port, True, timeout_s)
+        self._store = tcp_store(host, port, True, timeout_s)
         self.host, self.port = host, self._store.port
         self._registry = _Registry(self._agent, self.device)
         # name -> (the trainer's tensor, what travels for it, that memory's address then)
@@ -341,8 +327,12 @@ class NixlSender(Sender):
     def wait_consumed(self, version: int, receivers: int = 1, timeout_s: float | None = None) -> None:
         """Block until ``receivers`` receivers have read ``version`` (before the trainer overwrites its tensors)."""
         for r in range(receivers):
-            _wait_key(
-                self._store, f"v{version}/done/{r}", timeout_s or self.timeout_s, f"receiver {r}'s ack of v{version}"
+            wait_key(
+                self._store,
+                f"v{version}/done/{r}",
+                timeout_s or self.timeout_s,
+                f"receiver {r}'s ack of v{version}",
+                Channel.NIXL,
             )
         for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in range(receivers))]:
             self._store.delete_key(key)
@@ -397,7 +387,7 @@ class NixlReceiver(Receiver):
         host, _, port = address.rpartition(":")
         self.device, self.receiver, self.window, self.timeout_s = _device(device), receiver, window, timeout_s
         self._agent = _nixl_agent(f"weightsync-replica-{receiver}-{uuid.uuid4().hex[:12]}")
-        self._store = _store(host, int(port), False, timeout_s)
+        self._store = tcp_store(host, int(port), False, timeout_s)
         self._remote = agent
         self._load_metadata(metadata, f"init_info 'metadata' (agent {agent!r})")
         self._epoch = epoch
@@ -548,11 +538,13 @@ class NixlReceiver(Receiver):
         self.verified = {}
         self.table = ticket.table
         deadline = time.monotonic() + ticket.timeout_s
-        raw = _wait_key(self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} metadata")
+        raw = wait_key(
+            self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} metadata", Channel.NIXL
+        )
         meta = VersionMeta.parse(raw, ticket.table, ticket.version)
         if meta.epoch != self._epoch:
             left = max(deadline - time.monotonic(), 0.001)
-            md = _wait_key(self._store, f"md/{meta.epoch}", left, f"agent metadata epoch {meta.epoch}")
+            md = wait_key(self._store, f"md/{meta.epoch}", left, f"agent metadata epoch {meta.epoch}", Channel.NIXL)
             self._load_metadata(decode_metadata(md.decode(), f"md/{meta.epoch}"), f"agent metadata epoch {meta.epoch}")
             self._epoch = meta.epoch
         if ticket.verify and meta.digests.keys() != {s.name for s in ticket.table}:
