@@ -11,8 +11,10 @@ exact paths, not prefixes: ``/v1/completions/../../pause`` or ``/v1/models/`` is
 it. The forwarded path is the allow-list's own string, never the client's bytes, so
 no decoding trick can make the upstream see a path other than the one checked.
 
-``/health`` is answered here (readiness: vLLM's ``/health`` answers 200), so a
-Kubernetes probe needs no access to vLLM itself.
+``/health`` is answered here (readiness: vLLM's ``/health`` answers 200 and vLLM is not
+paused), so a Kubernetes probe needs no access to vLLM itself, and a replica that stays
+paused after a failed update (fail-stop) is taken out of the Service until it loads a
+whole version; a routine update's pause lasts less than a probe period.
 
 Responses stream through as they arrive (server-sent events included); a client that
 goes away closes the upstream request, which makes vLLM abort the generation. Request
@@ -49,6 +51,11 @@ ROUTES: Mapping[str, frozenset[str]] = {
 """Every route the proxy forwards, with its methods. Anything else answers 404."""
 
 HEALTH = "/health"
+IS_PAUSED = "/is_paused"
+PAUSED_REASON = (
+    "vLLM is paused: a weight update is in progress, or one failed after bytes landed and the replica "
+    "waits for a whole version (it never serves a mix)"
+)
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
 _DROP_REQUEST = frozenset(
@@ -180,10 +187,20 @@ class ProxyApp:
         try:
             r = await self.client().get(HEALTH, timeout=self.config.health_timeout_s)
             ok, reason = r.status_code == 200, f"vLLM /health answered {r.status_code}"
+            if ok and await self._paused():
+                ok, reason = False, PAUSED_REASON
         except httpx.HTTPError as e:
             ok, reason = False, f"vLLM at {self.config.upstream} is unreachable ({type(e).__name__})"
         body = json.dumps({"status": "ok"} if ok else {"status": "unavailable", "reason": reason}).encode()
         await _respond(send, 200 if ok else 503, b"" if head else body)
+
+    async def _paused(self) -> bool:
+        """vLLM's own pause state (a development route, reachable here on loopback only)."""
+        try:
+            r = await self.client().get(IS_PAUSED, timeout=self.config.health_timeout_s)
+            return r.status_code == 200 and bool(r.json().get("is_paused"))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False  # a server without the development routes cannot be paused
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes

@@ -9,6 +9,7 @@ actually crosses the wire (path, headers, streaming, disconnects). Nothing is mo
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -158,6 +159,7 @@ class Upstream:
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
         self.disconnected = threading.Event()
+        self.paused = False
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -173,6 +175,10 @@ class Upstream:
         if scope["path"] == "/health":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
+            return
+        if scope["path"] == "/is_paused":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": json.dumps({"is_paused": self.paused}).encode()})
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"x-upstream", b"1")]})  # fmt: skip
@@ -235,6 +241,17 @@ def test_health_is_answered_by_the_proxy(wire: tuple[Upstream, str]) -> None:
     _, url = wire
     r = httpx.get(f"{url}/health", timeout=10, trust_env=False)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_a_paused_replica_is_not_ready(wire: tuple[Upstream, str]) -> None:
+    upstream, url = wire
+    upstream.paused = True
+    try:
+        r = httpx.get(f"{url}/health", timeout=10, trust_env=False)
+        assert r.status_code == 503 and "vLLM is paused" in r.json()["reason"]
+    finally:
+        upstream.paused = False
+    assert httpx.get(f"{url}/health", timeout=10, trust_env=False).status_code == 200
 
 
 def test_streams_arrive_as_sent_and_a_leaving_client_stops_the_upstream(wire: tuple[Upstream, str]) -> None:
