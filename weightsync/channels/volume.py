@@ -56,7 +56,8 @@ def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entries to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -65,11 +66,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_and_hash(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
     return _sha256_file(path)
 
 
@@ -240,9 +237,9 @@ class VolumeSender(Sender):
                 f.write(manifest.to_json())
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            _fsync(tmp)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            _fsync(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
