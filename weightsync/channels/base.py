@@ -89,6 +89,17 @@ def view_from_bytes(buffer: torch.Tensor, spec: TensorSpec, base: int = 0) -> to
     return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
 
 
+def fits_in_place(spec: TensorSpec, device: torch.device, view: torch.Tensor | None) -> bool:
+    """True when ``spec``'s bytes can be received straight into ``view`` (a destination parameter)."""
+    return (
+        view is not None
+        and view.device == device
+        and view.dtype == TORCH_DTYPES[spec.dtype]
+        and tuple(view.shape) == spec.shape
+        and view.is_contiguous()
+    )
+
+
 def check_tensor(spec: TensorSpec, tensor: torch.Tensor) -> None:
     """Raise naming the tensor when the sender's tensor does not match its spec."""
     if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:

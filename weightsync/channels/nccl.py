@@ -41,6 +41,7 @@ from weightsync.channels.base import (
     UpdateTicket,
     WorkerContext,
     dist,
+    fits_in_place,
     init_field,
     tcp_store,
     verify_group,
@@ -224,7 +225,7 @@ class NcclReceiver(Receiver):
         self, specs: Sequence[TensorSpec], slot: int, destinations: Mapping[str, torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Where each tensor of a group lands: its destination view when it fits, else a staging slot."""
-        direct = [self._fits(s, destinations.get(s.name)) for s in specs]
+        direct = [fits_in_place(s, self.device, destinations.get(s.name)) for s in specs]
         need = sum(align(s.nbytes, 256) for s, d in zip(specs, direct, strict=True) if not d)
         if self._staging[slot].numel() < need:
             self._staging[slot] = torch.empty(need, dtype=torch.uint8, device=self.device)
@@ -237,15 +238,6 @@ class NcclReceiver(Receiver):
             targets.append(raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape))
             offset += align(spec.nbytes, 256)
         return targets, direct
-
-    def _fits(self, spec: TensorSpec, view: torch.Tensor | None) -> bool:
-        return (
-            view is not None
-            and view.device == self.device
-            and view.dtype == TORCH_DTYPES[spec.dtype]
-            and tuple(view.shape) == spec.shape
-            and view.is_contiguous()
-        )
 
     def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
         self.verified = {}

@@ -59,6 +59,7 @@ from weightsync.channels.base import (
     Sender,
     UpdateTicket,
     WorkerContext,
+    fits_in_place,
     init_field,
     tcp_store,
     verify_group,
@@ -423,15 +424,6 @@ class NixlReceiver(Receiver):
         if name != self._remote:
             raise PermanentError(f"nixl channel: {what} describes agent {name!r}, expected {self._remote!r}")
 
-    def _fits(self, spec: TensorSpec, view: torch.Tensor | None) -> bool:
-        return (
-            view is not None
-            and view.device == self.device
-            and view.dtype == TORCH_DTYPES[spec.dtype]
-            and tuple(view.shape) == spec.shape
-            and view.is_contiguous()
-        )
-
     def _prepare(self, ticket: UpdateTicket, meta: VersionMeta, dests: Mapping[str, torch.Tensor]) -> _Prepared:
         p = self._prepared
         if (
@@ -445,7 +437,7 @@ class NixlReceiver(Receiver):
             return p
         self._release()
         groups = ticket.table.groups()
-        direct = {s.name for s in ticket.table if s.nbytes and self._fits(s, dests.get(s.name))}
+        direct = {s.name for s in ticket.table if s.nbytes and fits_in_place(s, self.device, dests.get(s.name))}
         slots = min(self.window, len(groups))
         need = [0] * slots
         for i, specs in enumerate(groups):
