@@ -184,6 +184,44 @@ class Kube:
         self.apiext = client.ApiextensionsV1Api(self.api_client)
         self.coordination = client.CoordinationV1Api(self.api_client)
 
+    # -- shared fixtures of the job tests
+    def service_account_kubeconfig(self, namespace: str, account: str, path: Path) -> Path:
+        """A kubeconfig that authenticates as ``account`` with a token from the TokenRequest API."""
+        import yaml
+        from kubernetes import client
+
+        spec = client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+        request = client.AuthenticationV1TokenRequest(spec=spec)
+        token = self.core.create_namespaced_service_account_token(account, namespace, request).status.token
+        cluster = yaml.safe_load(self.cluster.kubeconfig.read_text())["clusters"][0]
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [cluster],
+            "users": [{"name": account, "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": account}}],
+            "current-context": "sa",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def prebind_checkpoint_volume(self, namespace: str, job: str) -> None:
+        """A static volume pre-bound to the job's checkpoint claim (no provisioner runs here)."""
+        import json
+
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"{namespace}-{job}"},
+            "spec": {
+                "capacity": {"storage": "200Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "hostPath": {"path": f"/tmp/{namespace}-{job}"},
+                "claimRef": {"namespace": namespace, "name": f"{job}-checkpoints"},
+            },
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(pv))
+
     # -- subprocess tools
     def kubectl(
         self,

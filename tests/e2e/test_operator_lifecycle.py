@@ -33,25 +33,6 @@ RUN_OPERATOR = (
 )
 
 
-def _kubeconfig_for(kube: Kube, namespace: str, account: str, path: Path) -> Path:
-    token = kube.kubectl("create", "token", account, "-n", namespace, "--duration", "1h").stdout.strip()
-    admin = yaml.safe_load(kube.cluster.kubeconfig.read_text())
-    cluster = admin["clusters"][0]
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [cluster],
-                "users": [{"name": account, "user": {"token": token}}],
-                "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": account}}],
-                "current-context": "sa",
-            }
-        )
-    )
-    return path
-
-
 class Operator:
     """The operator as a local process under the chart's ServiceAccount."""
 
@@ -98,7 +79,7 @@ def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[O
         "system namespace",
     )
     tmp = tmp_path_factory.mktemp("operator")
-    kubeconfig = _kubeconfig_for(kube, system, f"{release}-weightsync", tmp / "kubeconfig")
+    kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
     op = Operator(kubeconfig, f"{release}-weightsync-coordinator", tmp / "operator.log")
     op.start()
     yield op
@@ -123,22 +104,6 @@ def _phase(kube: Kube, namespace: str, phase: str, name: str = JOB) -> dict[str,
     found = kube.wait_for(check, Timeouts.POD_RUNNING, f"RLJob {namespace}/{name} phase {phase}")
     assert found is not None
     return found
-
-
-def _pv(kube: Kube, namespace: str, job: str = JOB) -> None:
-    """A static volume pre-bound to the job's claim (no provisioner runs here)."""
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"{namespace}-{job}"},
-        "spec": {
-            "capacity": {"storage": "200Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "hostPath": {"path": f"/tmp/{namespace}-{job}"},
-            "claimRef": {"namespace": namespace, "name": f"{job}-checkpoints"},
-        },
-    }
-    kube.kubectl("apply", "-f", "-", input=json.dumps(pv))
 
 
 def _children(kube: Kube, namespace: str) -> dict[str, list[str]]:
@@ -199,7 +164,7 @@ def _version(kube: Kube, kubeconfig: Path, namespace: str, version: int, phase: 
 
 
 def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
-    _pv(kube, namespace)
+    kube.prebind_checkpoint_volume(namespace, JOB)
     kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
     job = _phase(kube, namespace, "Running")
     assert job["status"]["ready"] == "2/2" and job["status"]["trainerReady"] == 2
@@ -217,7 +182,7 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     assert f"{JOB}-openai" in before["Service"]
 
     # versions written by the coordinator's ServiceAccount are reflected; old ones pruned (retention 3)
-    coordinator = _kubeconfig_for(kube, namespace, f"{JOB}-coordinator", tmp_path / "coordinator")
+    coordinator = kube.service_account_kubeconfig(namespace, f"{JOB}-coordinator", tmp_path / "coordinator")
     for version in range(1, 6):
         _version(kube, coordinator, namespace, version, "Failed" if version == 5 else "Ready")
     kube.wait_for(
@@ -304,7 +269,7 @@ def test_unschedulable_job_says_why(kube: Kube, namespace: str, operator: Operat
     body = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     body["metadata"]["name"] = "too-big"
     body["spec"]["inference"]["gpusPerReplica"] = 16
-    _pv(kube, namespace, "too-big")
+    kube.prebind_checkpoint_volume(namespace, "too-big")
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
     def scheduled_false() -> dict[str, Any] | None:

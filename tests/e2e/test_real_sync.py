@@ -93,25 +93,6 @@ client.close()
 # --------------------------------------------------------------------- the operator and the job
 
 
-def _sa_kubeconfig(kube: Kube, namespace: str, account: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as ``account`` with a token from the TokenRequest API."""
-    from kubernetes import client
-
-    request = client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600))
-    token = kube.core.create_namespaced_service_account_token(account, namespace, request).status.token
-    cluster = yaml.safe_load(kube.cluster.kubeconfig.read_text())["clusters"][0]
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [cluster],
-        "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": cluster["name"], "user": account}}],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 @pytest.fixture(scope="module")
 def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """helm install the chart; run the operator locally under the chart's ServiceAccount. Yields the release."""
@@ -121,7 +102,7 @@ def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
     kube.wait_for(lambda: kube.core.read_namespaced_service_account(f"{release}-weightsync", system),
                   Timeouts.NAMESPACE_READY, "the chart's ServiceAccount")  # fmt: skip
     tmp = tmp_path_factory.mktemp("operator")
-    kubeconfig = _sa_kubeconfig(kube, system, f"{release}-weightsync", tmp / "kubeconfig")
+    kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
     args = ["--resync-seconds", "1", "--coordinator-role", f"{release}-weightsync-coordinator"]
     args += ["--metrics-port", "0", "--liveness-port", str(free_port())]
     env = {"KUBECONFIG": str(kubeconfig), "PYTHONPATH": str(REPO)}
@@ -153,22 +134,6 @@ def _cpu_job(model: Path) -> dict[str, Any]:
     spec["sync"].update(everySteps=1, channels=["cpu", "volume"], timeoutSeconds=120, retention=RETENTION)
     spec["placement"] = {"mode": "Spread"}
     return body
-
-
-def _pv(kube: Kube, namespace: str) -> None:
-    """A static volume pre-bound to the job's claim (no provisioner runs here)."""
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"{namespace}-{JOB}"},
-        "spec": {
-            "capacity": {"storage": "200Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "hostPath": {"path": f"/tmp/{namespace}-{JOB}"},
-            "claimRef": {"namespace": namespace, "name": f"{JOB}-checkpoints"},
-        },
-    }
-    kube.kubectl("apply", "-f", "-", input=json.dumps(pv))
 
 
 def _rljob(kube: Kube, namespace: str) -> dict[str, Any]:
@@ -328,13 +293,15 @@ def test_real_syncs_write_weightversions(kube: Kube, namespace: str, operator: s
 
     t0 = time.monotonic()
     model = tiny_models.generate("tiny-qwen2")
-    _pv(kube, namespace)
+    kube.prebind_checkpoint_volume(namespace, JOB)
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(_cpu_job(model)))
     kube.wait_for(lambda: _rljob(kube, namespace).get("status", {}).get("phase") == "Running",
                   Timeouts.POD_RUNNING, "RLJob Running")  # fmt: skip
     kube.wait_for(lambda: kube.rbac.read_namespaced_role_binding(f"{JOB}-coordinator", namespace),
                   Timeouts.POD_RUNNING, "the coordinator's RoleBinding")  # fmt: skip
-    coordinator_kubeconfig = _sa_kubeconfig(kube, namespace, f"{JOB}-coordinator", tmp_path / "coordinator-kubeconfig")
+    coordinator_kubeconfig = kube.service_account_kubeconfig(
+        namespace, f"{JOB}-coordinator", tmp_path / "coordinator-kubeconfig"
+    )
 
     pods = Pods(kube, namespace, tmp_path)
     watch = VersionWatch(kube, namespace)
