@@ -2,10 +2,12 @@
 
 What one sync costs the control plane, without any payload: the publisher opens a
 version (negotiation, plans), every replica sees its assignment on its stream and
-acks, the version is READY and the publisher's wait returns (the issue's
-"register -> plan -> acks -> READY"). ``--with-ready`` adds the ready-to-receive
-barrier the group channels use: one more RPC per replica and one more wait. Timed from ``open_version`` to the return
-of ``wait_version``, in the publisher (this process). The coordinator runs as its
+acks, the publisher reports the version sent (``report_sent``: a version is READY
+only after it), the version is READY and the publisher's wait returns (the issue's
+"register -> plan -> acks -> READY"). ``--with-joined`` adds the barrier the live
+channels use (every planned receiver joined before the publisher sends): one more
+RPC per replica and one more wait. Timed from ``open_version`` to the return of
+``wait_version``, in the publisher (this process). The coordinator runs as its
 own ``weightsync coordinator`` process; each simulated replica is a real client
 in its own process (``--per-process`` packs several per process for big fleets).
 
@@ -32,12 +34,15 @@ import threading
 import time
 from typing import Any
 
+from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator.client import CoordinatorClient
-from weightsync.coordinator.models import AckReport, Capabilities, EngineKind, EventKind, SenderOffer, TableSummary
+from weightsync.coordinator.models import AckReport, Capabilities, EngineKind, EventKind, TableSummary
+from weightsync.tensors import DIGEST_PREFIX
 from weightsync.vocabulary import Channel, SyncPhase, VersionState
 
 JOB = "bench"
-TABLE = TableSummary(291, 988_000_000, "sha256:bench")  # a 0.5B model's table, in summary
+TABLE = TableSummary(291, 988_000_000, DIGEST_PREFIX + "b" * 64)  # a 0.5B model's table, in summary
+CPU_OFFER = Offer(Channel.CPU, Endpoint("127.0.0.1", 29500))
 
 
 def _free_port() -> int:
@@ -71,7 +76,7 @@ def start_coordinator(lease_ttl: float) -> tuple[subprocess.Popen[str], str]:
     return proc, json.loads(proc.stdout.readline())["target"]
 
 
-def _replica(target: str, ids: list[str], ready: Any, stop: Any, with_ready: bool) -> None:
+def _replica(target: str, ids: list[str], ready: Any, stop: Any, with_joined: bool) -> None:
     """One process hosting ``ids`` replicas, each a client with its own channel, watch stream and renewals."""
     caps = Capabilities(host="bench", channels=(Channel.CPU,), engine=EngineKind.CPU)
 
@@ -82,22 +87,22 @@ def _replica(target: str, ids: list[str], ready: Any, stop: Any, with_ready: boo
         for a in client.watch():
             if a.kind is not EventKind.ASSIGN or a.table is None:
                 continue
-            if with_ready:
-                client.report_ready(a.version)
-            client.ack(AckReport(a.version, a.table.table_digest, True, {SyncPhase.TOTAL: 0.0}))
+            if with_joined:
+                client.report_joined(a.version)
+            client.ack(AckReport(a.version, a.table.layout_digest, True, {SyncPhase.TOTAL: 0.0}))
 
     for rid in ids:
         threading.Thread(target=serve, args=(rid,), daemon=True).start()
     stop.wait()
 
 
-def start_replicas(target: str, n: int, per_process: int, with_ready: bool = False) -> tuple[list[Any], Any]:
+def start_replicas(target: str, n: int, per_process: int, with_joined: bool = False) -> tuple[list[Any], Any]:
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Queue(), ctx.Event()
     ids = [f"replica-{i:04d}" for i in range(n)]
     procs = []
     for i in range(0, n, per_process):
-        p = ctx.Process(target=_replica, args=(target, ids[i : i + per_process], ready, stop, with_ready), daemon=True)
+        p = ctx.Process(target=_replica, args=(target, ids[i : i + per_process], ready, stop, with_joined), daemon=True)
         p.start()
         procs.append(p)
     for _ in range(n):
@@ -133,18 +138,15 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: bool) -> dict[str, Any]:
+def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_joined: bool) -> dict[str, Any]:
     coordinator, target = start_coordinator(lease_ttl=10.0)
     procs: list[Any] = []
     stop: Any = None
     try:
-        procs, stop = start_replicas(target, n, per_process, with_ready)
+        procs, stop = start_replicas(target, n, per_process, with_joined)
         trainer = CoordinatorClient(target, insecure=True, timeout_s=30)
         trainer.register_trainer(
-            JOB,
-            "trainer",
-            Capabilities(host="bench", channels=(Channel.CPU,)),
-            offers=[SenderOffer(Channel.CPU, "127.0.0.1", 29500)],
+            JOB, "trainer", Capabilities(host="bench", channels=(Channel.CPU,)), offers=[CPU_OFFER]
         )
         samples: list[float] = []
         cpu0 = 0.0
@@ -153,9 +155,10 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
                 cpu0 = cpu_seconds(coordinator.pid)
             t0 = time.perf_counter()
             opened = trainer.open_version(step, TABLE)
-            if with_ready:
-                trainer.wait_receivers_ready(opened.version, timeout_s=60)
-            state = trainer.wait_version(opened.version, timeout_s=60)
+            if with_joined:
+                trainer.wait_receivers_joined(opened.version, timeout_s=60)
+            trainer.report_sent(opened.version, "", {})
+            state = trainer.wait_version(opened.version, timeout_s=60).state
             elapsed = time.perf_counter() - t0
             if state is not VersionState.READY:
                 raise RuntimeError(f"version {opened.version} ended {state.value}")
@@ -167,7 +170,7 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_ready: 
         trainer.close()
         return {
             "replicas": n,
-            "with_ready": with_ready,
+            "with_joined": with_joined,
             "coordinator_cpu_ms_per_sync": round(cpu_ms, 2),
             "syncs": syncs,
             "p50_ms": round(statistics.median(samples), 2),
@@ -233,9 +236,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--per-process", type=int, default=1, help="simulated replicas per process")
     parser.add_argument(
+        "--with-joined",
         "--with-ready",
+        dest="with_joined",
         action="store_true",
-        help="also time the ready-to-receive barrier (one more RPC per replica, one more wait)",
+        help="also time the joined barrier of the live channels (one more RPC per replica, one more wait)",
     )
     parser.add_argument("--soak", action="store_true", help="run the lease soak instead of the latency bench")
     parser.add_argument("--soak-replicas", type=int, default=256)
@@ -258,10 +263,10 @@ def main() -> int:
                 f"at the end ({s['growth_after_first_minute_pct']:+.2f}%)"
             )
     else:
-        rows = [sync_latency(n, args.syncs, args.warmup, args.per_process, args.with_ready) for n in args.replicas]
+        rows = [sync_latency(n, args.syncs, args.warmup, args.per_process, args.with_joined) for n in args.replicas]
         result = {"machine": machine, "sync": rows}
         if not args.json:
-            steps = "open -> ready -> acks -> READY" if args.with_ready else "open -> acks -> READY"
+            steps = "open -> joined -> sent -> acks -> READY" if args.with_joined else "open -> sent -> acks -> READY"
             print(f"control-plane overhead per sync on loopback ({machine['cpus']} CPUs), {steps}")
             print(
                 f"{'replicas':>8} {'syncs':>6} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'max ms':>8} "

@@ -10,6 +10,7 @@ construction, so a malformed table fails where it enters, naming the field.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -17,6 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.errors import ModelMismatchError, PermanentError
+
+DIGEST_PREFIX = "sha256:"
+"""The three whole-version digests share one format, ``sha256:<64 hex digits>``, and one name each:
+
+- the **layout digest** (``TensorTable.layout_digest``): names, dtypes, shapes and offsets of every tensor
+  in order; both ends know it before a byte moves, so a receiver checks the table it got against it;
+- the **content digest** (``content_digest``): over the per-tensor digests; what the trainer sent and
+  what a replica's engine computed while loading, compared by the coordinator;
+- the **manifest checksum** (``manifest_checksum``): of a volume version's ``manifest.json``, recorded by
+  the coordinator when the version becomes durable and checked by every replica before it trusts the
+  manifest.
+"""
 
 ALIGNMENT = 64
 """Byte alignment of every tensor inside a packed stream (covers int64 views and SIMD loads)."""
@@ -180,6 +193,13 @@ class TensorTable:
     def digests(self) -> dict[str, str]:
         return {s.name: s.digest for s in self.tensors if s.digest}
 
+    def layout_digest(self) -> str:
+        """The layout digest (see ``DIGEST_PREFIX``): what every tensor is and where, not what it holds."""
+        h = hashlib.sha256()
+        for s in self.tensors:
+            h.update(f"{s.name}\0{s.dtype}\0{','.join(map(str, s.shape))}\0{s.offset}\n".encode())
+        return DIGEST_PREFIX + h.hexdigest()
+
     def check_matches(self, expected: TensorTable) -> None:
         """Raise naming the first tensor that is missing, extra, or laid out differently."""
         for spec in expected:
@@ -208,3 +228,22 @@ class TensorTable:
         except (KeyError, TypeError) as e:
             raise PermanentError(f"malformed tensor table: {e}") from None
         return cls(tensors, tuple(int(x) for x in d.get("group_starts", [0])))
+
+
+def content_digest(digests: Mapping[str, str]) -> str:
+    """The content digest (see ``DIGEST_PREFIX``) over per-tensor digests, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(f"{name}\0{digests[name]}\n".encode())
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def manifest_checksum(data: bytes) -> str:
+    """The manifest checksum (see ``DIGEST_PREFIX``) of a manifest file's bytes."""
+    return DIGEST_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def is_digest(value: str) -> bool:
+    """Whether ``value`` has the shared format ``sha256:<64 lowercase hex digits>``."""
+    hexpart = value.removeprefix(DIGEST_PREFIX)
+    return value.startswith(DIGEST_PREFIX) and len(hexpart) == 64 and all(c in "0123456789abcdef" for c in hexpart)

@@ -57,8 +57,50 @@ class VersionState(enum.StrEnum):
 
 
 class SyncPhase(enum.StrEnum):
+    """Where a sync's time goes: ``publish`` on the trainer; ``transfer`` (bytes on the wire, verification
+    excluded), ``verify`` (digests checked), ``load`` (into the engine) and ``total`` on a replica."""
+
     PUBLISH = "publish"
     TRANSFER = "transfer"
     LOAD = "load"
     VERIFY = "verify"
     TOTAL = "total"
+
+
+class ReplicaState(enum.StrEnum):
+    """One replica's part in one version: the coordinator's record, the proto's enum, ``WeightVersion`` status.
+
+    ``planned`` (assigned a channel) -> ``joined`` (its receiver is set up and waits for bytes; the
+    publisher sends once every planned live replica joined) -> ``loaded`` (acked: its engine holds the
+    version) | ``failed`` (acked an error) | ``dropped`` (its lease expired before it acked).
+    """
+
+    PLANNED = "planned"
+    JOINED = "joined"
+    LOADED = "loaded"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+
+class ReplicaHealth(enum.StrEnum):
+    """A live replica as the fleet gauge counts it (the ``state`` label of ``weightsync_replicas``)."""
+
+    REGISTERED = "registered"
+    """Live, serving no version yet."""
+    SYNCING = "syncing"
+    """A version is assigned to it and not yet acked."""
+    CURRENT = "current"
+    """Serving the newest READY version."""
+    LAGGING = "lagging"
+    """Serving an older version."""
+    FAILED = "failed"
+    """Its last ack was an error."""
+
+
+class EngineState(enum.StrEnum):
+    """What a replica's engine may do, as its agent drives it through an update (fail-stop)."""
+
+    SERVING = "serving"
+    PAUSED = "paused"
+    TORN = "torn"
+    """Bytes of a version that did not finish landed in its parameters: paused until a whole version loads."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.channels.base import UpdateTicket
-from weightsync.channels.volume import VolumeReceiver, version_dir
-from weightsync.tensors import TensorTable
+from weightsync.channels.manifests import version_dir
+from weightsync.channels.volume import VolumeReceiver
 from weightsync.vocabulary import Channel
 
 
@@ -29,10 +29,10 @@ class Adapter:
         return f"weightsync-v{self.version}"
 
 
-def verify_adapter(root: Path, version: int) -> Adapter:
-    """Check the adapter version whole (files and tensor digests); raise naming what is damaged."""
+def verify_adapter(root: Path, version: int, manifest_checksum: str = "") -> Adapter:
+    """Check the adapter version whole (manifest checksum, files and tensor digests); raise naming what is damaged."""
     receiver = VolumeReceiver(root)
-    for _group in receiver.receive(UpdateTicket(version, Channel.VOLUME, TensorTable(()))):
+    for _group in receiver.receive(UpdateTicket(version, Channel.VOLUME, manifest_checksum=manifest_checksum)):
         pass
     return Adapter(version, version_dir(root, version), dict(receiver.verified))
 
@@ -43,8 +43,9 @@ class AdapterSlot:
     def __init__(self) -> None:
         self.current: Adapter | None = None
 
-    def apply(self, root: Path, version: int) -> Adapter:
-        adapter = verify_adapter(root, version)  # raises before anything changes
+    def apply(self, root: Path, version: int, manifest_checksum: str = "") -> Adapter:
+        """Verify ``version`` (against the coordinator's ``manifest_checksum`` when given), then serve it."""
+        adapter = verify_adapter(root, version, manifest_checksum)  # raises before anything changes
         self.current = adapter
         return adapter
 

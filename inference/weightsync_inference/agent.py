@@ -1,17 +1,22 @@
 """The replica agent: follows the coordinator and drives one engine through each version.
 
-It registers the replica (its channels and the version it serves), watches the
-coordinator's stream and, for each event:
+At start it asks the engine's workers what they are (CPU or GPU, GPU UUIDs, how many:
+the tensor-parallel size, NIXL) and what version the engine serves, registers the
+replica with the channels of the job it can receive, then follows its watch stream:
 
 - ``CATCH_UP v``: load the newest durable READY version from the checkpoint volume
   (late joiners and restarted replicas, without waiting for the next step);
-- ``ASSIGN v``: (re)join the sender's group when its membership changed, report
-  ready-to-receive, load v over the planned channel, ack with the phase timings;
+- ``ASSIGN v``: start the planned channel's receiver from the plan's typed rendezvous
+  when its membership changed, report joined, load v (a volume plan arrives once v
+  is durable, with the manifest checksum the replica must find), ack;
 - ``ABORT v``: the trainer gave up on v; a replica whose parameters were touched
   reloads the newest durable READY version before serving again.
 
-A failed update is acked as failed (``channel_failed`` for a transport error, so the
-coordinator plans the volume next time). The lifecycle (``Replica``) keeps the
+Every ack carries what the engine itself computed while loading: the layout digest of
+the table it received and the content digest over the per-tensor digests it computed
+where the bytes landed (its receipt). A failed update is acked as failed, with
+``torn`` from the engine's receipt; a failed live channel makes the coordinator plan
+the same version on the volume for this replica. The lifecycle (``Replica``) keeps the
 fail-stop rule: a torn replica stays paused until a whole version loads.
 """
 
@@ -19,32 +24,83 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from weightsync.channels.base import UpdateTicket
+from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import AgentMetrics
-from weightsync.tensors import TensorTable
-from weightsync.vocabulary import Channel, SyncPhase
-from weightsync_inference.lifecycle import EngineControl, Replica, ReplicaState, UpdateFailed
+from weightsync.vocabulary import Channel, EngineState, SyncPhase
+from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
+from weightsync_inference.receipts import Identity
 
 log = logging.getLogger(__name__)
-EMPTY = TensorTable(())
 
 
 @dataclass(frozen=True)
 class AgentConfig:
     job: str
     replica_id: str
-    capabilities: models.Capabilities
+    channels: tuple[Channel, ...]
+    """The job's channels; the replica declares those its engine can receive."""
+    host: str
+    """The node it runs on (IPC needs the trainer on the same one)."""
     volume: Path | None = None
+    volume_id: str = ""
+    nccl_domain: str = ""
     update_timeout_s: float = 300.0
     verify: bool = True
     lag_check_s: float = 2.0
+
+
+def receivable(config: AgentConfig, workers: Sequence[Identity]) -> tuple[tuple[Channel, ...], dict[Channel, str]]:
+    """The job's channels this replica's engine can receive, and why it cannot receive the others."""
+    from weightsync.channels import nccl
+
+    gpu = bool(workers) and all(w.gpu for w in workers)
+    why: dict[Channel, str] = {}
+    for ch in config.channels:
+        if ch is Channel.CPU and gpu:
+            why[ch] = "the engine runs on GPUs"
+        elif ch is Channel.NCCL and not config.nccl_domain:
+            why[ch] = "the job has no NCCL domain"
+        elif (ch is Channel.NCCL and not gpu and nccl.transport() == "nccl") or (ch is Channel.IPC and not gpu):
+            why[ch] = "the engine runs on the CPU"
+        elif ch is Channel.NIXL and not (gpu and all(w.nixl for w in workers)):
+            why[ch] = "NIXL is not importable in every worker"
+        elif ch is Channel.VOLUME and config.volume is None:
+            why[ch] = "no checkpoint volume mounted"
+    return tuple(ch for ch in config.channels if ch not in why), why
+
+
+def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Capabilities:
+    channels, why = receivable(config, workers)
+    for ch, reason in why.items():
+        log.info("replica %s does not receive %s: %s", config.replica_id, ch.value, reason)
+    gpu = bool(workers) and all(w.gpu for w in workers)
+    return models.Capabilities(
+        host=config.host,
+        gpu_uuids=tuple(w.gpu_uuid for w in workers if w.gpu_uuid),
+        devices=max(1, len(workers)),
+        channels=channels,
+        nccl_domain=config.nccl_domain,
+        nixl=gpu and all(w.nixl for w in workers),
+        volume_id=config.volume_id if config.volume else "",
+        volume_mount=str(config.volume or ""),
+        engine=models.EngineKind.GPU if gpu else models.EngineKind.CPU,
+    )
+
+
+def served_version(control: EngineControl) -> int:
+    """The version the engine serves by its own account (a restarted agent must not report 0)."""
+    try:
+        text = control.weight_version()
+    except WeightsyncError:
+        return 0
+    return int(text) if text.isdigit() else 0
 
 
 class Agent:
@@ -55,11 +111,13 @@ class Agent:
         config: AgentConfig,
         metrics: AgentMetrics | None = None,
     ) -> None:
-        self.replica = Replica(control)
+        self.replica = Replica(control, version=served_version(control))
+        self.control = control
         self.client = client
         self.config = config
         self.metrics = metrics
-        self._groups: dict[Channel, str] = {}
+        self.capabilities = capabilities(config, control.identity())
+        self._joined: dict[Channel, Rendezvous] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
@@ -67,7 +125,7 @@ class Agent:
     def run(self) -> None:
         """Register and follow the coordinator until ``stop()``."""
         self.client.register_replica(
-            self.config.job, self.config.replica_id, self.config.capabilities, current_version=self.replica.version
+            self.config.job, self.config.replica_id, self.capabilities, current_version=self.replica.version
         )
         threading.Thread(target=self.follow_durable, name="weightsync-follow-durable", daemon=True).start()
         for assignment in self.client.watch():
@@ -86,121 +144,138 @@ class Agent:
     def handle(self, a: models.Assignment) -> None:
         if a.kind is models.EventKind.ABORT:
             self.events.append(("abort", a.version, a.reason))
-            if self.replica.state is ReplicaState.TORN:
+            if self.replica.state is EngineState.TORN:
                 self.recover()
             return
-        if a.version <= self.replica.version and self.replica.state is ReplicaState.SERVING:
+        if a.version <= self.replica.version and self.replica.state is EngineState.SERVING:
             return  # a re-sent event after a reconnect
-        if a.kind is models.EventKind.CATCH_UP:
-            self._load_from_volume(a.version, "catch-up", a.table.table_digest if a.table else "")
+        if a.plan is None or a.table is None:
+            log.warning(
+                "replica %s: event for v%d carries no plan or table; ignored", self.config.replica_id, a.version
+            )
             return
-        assert a.plan is not None
-        self._assign(a, a.plan)
+        if a.kind is models.EventKind.CATCH_UP:
+            self._load_from_volume(a.version, "catch-up", a.table.layout_digest, a.plan)
+            return
+        self._assign(a, a.plan, a.table.layout_digest)
 
-    def _volume_ticket(self, version: int, root: str = "") -> UpdateTicket:
-        path = root or (str(self.config.volume) if self.config.volume else "")
-        if not path:
-            raise WeightsyncError(f"version {version} must come from the volume, but replica has no volume mounted")
+    def _ticket(self, version: int, plan: models.ChannelPlan, layout_digest: str, step: int = 0) -> UpdateTicket:
+        params = {"root": plan.rendezvous.root} if plan.channel is Channel.VOLUME else {}
+        if plan.channel is Channel.VOLUME and not plan.manifest_checksum:
+            raise WeightsyncError(
+                f"version {version} would load from the volume, but the coordinator recorded no manifest checksum "
+                "for it: a manifest cannot be trusted by itself"
+            )
         return UpdateTicket(
             version,
-            Channel.VOLUME,
-            EMPTY,
+            plan.channel,
+            layout_digest=layout_digest,
+            manifest_checksum=plan.manifest_checksum,
+            step=step,
             verify=self.config.verify,
             timeout_s=self.config.update_timeout_s,
-            params={"root": path},
+            params=params,
         )
 
-    def _load_from_volume(self, version: int, why: str, digest: str) -> None:
-        outcome = self.replica.apply(self._volume_ticket(version))
-        self.client.set_current_version(version)
-        self._observe(Channel.VOLUME, outcome.seconds)
-        self.events.append((why, version, "ok"))
-        # an ack for a version this replica was not planned for tells the coordinator what it serves
-        phases = {SyncPhase(k): v for k, v in outcome.seconds.items()}
-        self.client.ack(models.AckReport(version, digest, ok=True, phases=phases))
+    def _join(self, plan: models.ChannelPlan) -> None:
+        """Start the planned channel's receiver unless this membership's is running already."""
+        rdv = plan.rendezvous
+        if rdv.same_membership(self._joined.get(plan.channel)) and plan.channel is not Channel.VOLUME:
+            return
+        self.replica.init_transfer(
+            rdv.with_timeout(self.config.update_timeout_s).to_dict(), timeout_s=self.config.update_timeout_s
+        )
+        self._joined[plan.channel] = rdv
 
-    def newest_durable(self) -> tuple[int, str]:
-        job = self.client.get_job()
-        if job.newest_durable_ready <= 0:
-            return 0, ""
-        table = self.client.version_info(job.newest_durable_ready).table
-        return job.newest_durable_ready, table.table_digest if table else ""
+    def _assign(self, a: models.Assignment, plan: models.ChannelPlan, layout_digest: str) -> None:
+        try:
+            self._join(plan)
+            if plan.channel is not Channel.VOLUME:
+                self.client.report_joined(a.version)
+            outcome = self.replica.apply(self._ticket(a.version, plan, layout_digest, a.step))
+        except (UpdateFailed, WeightsyncError) as e:
+            self._failed(a.version, plan, layout_digest, e)
+            return
+        self._loaded(a.version, plan.channel, outcome, "assign")
+
+    def _failed(self, version: int, plan: models.ChannelPlan, layout_digest: str, e: Exception) -> None:
+        self._joined.pop(plan.channel, None)  # a failed transfer breaks the group: rejoin next time
+        torn = self.replica.state is EngineState.TORN
+        if self.metrics:
+            self.metrics.failures_total.labels(plan.channel.value).inc()
+        self.events.append(("assign", version, f"failed: {e}"))
+        live = plan.channel is not Channel.VOLUME
+        report = models.AckReport(version, layout_digest, ok=False, error=str(e)[:2000], channel_failed=live, torn=torn)
+        self.client.ack(report)
+        # a failed live channel is retried from the volume by the coordinator (that loads a whole version);
+        # a torn replica whose volume load failed reloads the newest durable READY version now
+        if torn and not live:
+            self.recover()
+
+    def _loaded(self, version: int, channel: Channel, outcome: UpdateOutcome, why: str) -> None:
+        receipt = outcome.receipt
+        self.client.set_current_version(version)
+        self._observe(channel, outcome.seconds)
+        self.events.append((why, version, "ok"))
+        report = models.AckReport(
+            version, receipt.layout_digest, ok=True, phases=outcome.seconds, content_digest=receipt.content_digest
+        )
+        self.client.ack(report)
+
+    def _load_from_volume(self, version: int, why: str, layout_digest: str, plan: models.ChannelPlan) -> None:
+        try:
+            self._join(plan)
+            outcome = self.replica.apply(self._ticket(version, plan, layout_digest))
+        except (UpdateFailed, WeightsyncError) as e:
+            self.events.append((why, version, f"failed: {e}"))
+            raise
+        # an ack for a version this replica was not planned for tells the coordinator what it serves
+        self._loaded(version, Channel.VOLUME, outcome, why)
+
+    def _volume_plan(self, version: int) -> tuple[models.ChannelPlan, str] | None:
+        if self.config.volume is None:
+            return None
+        info = self.client.version_info(version)
+        if not info.durable or info.table is None:
+            return None
+        rdv = Rendezvous(Channel.VOLUME, root=str(self.config.volume))
+        plan = models.ChannelPlan(
+            self.config.replica_id, Channel.VOLUME, rdv, why_volume(version), info.manifest_checksum
+        )
+        return plan, info.table.layout_digest
 
     def recover(self) -> None:
         """Load the newest durable READY version as a whole (the only way out of TORN)."""
-        newest, digest = self.newest_durable()
-        if newest <= 0:
+        newest = self.client.get_job().newest_durable_ready
+        found = self._volume_plan(newest) if newest > 0 else None
+        if found is None:
             log.error(
                 "replica %s is torn and no durable READY version exists yet; staying paused", self.config.replica_id
             )
             return
-        self._load_from_volume(newest, "recover", digest)
+        self._load_from_volume(newest, "recover", found[1], found[0])
 
     def follow_durable(self) -> None:
         """Catch up when the fleet moved on while this replica was in no plan (it joined between versions)."""
         while not self._stop.wait(self.config.lag_check_s):
             try:
                 with self._lock:
-                    newest, digest = self.newest_durable()
-                    if newest > self.replica.version and self.replica.state is ReplicaState.SERVING:
-                        self._load_from_volume(newest, "catch-up", digest)
+                    newest = self.client.get_job().newest_durable_ready
+                    if newest > self.replica.version and self.replica.state is EngineState.SERVING:
+                        found = self._volume_plan(newest)
+                        if found is not None:
+                            self._load_from_volume(newest, "catch-up", found[1], found[0])
             except WeightsyncError as e:
                 log.warning("replica %s: catch-up check failed: %s", self.config.replica_id, e)
 
-    def _join(self, plan: models.ChannelPlan) -> None:
-        r = plan.rendezvous
-        if plan.channel not in (Channel.CPU, Channel.NCCL) or self._groups.get(plan.channel) == r.group_id:
-            return
-        init: dict[str, Any] = {
-            "channel": plan.channel.value,
-            "address": f"{r.host}:{r.port}",
-            "world_size": r.world_size,
-            "rank_offset": r.rank_offset,
-            "group_id": r.group_id,
-            "timeout_s": self.config.update_timeout_s,
-        }
-        self.replica.init_transfer(init, timeout_s=self.config.update_timeout_s)
-        self._groups[plan.channel] = r.group_id
-
-    def _assign(self, a: models.Assignment, plan: models.ChannelPlan) -> None:
-        digest = a.table.table_digest if a.table else ""
-        try:
-            self._join(plan)
-            self.client.report_ready(a.version)
-            if plan.channel is Channel.VOLUME:
-                ticket = self._volume_ticket(a.version, plan.rendezvous.volume_path)
-            else:
-                ticket = UpdateTicket(
-                    a.version,
-                    plan.channel,
-                    EMPTY,
-                    step=a.step,
-                    verify=self.config.verify,
-                    timeout_s=self.config.update_timeout_s,
-                )
-            outcome = self.replica.apply(ticket)
-        except (UpdateFailed, WeightsyncError) as e:
-            self._groups.pop(plan.channel, None)  # a failed transfer breaks the group: rejoin next time
-            if self.metrics:
-                self.metrics.failures_total.labels(plan.channel.value).inc()
-            self.events.append(("assign", a.version, f"failed: {e}"))
-            self.client.ack(
-                models.AckReport(
-                    a.version, digest, ok=False, error=str(e)[:2000], channel_failed=plan.channel is not Channel.VOLUME
-                )
-            )
-            if self.replica.state is ReplicaState.TORN:
-                self.recover()
-            return
-        self._observe(plan.channel, outcome.seconds)
-        self.events.append(("assign", a.version, "ok"))
-        phases = {SyncPhase(k): v for k, v in outcome.seconds.items()}
-        self.client.ack(models.AckReport(a.version, digest, ok=True, phases=phases))
-
-    def _observe(self, channel: Channel, seconds: dict[str, float]) -> None:
+    def _observe(self, channel: Channel, seconds: dict[SyncPhase, float]) -> None:
         if self.metrics is None:
             return
         self.metrics.version.set(self.replica.version)
         self.metrics.version_lag.set(max(0, self.client.get_job().newest_ready - self.replica.version))
         for phase, value in seconds.items():
-            self.metrics.sync_seconds.labels(phase, channel.value).observe(value)
+            self.metrics.sync_seconds.labels(phase.value, channel.value).observe(value)
+
+
+def why_volume(version: int) -> str:
+    return f"load version {version} from the volume (newest durable READY)"

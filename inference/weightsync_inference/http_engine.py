@@ -7,17 +7,18 @@ URL that is not a loopback address, and ignores ``*_proxy`` environment variable
 proxy would take weight updates off the pod).
 
 Errors keep vLLM's own text. A worker's exception travels engine core -> API server ->
-HTTP as ``{"error": {"message": ...}}``; ``EngineHttpError`` carries that message, so the
-lifecycle still finds the engine's ``UNTOUCHED`` marker in it and tells a refused update
-(resume the old version) from a torn one (stay paused). Every call has a timeout; the
-update's comes from its ticket, because only the publisher knows how long moving its
-bytes may take.
+HTTP as ``{"error": {"message": ...}}``; ``EngineHttpError`` carries that message. Whether
+a failed update left bytes in the parameters is not read from that text: the agent asks
+the workers for their receipts (``/collective_rpc``, ``weightsync_inference.worker``).
+Every call has a timeout; the update's comes from its ticket, because only the publisher
+knows how long moving its bytes may take.
 
     engine = HttpEngine("http://127.0.0.1:8001")
     replica = Replica(engine)
-    replica.init_transfer({"channel": "volume", "root": "/ckpt"})
+    replica.init_transfer(Rendezvous(Channel.VOLUME, root="/ckpt").to_dict())
     replica.apply(ticket)                     # pause(keep) -> start -> update -> finish -> resume
     engine.weight_version()                   # str(ticket.version)
+    engine.receipt()                          # what the workers computed while loading it
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
+from weightsync_inference import receipts
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -176,6 +178,23 @@ class HttpEngine:
         """The version the engine last finished loading (``"None"`` before the first update)."""
         return str(self._call("GET", "/weight_info")["weight_version"])
 
+    def _workers(self, method: str) -> list[dict[str, Any]]:
+        """One JSON answer per worker from the weightsync worker extension (``/collective_rpc``)."""
+        answer = self._call("POST", "/collective_rpc", body={"method": method, "timeout": self.control_timeout_s})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
+            raise PermanentError(
+                f"vLLM's /collective_rpc {method} answered {answer!r:.200}; start vLLM with "
+                "--worker-extension-cls weightsync_inference.worker.WorkerExtension"
+            )
+        return results
+
+    def identity(self) -> list[receipts.Identity]:
+        return [receipts.Identity.from_dict(r) for r in self._workers("weightsync_identity")]
+
+    def receipt(self) -> receipts.Receipt:
+        return receipts.merge([receipts.Receipt.from_dict(r) for r in self._workers("weightsync_receipt")])
+
     def healthy(self) -> bool:
         """Whether vLLM answers ``/health`` with 200 within the control timeout."""
         try:
@@ -185,30 +204,44 @@ class HttpEngine:
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         """Greedy token ids and their log-probabilities for each token-id prompt (as ``OfflineEngine``)."""
-        body: dict[str, Any] = {
-            "prompt": prompts,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "logprobs": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        if self.model is not None:
-            body["model"] = self.model
-        answer = self._call("POST", "/v1/completions", body=body, timeout_s=self.generate_timeout_s)
-        result: list[tuple[list[int], list[float]]] = []
-        for choice in sorted(answer["choices"], key=lambda c: int(c["index"])):
-            ids = [int(t) for t in choice["token_ids"]]
-            logprobs = choice.get("logprobs") or {}
-            lps = [float(lp) for lp in logprobs.get("token_logprobs", [])]
-            if len(lps) != len(ids):
-                raise PermanentError(
-                    f"vLLM returned {len(ids)} tokens but {len(lps)} log-probabilities for prompt {choice['index']}"
-                )
-            result.append((ids, lps))
-        if len(result) != len(prompts):
-            raise PermanentError(f"vLLM answered {len(result)} choices for {len(prompts)} prompts")
-        return result
+        return greedy(self._client, prompts, max_tokens, model=self.model, timeout_s=self.generate_timeout_s)
 
 
-__all__ = ["EngineHttpError", "HttpEngine", "error_text", "require_loopback"]
+def greedy(
+    client: httpx.Client,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    model: str | None = None,
+    timeout_s: float = 120.0,
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and log-probabilities per token-id prompt from an OpenAI server (vLLM, or the proxy)."""
+    body: dict[str, Any] = {
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if model is not None:
+        body["model"] = model
+    response = client.post("/v1/completions", json=body, timeout=timeout_s)
+    if not response.is_success:
+        raise EngineHttpError("/v1/completions", response.status_code, error_text(response))
+    result: list[tuple[list[int], list[float]]] = []
+    for choice in sorted(response.json()["choices"], key=lambda c: int(c["index"])):
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = choice.get("logprobs") or {}
+        lps = [float(lp) for lp in logprobs.get("token_logprobs", [])]
+        if len(lps) != len(ids):
+            raise PermanentError(
+                f"the server returned {len(ids)} tokens but {len(lps)} log-probabilities for prompt {choice['index']}"
+            )
+        result.append((ids, lps))
+    if len(result) != len(prompts):
+        raise PermanentError(f"the server answered {len(result)} choices for {len(prompts)} prompts")
+    return result
+
+
+__all__ = ["EngineHttpError", "HttpEngine", "error_text", "greedy", "require_loopback"]

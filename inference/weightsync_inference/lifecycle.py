@@ -9,13 +9,12 @@ The rules this module keeps (see DESIGN.md, failure rules):
   serve a mix. Only a whole version (``recover``) makes it serve again.
 - Every step has a timeout; a step that times out counts as a failure of that step.
 
-The engine tells the two failures apart: it marks refusals that touched nothing with
-``UNTOUCHED`` in the error text, which survives vLLM's process and HTTP boundaries.
+The engine tells the two failures apart in its receipt (``Receipt.torn``), which the
+lifecycle reads back after a failure: a field, not text in an error message.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections.abc import Callable
@@ -24,9 +23,8 @@ from typing import Any, Protocol
 
 from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
-from weightsync.vocabulary import SyncPhase
-
-UNTOUCHED = "[weightsync: parameters untouched]"
+from weightsync.vocabulary import EngineState, SyncPhase
+from weightsync_inference.receipts import Identity, Receipt
 
 
 class EngineControl(Protocol):
@@ -44,15 +42,21 @@ class EngineControl(Protocol):
 
     def finish(self, version: str) -> None: ...
 
+    def receipt(self) -> Receipt:
+        """The engine's own record of its last update (its workers' receipts, merged)."""
+        ...
 
-class ReplicaState(enum.StrEnum):
-    SERVING = "serving"
-    PAUSED = "paused"
-    TORN = "torn"
+    def identity(self) -> list[Identity]:
+        """Each worker's identity (rank, device, GPU UUID, NIXL)."""
+        ...
+
+    def weight_version(self) -> str:
+        """The version the engine last finished loading (``"None"`` before the first update)."""
+        ...
 
 
 class UpdateFailed(WeightsyncError):
-    def __init__(self, message: str, state: ReplicaState) -> None:
+    def __init__(self, message: str, state: EngineState) -> None:
         super().__init__(message)
         self.state = state
 
@@ -60,7 +64,9 @@ class UpdateFailed(WeightsyncError):
 @dataclass
 class UpdateOutcome:
     version: int
-    seconds: dict[str, float] = field(default_factory=dict)
+    receipt: Receipt
+    seconds: dict[SyncPhase, float] = field(default_factory=dict)
+    """The engine's phases (transfer, verify, load) and the replica's ``total`` (pause to resume)."""
 
 
 def _concurrently(main: Callable[[], None], side: Callable[[], None] | None, timeout_s: float, what: str) -> None:
@@ -91,10 +97,11 @@ def _concurrently(main: Callable[[], None], side: Callable[[], None] | None, tim
 class Replica:
     """Drives one engine through updates and remembers whether it may serve."""
 
-    def __init__(self, control: EngineControl) -> None:
+    def __init__(self, control: EngineControl, version: int = 0) -> None:
+        """``version``: what the engine serves now (an agent restarted beside a running engine reads it there)."""
         self.control = control
-        self.state = ReplicaState.SERVING
-        self.version = 0
+        self.state = EngineState.SERVING
+        self.version = version
 
     def init_transfer(
         self, init_info: dict[str, Any], rendezvous: Callable[[], None] | None = None, timeout_s: float = 120
@@ -106,39 +113,50 @@ class Replica:
 
     def apply(self, ticket: UpdateTicket, send: Callable[[], None] | None = None) -> UpdateOutcome:
         """Load ``ticket``'s version; ``send`` runs the sender concurrently when it lives in this process."""
-        seconds: dict[str, float] = {}
         t_total = time.perf_counter()
-        if self.state is ReplicaState.SERVING:
+        if self.state is EngineState.SERVING:
             self.control.pause()
-            self.state = ReplicaState.PAUSED
+            self.state = EngineState.PAUSED
         try:
             self.control.start()
-            t0 = time.perf_counter()
             _concurrently(
                 lambda: self.control.update(ticket.to_update_info()), send, ticket.timeout_s, "update_weights"
             )
-            seconds[SyncPhase.TRANSFER.value] = time.perf_counter() - t0
-            t0 = time.perf_counter()
             self.control.finish(str(ticket.version))
-            seconds[SyncPhase.LOAD.value] = time.perf_counter() - t0
+            receipt = self.control.receipt()
+            if receipt.version != ticket.version or not receipt.ok:
+                raise WeightsyncError(
+                    f"the engine's receipt is for version {receipt.version} ({'ok' if receipt.ok else receipt.error}), "
+                    f"not a successful load of {ticket.version}"
+                )
         except Exception as e:
-            torn = UNTOUCHED not in str(e)
-            if torn:
-                self.state = ReplicaState.TORN
+            if self._torn_by(e):
+                self.state = EngineState.TORN
                 raise UpdateFailed(
                     f"version {ticket.version} failed after bytes reached the parameters: {e}; "
                     "the replica stays paused until a whole version loads",
-                    ReplicaState.TORN,
+                    EngineState.TORN,
                 ) from e
             self.control.resume()
-            self.state = ReplicaState.SERVING
+            self.state = EngineState.SERVING
             raise UpdateFailed(
                 f"version {ticket.version} was refused before any parameter changed: {e}; "
                 f"the replica keeps serving version {self.version}",
-                ReplicaState.SERVING,
+                EngineState.SERVING,
             ) from e
         self.version = ticket.version
         self.control.resume()
-        self.state = ReplicaState.SERVING
-        seconds[SyncPhase.TOTAL.value] = time.perf_counter() - t_total
-        return UpdateOutcome(ticket.version, seconds)
+        self.state = EngineState.SERVING
+        seconds = {**receipt.seconds, SyncPhase.TOTAL: time.perf_counter() - t_total}
+        return UpdateOutcome(ticket.version, receipt, seconds)
+
+    def _torn_by(self, error: BaseException) -> bool:
+        """Whether the failed update left bytes in the parameters, by the engine's own receipt.
+
+        When the engine cannot say (it died, or does not answer), the replica counts as torn:
+        serving a possibly mixed version is the one thing it must not do.
+        """
+        try:
+            return self.control.receipt().torn
+        except WeightsyncError:
+            return True

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.vocabulary import Channel
+from weightsync_inference import receipts, worker
 
 
 class OfflineEngine:
@@ -31,6 +32,7 @@ class OfflineEngine:
             gpu_memory_utilization=memory_fraction,
             seed=seed,
             weight_transfer_config={"backend": channel.engine_name},
+            worker_extension_cls=worker.QUALNAME,
             **llm_kwargs,
         )
 
@@ -58,6 +60,12 @@ class OfflineEngine:
 
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
+
+    def identity(self) -> list[receipts.Identity]:
+        return [receipts.Identity.from_dict(r) for r in self.llm.collective_rpc("weightsync_identity")]
+
+    def receipt(self) -> receipts.Receipt:
+        return receipts.merge([receipts.Receipt.from_dict(r) for r in self.llm.collective_rpc("weightsync_receipt")])
 
     def greedy(
         self, prompts: list[list[int]], max_tokens: int, lora_request: object | None = None

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync.resources.rljob import PlacementMode, Resources, RLJobSpec
+from weightsync.resources.rljob import PlacementMode, Rdma, Resources, RLJobSpec
+from weightsync.vocabulary import Channel
 from weightsync_operator import names
 
 RUN_AS_USER = 1000
@@ -22,6 +23,22 @@ GPU_RESOURCE = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
 
 Obj = dict[str, Any]
+
+
+def channel_needs(spec: RLJobSpec) -> Obj:
+    """Pod-level settings the job's channels need (merged into the trainer and inference pod specs).
+
+    CUDA IPC between two pods needs a shared IPC namespace: ``hostIPC`` when the job lists ipc and
+    colocates its pods (the only placement where a replica shares the trainer's GPUs); the GPUs must
+    then be shareable (time-slicing or MPS), since the device plugin gives each GPU to one pod.
+    """
+    colocated_ipc = spec.placement.mode == PlacementMode.COLOCATE and Channel.IPC in spec.sync.channels
+    return {"hostIPC": True} if colocated_ipc else {}
+
+
+def rdma_capabilities(spec: RLJobSpec) -> list[str]:
+    """IPC_LOCK for containers that register memory for RDMA (NCCL over IB/RoCE, NIXL), when the job asks for RDMA."""
+    return ["IPC_LOCK"] if spec.sync.rdma is not None else []
 
 
 def pod_security() -> Obj:
@@ -34,16 +51,20 @@ def pod_security() -> Obj:
     }
 
 
-def container_security(read_only_root: bool = True) -> Obj:
+def container_security(read_only_root: bool = True, add: list[str] | None = None) -> Obj:
+    """No privilege escalation, every capability dropped but the few ``add`` names (IPC_LOCK for RDMA)."""
+    capabilities: Obj = {"drop": ["ALL"]}
+    if add:
+        capabilities["add"] = list(add)
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": read_only_root,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
     }
 
 
-def resources(spec: Resources, gpus: int = 0) -> Obj:
-    """Requests equal limits (a GPU pod must not be squeezed); GPUs only as a limit."""
+def resources(spec: Resources, gpus: int = 0, rdma: Rdma | None = None) -> Obj:
+    """Requests equal limits (a GPU pod must not be squeezed); GPUs and RDMA devices only as limits."""
     amounts: dict[str, str] = {}
     if spec.cpu:
         amounts["cpu"] = spec.cpu
@@ -52,6 +73,8 @@ def resources(spec: Resources, gpus: int = 0) -> Obj:
     limits = dict(amounts)
     if gpus:
         limits[GPU_RESOURCE] = str(gpus)
+    if rdma is not None:
+        limits[rdma.resource] = str(rdma.count)
     out: Obj = {}
     if amounts:
         out["requests"] = amounts
@@ -159,6 +182,7 @@ def common_env(job: str, namespace: str) -> list[Obj]:
             "valueFrom": {"secretKeyRef": {"name": names.token_secret(job), "key": names.TOKEN_KEY}},
         },
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
 

@@ -24,6 +24,7 @@ import secrets
 
 from weightsync.resources import GROUP
 from weightsync.resources.rljob import RLJobSpec
+from weightsync.vocabulary import Channel
 from weightsync_operator import certs, names
 from weightsync_operator.podspecs import Obj
 
@@ -49,7 +50,12 @@ def checkpoint_claim(job: str, spec: RLJobSpec) -> list[Obj]:
 
 
 def job_config(job: str, spec: RLJobSpec) -> Obj:
-    """What the coordinator, trainer and agents share: the sync policy and the sizes it depends on."""
+    """What the coordinator, trainer and agents share: the sync policy and the sizes it depends on.
+
+    ``ncclDomain``: the job's GPU pods are taken to reach each other over NCCL (one NVLink/IB/RoCE
+    fabric for the job's node pool), so they share one domain, the job's name, whenever the job lists
+    the nccl channel; a job whose nodes do not reach each other over NCCL leaves nccl out of its channels.
+    """
     config = {
         "job": job,
         "sync": spec.sync.to_wire(),
@@ -57,6 +63,7 @@ def job_config(job: str, spec: RLJobSpec) -> Obj:
         "worldSize": spec.trainer.world_size,
         "model": spec.inference.model,
         "checkpointDir": names.CHECKPOINT_MOUNT,
+        "ncclDomain": job if Channel.NCCL in spec.sync.channels else "",
     }
     return {
         "apiVersion": "v1",

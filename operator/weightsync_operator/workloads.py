@@ -5,6 +5,15 @@ The commands here are the contract with the weightsync CLI each container runs
 config from ``$WEIGHTSYNC_CONFIG`` and its identity from the environment
 (podspecs.common_env), so the flags stay few.
 
+Every process reads the job's sync settings from ``job.json`` (``$WEIGHTSYNC_CONFIG``):
+the coordinator its policy (channels, ack policy, timeouts, retention), each agent the
+channels it may receive and the job's NCCL domain, the trainer (``Publisher.from_env``)
+the channels it offers. The trainer's rendezvous listens on its pod IP (``$POD_IP``);
+agents learn their node from ``$NODE_NAME`` and the tensor-parallel size, devices and GPU
+UUIDs from vLLM's workers (``--worker-extension-cls``). The coordinator mounts the
+checkpoint volume: it hashes each version's manifest itself when the version becomes
+durable and prunes the volume beyond the job's retention.
+
 The coordinator serves TLS with the job's certificate and key
 (``--tls-cert/--tls-key``, from the ``<job>-tls`` Secret); its clients verify it
 with the job's CA: the agent by ``--tls-ca``, the trainer's own code through
@@ -55,6 +64,8 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
             podspecs.tls_path(names.TLS_CERT_KEY),
             "--tls-key",
             podspecs.tls_path(names.TLS_KEY_KEY),
+            "--volume",
+            names.CHECKPOINT_MOUNT,
         ],
         "env": podspecs.common_env(job, namespace),
         "ports": [
@@ -63,7 +74,11 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
         ],
         "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": [podspecs.config_mount(), podspecs.tmp_mount()],
+        "volumeMounts": [
+            podspecs.config_mount(),
+            podspecs.checkpoint_mount(read_only=False),
+            podspecs.tmp_mount(),
+        ],
         "securityContext": podspecs.container_security(),
     }
     return {
@@ -80,7 +95,11 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
                     "serviceAccountName": names.coordinator_account(job),
                     "securityContext": podspecs.pod_security(),
                     "containers": [container],
-                    "volumes": [podspecs.config_volume(job, server_tls=True), podspecs.tmp_volume()],
+                    "volumes": [
+                        podspecs.config_volume(job, server_tls=True),
+                        podspecs.checkpoint_volume(job, spec),
+                        podspecs.tmp_volume(),
+                    ],
                 },
             },
         },
@@ -111,14 +130,14 @@ def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
             {"name": "rendezvous", "containerPort": names.TRAINER_MASTER_PORT, "protocol": "TCP"},
             podspecs.metrics_port(),
         ],
-        "resources": podspecs.resources(spec.trainer.resources, spec.trainer.gpus_per_worker),
+        "resources": podspecs.resources(spec.trainer.resources, spec.trainer.gpus_per_worker, spec.sync.rdma),
         "volumeMounts": [
             podspecs.shm_mount(),
             podspecs.config_mount(),
             podspecs.checkpoint_mount(read_only=False),
             podspecs.tmp_mount(),
         ],
-        "securityContext": podspecs.container_security(read_only_root=False),
+        "securityContext": podspecs.container_security(read_only_root=False, add=podspecs.rdma_capabilities(spec)),
     }
     labels = names.labels(job, Component.TRAINER) | {names.RANK_LABEL: str(rank)}
     return {
@@ -138,12 +157,17 @@ def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
                 podspecs.tmp_volume(),
             ],
             **podspecs.placement(job, spec, Component.TRAINER),
+            **podspecs.channel_needs(spec),
         },
     }
 
 
+WORKER_EXTENSION = "weightsync_inference.worker.WorkerExtension"
+
+
 def vllm_command(spec: RLJobSpec) -> list[str]:
-    """vLLM's server on localhost with weightsync's engine for the first preferred channel."""
+    """vLLM's server on localhost with weightsync's engine (one engine receives every channel) and the worker
+    extension the agent asks what each worker is and what it computed while loading."""
     backend = Channel(spec.sync.channels[0]).engine_name
     return [
         "python", "-m", "vllm.entrypoints.openai.api_server",
@@ -151,6 +175,7 @@ def vllm_command(spec: RLJobSpec) -> list[str]:
         "--model", spec.inference.model,
         "--tensor-parallel-size", str(spec.inference.tensor_parallel_size),
         "--weight-transfer-config", f'{{"backend": "{backend}"}}',
+        "--worker-extension-cls", WORKER_EXTENSION,
         *spec.inference.vllm_args,
     ]  # fmt: skip
 
@@ -164,9 +189,9 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
         "image": inf.image,
         "command": vllm_command(spec),
         "env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}, {"name": "HOME", "value": "/tmp"}],
-        "resources": podspecs.resources(inf.resources, inf.gpus_per_replica),
+        "resources": podspecs.resources(inf.resources, inf.gpus_per_replica, spec.sync.rdma),
         "volumeMounts": [podspecs.shm_mount(), podspecs.checkpoint_mount(read_only=True), podspecs.tmp_mount()],
-        "securityContext": podspecs.container_security(read_only_root=False),
+        "securityContext": podspecs.container_security(read_only_root=False, add=podspecs.rdma_capabilities(spec)),
     }
     agent = {
         "name": "agent",
@@ -219,6 +244,7 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
                         podspecs.tmp_volume(),
                     ],
                     **podspecs.placement(job, spec, Component.INFERENCE),
+                    **podspecs.channel_needs(spec),
                 },
             },
         },

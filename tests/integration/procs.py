@@ -1,8 +1,9 @@
 """Trainer processes the integration tests start for real: ``python -m tests.integration.procs CMD ...``.
 
-They talk to the test only through the channel under test and files (no pickled
-arguments): a CPU-stream sender that can die mid-stream, and an FSDP2 trainer on two
-gloo ranks.
+They talk to the test only through the channel under test and JSON files or arguments
+(a ``Rendezvous`` as ``to_dict`` writes it; nothing pickled): a CPU-stream sender that
+can die mid-stream, a CPU-stream receiver that can die mid-stream, and an FSDP2 trainer
+on two gloo ranks.
 """
 
 from __future__ import annotations
@@ -11,53 +12,80 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``data`` so a reader polling for ``path`` never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def stream(args: argparse.Namespace) -> None:
-    """Publish one version over the CPU stream; with --die-after N, exit hard after N groups."""
+    """Publish one version over the CPU stream to one replica; with --die-after N, exit hard after N groups.
+
+    The trainer binds its sender on 127.0.0.1, plans one replica on it without a
+    coordinator and writes that replica's rendezvous to --rendezvous-out, where the
+    test picks it up to start the engine's receiver.
+    """
     from tests import support
+    from weightsync.channels.base import UpdateTicket, direct_rendezvous
     from weightsync.channels.cpu import CpuSender
     from weightsync.vocabulary import Channel
-    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.publisher import send
     from weightsync_trainer.sources import ModuleSource
 
     model = support.hf_trainer(Path(args.model), seed=args.seed)
-    sender = CpuSender(world_size=2, port=args.port, timeout_s=60, bucket_bytes=args.bucket_bytes)
-    sender.connect()
     source = ModuleSource(model)
+    table = source.table()
+    sender = CpuSender("127.0.0.1", timeout_s=60, bucket_bytes=args.bucket_bytes)
+    rendezvous = direct_rendezvous(sender.offer()).with_timeout(60)
+    sender.take_plan({args.replica: rendezvous})
+    write_json(Path(args.rendezvous_out), rendezvous.to_dict())
     groups = source.groups
     if args.die_after is not None:
 
-        def dying() -> object:
+        def dying() -> Iterator[Any]:
             for i, group in enumerate(groups()):
                 if i == args.die_after:
                     os._exit(17)  # a trainer killed mid-publish: no cleanup, sockets just close
                 yield group
 
         source.groups = dying  # type: ignore[method-assign]
-    publisher = Publisher(source, [sender])
-    publisher.publish(args.version, args.version, [publisher.ticket(args.version, args.version, Channel.CPU)])
+    ticket = UpdateTicket(args.version, Channel.CPU, table, table.layout_digest(), step=args.version, timeout_s=60)
+    report = send(source, sender, ticket)
     sender.close()
+    if report.failed:
+        sys.exit(f"the stream lost its replica: {report.failed}")
 
 
 def receive(args: argparse.Namespace) -> None:
     """One CPU-stream receiver; with --die-after N it exits hard after N groups (a replica that crashes)."""
-    from weightsync.channels.base import UpdateTicket
+    from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext
     from weightsync.channels.cpu import CpuReceiver
-    from weightsync.tensors import TensorTable
     from weightsync.vocabulary import Channel
 
-    receiver = CpuReceiver(args.address, 2, 1, timeout_s=30, bucket_bytes=args.bucket_bytes, group_id=args.group_id)
-    ticket = UpdateTicket(args.version, Channel.CPU, TensorTable(()))
+    rendezvous = Rendezvous.from_dict(json.loads(args.rendezvous))
+    receiver = CpuReceiver.start(rendezvous, WorkerContext())
+    if args.joined:
+        write_json(Path(args.joined), {"group": rendezvous.group})
+    # no table: the stream's header carries it, checked against the layout digest
+    ticket = UpdateTicket(args.version, Channel.CPU, layout_digest=args.layout_digest)
     for i, _ in enumerate(receiver.receive(ticket)):
         if i + 1 == args.die_after:
             os._exit(17)
-    Path(args.out).write_text(json.dumps(receiver.verified))
+    write_json(Path(args.out), receiver.verified)
+    receiver.close()
 
 
 def fsdp(args: argparse.Namespace) -> None:
-    """Two gloo ranks train an FSDP2-sharded model one step and publish it to the volume."""
+    """Two gloo ranks train an FSDP2-sharded model one step and publish it to the volume.
+
+    Every rank calls ``send`` (the gather is collective); rank 0 writes the version.
+    """
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -65,8 +93,11 @@ def fsdp(args: argparse.Namespace) -> None:
 
     from tests import support
     from weightsync.channels import digests
+    from weightsync.channels.base import UpdateTicket
     from weightsync.channels.volume import VolumeSender
-    from weightsync_trainer.publisher import Publisher
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer import reference
+    from weightsync_trainer.publisher import send
     from weightsync_trainer.sources import ModuleSource
 
     rank = int(os.environ["RANK"])
@@ -77,20 +108,23 @@ def fsdp(args: argparse.Namespace) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    from weightsync_trainer import reference
-
     reference.train_step(model, opt, model.config.vocab_size, seed=7)
-    senders = [VolumeSender(args.volume)] if rank == 0 else []
-    Publisher(ModuleSource(model), senders, rank=rank).publish(args.version, step=1)
+    source = ModuleSource(model)
+    ticket = UpdateTicket(args.version, Channel.VOLUME, source.table(), step=1)
+    report = send(source, VolumeSender(args.volume), ticket, rank=rank)
     # An independent view of the same weights, gathered by torch's own checkpoint API.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         expected = {k: digests.digest(v.to(torch.bfloat16)) for k, v in full.items() if k != "lm_head.weight"}
-        Path(args.expected).write_text(json.dumps(expected))
+        if report.digests != expected:
+            sys.exit("rank 0's send report disagrees with torch's full state dict")
+        write_json(Path(args.expected), expected)
         from safetensors.torch import save_file
 
         weights = {k: v.contiguous() for k, v in full.items() if k != "lm_head.weight"}
         save_file(weights, str(Path(args.expected).with_suffix(".safetensors")))
+    elif report.digests or report.failed:
+        sys.exit("rank 1 sent nothing, yet its report is not empty")
     dist.destroy_process_group()
 
 
@@ -99,18 +133,19 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stream")
     s.add_argument("--model", required=True)
-    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--rendezvous-out", required=True, help="where to write the replica's rendezvous (JSON)")
+    s.add_argument("--replica", default="replica-0")
     s.add_argument("--version", type=int, required=True)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--bucket-bytes", type=int, default=256 << 10)
     s.add_argument("--die-after", type=int, default=None)
     r = sub.add_parser("receive")
-    r.add_argument("--address", required=True)
-    r.add_argument("--group-id", required=True)
+    r.add_argument("--rendezvous", required=True, help="the replica's rendezvous (JSON, as Rendezvous.to_dict)")
     r.add_argument("--version", type=int, required=True)
-    r.add_argument("--bucket-bytes", type=int, default=1 << 20)
+    r.add_argument("--layout-digest", default="")
     r.add_argument("--die-after", type=int, default=None)
     r.add_argument("--out", required=True)
+    r.add_argument("--joined", default="", help="a file to write once the receiver joined its group")
     f = sub.add_parser("fsdp")
     f.add_argument("--model", required=True)
     f.add_argument("--port", type=int, required=True)

@@ -21,7 +21,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from weightsync.coordinator import faults, server, simulation
+from tests import simulation
+from weightsync.coordinator import faults, server
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Capabilities, TableSummary
@@ -106,6 +107,18 @@ def client(
     return CoordinatorClient(s.target, token=token, tls=tls, timeout_s=kw.pop("timeout_s", 5.0), **kw)
 
 
+def open_request(trainer: CoordinatorClient, **fields: Any) -> pb.OpenVersionRequest:
+    """A raw OpenVersion request at step 8 of job ``secure`` (the fields given replace the valid defaults)."""
+    valid: dict[str, Any] = {
+        "lease_id": trainer.lease.lease_id,
+        "job": "secure",
+        "incarnation": trainer.incarnation,
+        "step": 8,
+        "table": pb.TableSummary(tensor_count=1, total_bytes=10, layout_digest=simulation.LAYOUT),
+    }
+    return pb.OpenVersionRequest(**{**valid, **fields})
+
+
 def test_mtls_and_token_let_a_replica_process_in(mtls_server: server.CoordinatorServer, pki: Path) -> None:
     ctx = mp.get_context("spawn")
     events: Any = ctx.Queue()
@@ -155,9 +168,12 @@ def test_clients_without_a_trusted_certificate_cannot_connect(mtls_server: serve
 def test_malformed_calls_get_clear_statuses(mtls_server: server.CoordinatorServer, pki: Path) -> None:
     with client(mtls_server, pki) as c:
         with pytest.raises(faults.InvalidArgument, match="role is 0 \\(unset or unknown\\); valid values: trainer"):
-            c._call("Register", pb.RegisterRequest(job="secure", member_id="m", incarnation="i"))
+            c._call("Register", lambda: pb.RegisterRequest(job="secure", member_id="m", incarnation="i"))
         with pytest.raises(faults.InvalidArgument, match="capabilities is missing"):
-            c._call("Register", pb.RegisterRequest(job="secure", role=pb.ROLE_REPLICA, member_id="m", incarnation="i"))
+            c._call(
+                "Register",
+                lambda: pb.RegisterRequest(job="secure", role=pb.ROLE_REPLICA, member_id="m", incarnation="i"),
+            )
         with pytest.raises(faults.InvalidArgument, match="job 'Not A Job' is not a valid name"):
             c.register_replica("Not A Job", "m", CAPS)
         with pytest.raises(faults.NotFound, match="job 'missing' is unknown"):
@@ -165,26 +181,29 @@ def test_malformed_calls_get_clear_statuses(mtls_server: server.CoordinatorServe
         with pytest.raises(faults.ResourceExhausted, match=r"over the limit of 4096.*--max-message-bytes"):
             c.register_replica("secure", "big", Capabilities(host="x" * 8000, channels=(Channel.CPU,)))
         with pytest.raises(faults.InvalidArgument, match=r"timeout_s is 0.0"):
-            c._call("WaitVersion", pb.WaitVersionRequest(job="secure", version=1, until=pb.WAIT_FOR_SETTLED))
+            c._call("WaitVersion", lambda: pb.WaitVersionRequest(job="secure", version=1, until=pb.WAIT_FOR_SETTLED))
     with client(mtls_server, pki) as trainer:
         trainer.register_trainer("secure", "trainer", CAPS)
-        table = TableSummary(1, 10, "sha256:x")
+        table = TableSummary(1, 10, simulation.LAYOUT)
         trainer.open_version(7, table)
         with pytest.raises(faults.FailedPrecondition, match="step 6 goes backwards"):
             trainer.open_version(6, table)
         with pytest.raises(faults.InvalidArgument, match=r"table.tensor_count must be >= 1"):
             trainer._call(
                 "OpenVersion",
-                pb.OpenVersionRequest(
-                    lease_id=trainer.lease.lease_id,
-                    job="secure",
-                    incarnation=trainer.incarnation,
-                    step=8,
-                    table=pb.TableSummary(tensor_count=0, table_digest="d"),
-                ),
+                lambda: open_request(trainer, table=pb.TableSummary(tensor_count=0, layout_digest=simulation.LAYOUT)),
             )
+        with pytest.raises(faults.InvalidArgument, match=r"table: table.layout_digest 'abc' is not sha256:<64 hex>"):
+            trainer._call(
+                "OpenVersion", lambda: open_request(trainer, table=pb.TableSummary(tensor_count=1, layout_digest="abc"))
+            )
+        wildcard = pb.SenderOffer(channel=pb.CHANNEL_CPU, host="0.0.0.0", port=29500)
+        with pytest.raises(faults.InvalidArgument, match=r"offers\[0\]: endpoint host '0.0.0.0' is not one address"):
+            trainer._call("OpenVersion", lambda: open_request(trainer, offers=[wildcard]))
+        with pytest.raises(faults.InvalidArgument, match=r"manifest_checksum 'a{64}' is not sha256:<64 hex>"):
+            trainer.mark_durable(1, "/x/manifest.json", "a" * 64)
         with pytest.raises(faults.NotFound, match="has no version 99"):
-            trainer.mark_durable(99, "/x/manifest.json", "a" * 64)
+            trainer.mark_durable(99, "/x/manifest.json", "sha256:" + "a" * 64)
 
 
 def test_the_server_is_secure_by_default() -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.channels.base import UpdateTicket, dtype_name
+from weightsync.channels.base import Rendezvous, UpdateTicket, direct_rendezvous
 from weightsync.channels.cpu import CpuSender
+from weightsync.channels.wire import dtype_name
 from weightsync.errors import TransferTimeoutError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
@@ -30,25 +31,27 @@ def _ticket(groups: list[list[torch.Tensor]]) -> UpdateTicket:
     table = TensorTable.build(
         [[(f"l{i}.t{j}", dtype_name(t.dtype), tuple(t.shape)) for j, t in enumerate(g)] for i, g in enumerate(groups)]
     )
-    return UpdateTicket(1, Channel.CPU, table, params={"bucket_bytes": 1 << 19})
+    # the bucket size travels in the stream's header: the receivers are never told it
+    return UpdateTicket(1, Channel.CPU, table, table.layout_digest(), params={"bucket_bytes": 1 << 19})
 
 
-def _receiver(sender: CpuSender, gid: str, out: Path, die_after: int | None = None) -> subprocess.Popen[bytes]:
+def _receiver(rdv: Rendezvous, layout_digest: str, out: Path, die_after: int | None = None) -> subprocess.Popen[bytes]:
+    """A receiver process; it writes ``<out>.joined`` once its group formed and ``out`` (its digests) when done."""
     cmd = [
         sys.executable,
         "-m",
         "tests.integration.procs",
         "receive",
-        "--address",
-        sender.address,
-        "--group-id",
-        gid,
+        "--rendezvous",
+        json.dumps(rdv.to_dict()),
         "--version",
         "1",
-        "--bucket-bytes",
-        str(1 << 19),
+        "--layout-digest",
+        layout_digest,
         "--out",
         str(out),
+        "--joined",
+        str(out.with_suffix(".joined")),
     ]
     if die_after is not None:
         cmd += ["--die-after", str(die_after)]
@@ -57,34 +60,46 @@ def _receiver(sender: CpuSender, gid: str, out: Path, die_after: int | None = No
 
 def test_replica_dying_mid_stream_does_not_cost_the_other_its_version(tmp_path: Path) -> None:
     groups = _groups()
+    ticket = _ticket(groups)
+    assert ticket.table is not None
     sender = CpuSender(timeout_s=30)
+    plan = {rid: direct_rendezvous(sender.offer(), group=f"group-{rid}").with_timeout(30) for rid in ("lives", "dies")}
+    assert plan["lives"].secret != plan["dies"].secret  # one membership (and store prefix) per replica
+    sender.take_plan(plan)
     procs = {
-        gid: _receiver(sender, gid, tmp_path / f"{gid}.json", die_after=2 if gid == "dies" else None)
-        for gid in ("lives", "dies")
+        rid: _receiver(rdv, ticket.table.layout_digest(), tmp_path / f"{rid}.json", 2 if rid == "dies" else None)
+        for rid, rdv in plan.items()
     }
     try:
-        for gid in procs:
-            sender.connect(2, gid)
-        digests = sender.send(_ticket(groups), iter(groups))
+        report = sender.send(ticket, iter(groups))
         assert procs["lives"].wait(timeout=60) == 0 and procs["dies"].wait(timeout=60) == 17
     finally:
         for p in procs.values():
             p.kill()
-    assert set(sender.failed) == {"dies"} and "failed" in sender.failed["dies"]
-    assert json.loads((tmp_path / "lives.json").read_text()) == digests and len(digests) == 12
+    assert set(report.failed) == {"dies"} and "bucket" in report.failed["dies"]
+    assert json.loads((tmp_path / "lives.json").read_text()) == report.digests and len(report.digests) == 12
+    assert set(sender.groups) == {"lives"}  # the dead replica's group is dropped; the other's is kept
     sender.close()
 
 
 def test_sender_fails_within_its_timeout_when_the_only_replica_dies(tmp_path: Path) -> None:
     groups = _groups()
+    ticket = _ticket(groups)
+    assert ticket.table is not None
     sender = CpuSender(timeout_s=10)
-    proc = _receiver(sender, "only", tmp_path / "only.json", die_after=1)
+    rdv = direct_rendezvous(sender.offer(), group="only").with_timeout(10)
+    sender.take_plan({"only": rdv})
+    proc = _receiver(rdv, ticket.table.layout_digest(), tmp_path / "only.json", die_after=1)
     try:
-        sender.connect(2, "only")
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "only.joined").exists():  # time the stream, not the receiver's start
+            assert proc.poll() is None and time.monotonic() < deadline, "the receiver never joined"
+            time.sleep(0.1)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeoutError, match="every group failed"):
-            sender.send(_ticket(groups), iter(groups))
+            sender.send(ticket, iter(groups))
         assert time.monotonic() - t0 < 15
+        assert proc.wait(timeout=60) == 17
     finally:
         proc.kill()
     sender.close()

@@ -1,4 +1,4 @@
-"""The channel contract in one process: digests, the volume's integrity checks, the registry."""
+"""The channel contract in one process: digests, typed rendezvous, the volume's integrity checks, the registry."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from weightsync import channels
-from weightsync.channels import digests
-from weightsync.channels.base import UpdateTicket, dtype_name
-from weightsync.channels.volume import Manifest, VolumeReceiver, VolumeSender, latest_version, list_versions
+from weightsync.channels import digests, manifests
+from weightsync.channels.base import Endpoint, Offer, Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous
+from weightsync.channels.manifests import Manifest, latest_version, list_versions
+from weightsync.channels.volume import VolumeReceiver, VolumeSender
+from weightsync.channels.wire import dtype_name
 from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError
-from weightsync.tensors import TensorTable
+from weightsync.tensors import TensorTable, manifest_checksum
 from weightsync.vocabulary import Channel
 
 pytestmark = pytest.mark.unit
@@ -54,10 +56,13 @@ def test_registry_is_lazy_and_names_valid_channels() -> None:
         channels.sender_class("tcp")
 
 
-def _publish(root: Path, version: int, groups: list[list[torch.Tensor]], keep: int = 3) -> UpdateTicket:
-    ticket = UpdateTicket(version, Channel.VOLUME, _table(groups), step=version * 10, params={"root": str(root)})
-    VolumeSender(root, shard_bytes=3000, keep=keep).send(ticket, iter(groups))
-    return ticket
+def _publish(root: Path, version: int, groups: list[list[torch.Tensor]]) -> UpdateTicket:
+    """Write ``version``; the ticket a replica gets for it: no table (the manifest carries it), the checksum."""
+    table = _table(groups)
+    ticket = UpdateTicket(version, Channel.VOLUME, table, step=version * 10)
+    VolumeSender(root, shard_bytes=3000).send(ticket, iter(groups))
+    checksum = manifest_checksum(manifests.manifest_path(root, version).read_bytes())
+    return UpdateTicket(version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum)
 
 
 def test_volume_round_trip_is_bit_exact(tmp_path: Path) -> None:
@@ -66,22 +71,38 @@ def test_volume_round_trip_is_bit_exact(tmp_path: Path) -> None:
     manifest = Manifest.load(tmp_path / "v00000001")
     assert len(manifest.shards) > 1, "small shard size should split the version"
     assert manifest.step == 10
-    receiver = VolumeReceiver.from_init({"root": str(tmp_path)}, channels.base.WorkerContext())
+    receiver = VolumeReceiver.start(Rendezvous(Channel.VOLUME, root=str(tmp_path)), WorkerContext())
     flat = [t for g in groups for t in g]
     got = [t.clone() for g in receiver.receive(ticket) for _, t in g]
     assert all(torch.equal(a, b) for a, b in zip(flat, got, strict=True))
-    assert set(receiver.verified) == {s.name for s in ticket.table}
+    assert receiver.table == _table(groups).with_digests(receiver.verified)
+    assert set(receiver.verified) == {s.name for s in _table(groups)}
 
 
-def test_volume_retention_and_atomic_visibility(tmp_path: Path) -> None:
+def test_volume_versions_appear_atomically_and_once(tmp_path: Path) -> None:
     for v in range(1, 5):
-        _publish(tmp_path, v, _groups(v), keep=2)
-    assert list_versions(tmp_path) == [3, 4]
-    assert latest_version(tmp_path) == 4
+        _publish(tmp_path, v, _groups(v))
+    assert list_versions(tmp_path) == [1, 2, 3, 4], "the writer never prunes: the coordinator owns retention"
     (tmp_path / ".tmp-v00000005-1").mkdir()  # a writer that died: never visible
     assert latest_version(tmp_path) == 4
     with pytest.raises(PermanentError, match="version 4 was published before"):
         _publish(tmp_path, 4, _groups())
+    manifests.delete(tmp_path, [1, 3])
+    assert list_versions(tmp_path) == [2, 4]
+
+
+def test_replaced_manifest_is_refused_even_when_self_consistent(tmp_path: Path) -> None:
+    """v2's bytes and manifest put in v1's place: whole and consistent, but not what the coordinator recorded."""
+    ticket = _publish(tmp_path, 1, _groups(1))
+    _publish(tmp_path, 2, _groups(2))
+    v1, v2 = tmp_path / "v00000001", tmp_path / "v00000002"
+    for f in v2.iterdir():
+        (v1 / f.name).write_bytes(f.read_bytes().replace(b'"version": 2', b'"version": 1'))
+    recorded = r"manifest checksum sha256:.* is not the sha256:.* the coordinator recorded"
+    with pytest.raises(IntegrityError, match=recorded):
+        next(VolumeReceiver(tmp_path).receive(ticket))
+    unchecked = UpdateTicket(1, Channel.VOLUME)  # without the recorded checksum the same files would load
+    assert sum(len(g) for g in VolumeReceiver(tmp_path).receive(unchecked)) == 4
 
 
 def test_truncated_shard_is_refused_naming_file_and_tensor(tmp_path: Path) -> None:
@@ -117,6 +138,14 @@ def test_manifest_mismatch_names_the_tensor(tmp_path: Path) -> None:
         next(VolumeReceiver(tmp_path).receive(ticket))
 
 
+def test_a_table_with_another_layout_digest_is_refused(tmp_path: Path) -> None:
+    ticket = _publish(tmp_path, 1, _groups())
+    other = _table([[torch.zeros(2)]]).layout_digest()
+    wrong = UpdateTicket(1, Channel.VOLUME, layout_digest=other, manifest_checksum=ticket.manifest_checksum)
+    with pytest.raises(IntegrityError, match=r"layout digest .* the coordinator recorded"):
+        next(VolumeReceiver(tmp_path).receive(wrong))
+
+
 def test_sender_rejects_tensor_that_contradicts_the_table(tmp_path: Path) -> None:
     groups = _groups()
     ticket = UpdateTicket(1, Channel.VOLUME, _table(groups))
@@ -127,11 +156,31 @@ def test_sender_rejects_tensor_that_contradicts_the_table(tmp_path: Path) -> Non
 
 
 def test_update_info_round_trip_and_validation() -> None:
-    ticket = UpdateTicket(3, Channel.CPU, _table(_groups()), step=7, params={"bucket_bytes": 1024})
+    table = _table(_groups())
+    ticket = UpdateTicket(3, Channel.CPU, table, table.layout_digest(), step=7, params={"bucket_bytes": 1024})
     info = json.loads(json.dumps(ticket.to_update_info()))
     assert UpdateTicket.from_update_info(info) == ticket
-    del info["table"]
-    with pytest.raises(PermanentError, match="update_info lacks field 'table'"):
+    del info["version"]
+    with pytest.raises(PermanentError, match="update_info lacks field 'version'"):
         UpdateTicket.from_update_info(info)
     with pytest.raises(PermanentError, match="version must be >= 1"):
-        UpdateTicket(0, Channel.CPU, _table(_groups()))
+        UpdateTicket(0, Channel.CPU, table)
+    with pytest.raises(PermanentError, match="the ticket's table is empty; leave it out"):
+        UpdateTicket(1, Channel.CPU, TensorTable(()))
+
+
+def test_rendezvous_travels_as_json_and_names_what_a_channel_lacks() -> None:
+    offer = Offer(Channel.NIXL, Endpoint("198.18.0.2", 4000), agent="a", metadata=b"\x00md\xff", epoch=2)
+    rdv = direct_rendezvous(offer, devices=2)
+    assert (rdv.rank, rdv.world_size, rdv.generation, len(rdv.secret)) == (1, 3, 1, 32)
+    assert Rendezvous.from_dict(json.loads(json.dumps(rdv.to_dict()))) == rdv
+    with pytest.raises(PermanentError, match="nccl rendezvous lacks endpoint, group, secret"):
+        channels.receiver_class(Channel.NCCL).start(Rendezvous(Channel.NCCL), WorkerContext())
+    with pytest.raises(PermanentError, match="a cpu rendezvous cannot start a volume receiver"):
+        VolumeReceiver.start(Rendezvous(Channel.CPU), WorkerContext())
+    with pytest.raises(PermanentError, match="unknown fields \\['address'\\]"):
+        Rendezvous.from_dict({"channel": "cpu", "address": "h:1"})
+    with pytest.raises(PermanentError, match="not one address of this host"):
+        Endpoint("0.0.0.0", 1)
+    with pytest.raises(PermanentError, match=r"rank 3 is outside 1\.\.2"):
+        Rendezvous(Channel.CPU, rank=3, world_size=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightsync.coordinator import _service, codegen
+from weightsync.coordinator._proto import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -29,9 +30,14 @@ def test_service_table_covers_the_proto() -> None:
         "ReportProgress",
         "Ack",
         "WaitVersion",
+        "ReportSent",
         "MarkDurable",
         "GetJob",
         "ListVersions",
     }
     assert methods["WatchVersions"].server_streaming and not methods["Ack"].server_streaming
     assert methods["Ack"].path == "/weightsync.v1.Coordinator/Ack"
+    assert not methods["ReportSent"].server_streaming
+    assert methods["ReportSent"].path == "/weightsync.v1.Coordinator/ReportSent"
+    assert methods["ReportSent"].request is pb.ReportSentRequest
+    assert methods["ReportSent"].response is pb.ReportSentResponse

@@ -1,8 +1,8 @@
-"""Version lifecycle and leases on the core (no gRPC): ack policies, drops, failures, idempotency."""
+"""Version lifecycle and leases on the core (no gRPC): ack policies, drops, failures, idempotency, the volume."""
 
 from __future__ import annotations
 
-import hashlib
+import queue
 import time
 from pathlib import Path
 
@@ -10,51 +10,106 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from weightsync import metrics
+from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator import faults
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import (
     AckReport,
+    Assignment,
     Capabilities,
     EventKind,
     JobPolicy,
     Progress,
     Role,
-    SenderOffer,
     TableSummary,
+    VersionInfo,
     WaitFor,
 )
 from weightsync.coordinator.store import MemoryStore
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.tensors import DIGEST_PREFIX, manifest_checksum
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 pytestmark = pytest.mark.unit
 
-TABLE = TableSummary(3, 3000, "sha256:t")
+TABLE = TableSummary(3, 3000, DIGEST_PREFIX + "1" * 64)
+OTHER_LAYOUT = DIGEST_PREFIX + "2" * 64
+SENT = DIGEST_PREFIX + "c" * 64
+"""The content digest the trainer sent."""
+CORRUPT = DIGEST_PREFIX + "d" * 64
 CPU = Capabilities(host="n", channels=(Channel.CPU, Channel.VOLUME), volume_id="vol", volume_mount="/ckpt")
-OFFER = SenderOffer(Channel.CPU, "127.0.0.1", 29500)
+VOLUME_ONLY = Capabilities(host="n", channels=(Channel.VOLUME,), volume_id="vol", volume_mount="/ckpt")
+CPU_OFFER = Offer(Channel.CPU, Endpoint("127.0.0.1", 29500))
+OFFERS = (CPU_OFFER, Offer(Channel.VOLUME))
 
 
 def fleet(
-    n: int, policy: JobPolicy | None = None, ttl: float = 30.0, registry: CollectorRegistry | None = None
+    n: int,
+    policy: JobPolicy | None = None,
+    ttl: float = 30.0,
+    registry: CollectorRegistry | None = None,
+    volume: Path | None = None,
+    offers: tuple[Offer, ...] = OFFERS,
 ) -> tuple[Coordinator, str, list[str]]:
     core = Coordinator(
-        lease_ttl_s=ttl, store=MemoryStore(), metrics=metrics.CoordinatorMetrics.create(registry) if registry else None
+        lease_ttl_s=ttl,
+        store=MemoryStore(),
+        metrics=metrics.CoordinatorMetrics.create(registry) if registry else None,
+        volumes={"job": volume} if volume is not None else None,
     )
-    trainer = core.register("job", Role.TRAINER, "trainer", "t1", CPU, policy=policy, offers=[OFFER]).lease_id
+    trainer = core.register("job", Role.TRAINER, "trainer", "t1", CPU, policy=policy, offers=offers).lease_id
     replicas = [core.register("job", Role.REPLICA, f"r{i}", f"i{i}", CPU).lease_id for i in range(n)]
     return core, trainer, replicas
 
 
 def ok(version: int, **kw: object) -> AckReport:
-    return AckReport(version, TABLE.table_digest, True, {SyncPhase.TOTAL: 0.01}, **kw)  # type: ignore[arg-type]
+    return AckReport(version, TABLE.layout_digest, True, {SyncPhase.TOTAL: 0.01}, **kw)  # type: ignore[arg-type]
+
+
+def failed(version: int, error: str, **kw: object) -> AckReport:
+    return AckReport(version, TABLE.layout_digest, ok=False, error=error, **kw)  # type: ignore[arg-type]
+
+
+def write_manifest(root: Path, version: int) -> tuple[Path, str]:
+    """A version's manifest where the coordinator looks for it (``<root>/v%08d/manifest.json``), and its checksum."""
+    data = f'{{"format": "weightsync.volume/v1", "version": {version}}}\n'.encode()
+    path = root / f"v{version:08d}" / "manifest.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    return path, manifest_checksum(data)
+
+
+def statuses(info: VersionInfo) -> dict[str, ReplicaState]:
+    return {r.replica_id: r.state for r in info.replicas}
+
+
+def latest(core: Coordinator) -> VersionInfo:
+    return core.list_versions("job")[0]
+
+
+def sent(core: Coordinator, trainer: str, version: int, digest: str = "") -> VersionInfo:
+    """The publisher's report of what it sent, as it makes it right after streaming (before waiting for the
+    verdict): no version becomes READY before it. ``digest`` is what the replicas ack ("" when they ack none)."""
+    return core.report_sent(trainer, version, digest, {})
+
+
+def next_event(events: queue.SimpleQueue[Assignment | None]) -> Assignment:
+    event = events.get(timeout=1)
+    assert event is not None
+    return event
+
+
+# ---- ack policies ---------------------------------------------------------------------------------------------
 
 
 def test_all_live_policy_and_superseded() -> None:
     core, t, (r0, r1) = fleet(2)
     v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
     assert core.ack(r0, ok(v1)) is VersionState.STAGING
     assert core.ack(r1, ok(v1)) is VersionState.READY
     v2 = core.open_version(t, "job", "t1", 2, TABLE).version
     assert v2 == v1 + 1
+    sent(core, t, v2)
     core.ack(r0, ok(v2))
     core.ack(r1, ok(v2))
     states = {v.version: v.state for v in core.list_versions("job")}
@@ -64,71 +119,77 @@ def test_all_live_policy_and_superseded() -> None:
 def test_quorum_policy() -> None:
     core, t, (r0, _r1, _r2) = fleet(3, JobPolicy(ack_quorum=1))
     v = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v)
     assert core.ack(r0, ok(v)) is VersionState.READY
 
 
 def test_failed_ack_fails_all_live_policy_and_names_the_replica() -> None:
     core, t, (r0, _r1) = fleet(2)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    core.ack(r0, AckReport(v, TABLE.table_digest, ok=False, error="digest mismatch in layer 3"))
-    info = core.list_versions("job")[0]
+    core.ack(r0, failed(v, "digest mismatch in layer 3"))
+    info = latest(core)
     assert info.state is VersionState.FAILED and "r0: digest mismatch in layer 3" in info.reason
+    assert statuses(info) == {"r0": ReplicaState.FAILED, "r1": ReplicaState.PLANNED}
 
 
-def test_wrong_table_digest_is_a_failed_ack() -> None:
+def test_wrong_layout_digest_is_a_failed_ack() -> None:
     core, t, (r0,) = fleet(1)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    assert core.ack(r0, AckReport(v, "sha256:other", ok=True)) is VersionState.FAILED
-    assert "loaded a different table" in core.list_versions("job")[0].replicas[0].error
+    assert core.ack(r0, AckReport(v, OTHER_LAYOUT, ok=True)) is VersionState.FAILED
+    replica = latest(core).replicas[0]
+    assert replica.state is ReplicaState.FAILED and "loaded a different table" in replica.error
 
 
 def test_dead_replica_is_dropped_and_does_not_fail_the_others() -> None:
     core, t, (r0, r1) = fleet(2, ttl=0.2)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    core.report_progress(r0, v, Progress.READY_TO_RECEIVE)
-    core.report_progress(r1, v, Progress.READY_TO_RECEIVE)
+    core.report_progress(r0, v, Progress.JOINED)
+    core.report_progress(r1, v, Progress.JOINED)
+    sent(core, t, v)
     core.ack(r0, ok(v))
     deadline = time.monotonic() + 5
-    while core.list_versions("job")[0].state is VersionState.STAGING and time.monotonic() < deadline:
+    while latest(core).state is VersionState.STAGING and time.monotonic() < deadline:
         core.renew(t)
-        core.renew(r0)  # r1 stops renewing
+        core.renew(r0)  # r1 stops renewing: only time passing expires its lease
         time.sleep(0.05)
         core.tick()
-    info = core.list_versions("job")[0]
+    info = latest(core)
     assert info.state is VersionState.READY and "1 dropped" in info.reason
-    assert {r.replica_id: r.status for r in info.replicas} == {"r0": "acked", "r1": "dropped"}
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.DROPPED}
 
 
 def test_trainer_lost_mid_publish_fails_the_version_and_aborts_replicas() -> None:
     core, t, (r0,) = fleet(1, ttl=0.2)
     events = core.subscribe(r0)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    assert events.get(timeout=1).kind is EventKind.ASSIGN  # type: ignore[union-attr]
+    assert next_event(events).kind is EventKind.ASSIGN
     for _ in range(6):  # the replica renews, the trainer does not
         time.sleep(0.06)
         core.renew(r0)
         core.tick()
-    info = core.list_versions("job")[0]
+    info = latest(core)
     assert info.version == v and info.state is VersionState.FAILED and "trainer lost mid-publish" in info.reason
-    abort = events.get(timeout=1)
-    assert abort is not None and abort.kind is EventKind.ABORT and abort.version == v
+    abort = next_event(events)
+    assert abort.kind is EventKind.ABORT and abort.version == v
 
 
 def test_abort_event_when_a_version_fails() -> None:
     core, t, (r0, r1) = fleet(2)
     events = core.subscribe(r1)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    core.ack(r0, AckReport(v, TABLE.table_digest, ok=False, error="boom"))
-    kinds = [events.get(timeout=1).kind for _ in range(2)]  # type: ignore[union-attr]
-    assert kinds == [EventKind.ASSIGN, EventKind.ABORT]
+    core.ack(r0, failed(v, "boom"))
+    assign, abort = next_event(events), next_event(events)
+    assert (assign.kind, abort.kind) == (EventKind.ASSIGN, EventKind.ABORT)
+    assert assign.plan is not None and assign.plan.channel is Channel.CPU and assign.table == TABLE
+    assert assign.plan.rendezvous.endpoint == CPU_OFFER.endpoint and assign.plan.rendezvous.secret
 
 
 def test_version_timeout() -> None:
     core, t, _ = fleet(1, JobPolicy(version_timeout_s=0.05))
     core.open_version(t, "job", "t1", 1, TABLE)
-    time.sleep(0.1)
+    time.sleep(0.1)  # the timeout is the thing under test: time must pass
     core.tick()
-    info = core.list_versions("job")[0]
+    info = latest(core)
     assert info.state is VersionState.FAILED and "timed out after 0.05s waiting for r0" in info.reason
 
 
@@ -140,7 +201,7 @@ def test_open_is_idempotent_and_steps_never_go_backwards() -> None:
     with pytest.raises(faults.FailedPrecondition, match=r"step 4 goes backwards.*already published step 5"):
         core.open_version(t, "job", "t1", 4, TABLE)
     # a restarted trainer (new incarnation) may publish from an older step: the version number still grows
-    t2 = core.register("job", Role.TRAINER, "trainer", "t2", CPU, offers=[OFFER]).lease_id
+    t2 = core.register("job", Role.TRAINER, "trainer", "t2", CPU, offers=OFFERS).lease_id
     assert core.open_version(t2, "job", "t2", 4, TABLE).version == first.version + 1
 
 
@@ -156,47 +217,62 @@ def test_errors_name_the_field_and_fix() -> None:
         core.renew("0" * 32)
     with pytest.raises(faults.NotFound, match="has no version 9"):
         core.ack(r0, ok(9))
-    with pytest.raises(faults.InvalidArgument, match="manifest_sha256"):
-        core.mark_durable("job", 1, "/ckpt/v1/manifest.json", "xyz")
+    with pytest.raises(faults.InvalidArgument, match=r"manifest_checksum 'xyz' is not sha256:<64 hex>"):
+        core.mark_durable("job", 1, "/ckpt/v00000001/manifest.json", "xyz")
+    with pytest.raises(faults.InvalidArgument, match=r"manifest_checksum .* is not sha256"):
+        core.mark_durable("job", 1, "/ckpt/v00000001/manifest.json", "a" * 64)  # the bare hex of old
+    with pytest.raises(faults.PermissionDenied, match="needs a trainer lease"):
+        core.report_sent(r0, 1, SENT, {})
 
 
 def test_late_joiner_catches_up_from_newest_durable_ready() -> None:
     core, t, (r0,) = fleet(1)
+    checksum = manifest_checksum(b"v1")
     v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
     core.ack(r0, ok(v1))
-    core.mark_durable("job", v1, "/ckpt/v00000001/manifest.json", "a" * 64)
+    core.mark_durable("job", v1, "/ckpt/v00000001/manifest.json", checksum)
     v2 = core.open_version(t, "job", "t1", 2, TABLE).version
+    sent(core, t, v2)
     core.ack(r0, ok(v2))  # v2 READY but not durable: catch-up still uses v1
     late = core.register("job", Role.REPLICA, "late", "il", CPU).lease_id
-    event = core.subscribe(late).get(timeout=1)
-    assert event is not None and event.kind is EventKind.CATCH_UP and event.version == v1
+    event = next_event(core.subscribe(late))
+    assert event.kind is EventKind.CATCH_UP and event.version == v1 and event.table == TABLE
     assert event.plan is not None and event.plan.channel is Channel.VOLUME
-    assert event.plan.rendezvous.volume_path == "/ckpt"
+    assert event.plan.rendezvous.root == "/ckpt" and event.plan.manifest_checksum == checksum
 
 
-def test_wait_receivers_ready_and_settled() -> None:
+def test_wait_receivers_joined_and_settled() -> None:
     core, t, (r0,) = fleet(1)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    assert core.wait_version("job", v, WaitFor.RECEIVERS_READY, 0.01)[1] is False
-    core.report_progress(r0, v, Progress.READY_TO_RECEIVE)
-    assert core.wait_version("job", v, WaitFor.RECEIVERS_READY, 0.01)[1] is True
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is False
+    core.report_progress(r0, v, Progress.JOINED)
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    assert met and statuses(info) == {"r0": ReplicaState.JOINED}
+    sent(core, t, v)  # streamed to everyone who joined
     assert core.wait_version("job", v, WaitFor.SETTLED, 0.01)[1] is False
+    # nobody waits for the volume: the publisher need not write it before the version settles
+    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)
+    assert not met and not info.durable_needed
+    core.ack(r0, ok(v))
+    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0.01)
+    assert met and info.state is VersionState.READY and statuses(info) == {"r0": ReplicaState.LOADED}
 
 
 def test_replica_reconnect_keeps_its_place_restart_loses_it() -> None:
     core, t, _ = fleet(2)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     core.register("job", Role.REPLICA, "r0", "i0", CPU)  # same incarnation: still planned
-    assert {r.replica_id: r.status for r in core.list_versions("job")[0].replicas}["r0"] == "planned"
+    assert statuses(latest(core))["r0"] is ReplicaState.PLANNED
     core.register("job", Role.REPLICA, "r1", "new", CPU)  # restarted: dropped from v
-    statuses = {r.replica_id: r.status for r in core.list_versions("job")[0].replicas}
-    assert statuses["r1"] == "dropped" and v == 1
+    assert statuses(latest(core))["r1"] is ReplicaState.DROPPED and v == 1
 
 
 def test_metrics_after_a_sync() -> None:
     registry = CollectorRegistry()
     core, t, (r0, r1) = fleet(2, registry=registry)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v)
     core.ack(r0, ok(v))
     core.ack(r1, ok(v))
 
@@ -220,19 +296,8 @@ def test_a_new_stream_ends_the_old_one_and_gets_the_missed_assignment() -> None:
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     second = core.subscribe(r0)  # the client reconnected before the old stream read the assignment
     assert first.get(timeout=1) is None  # the old stream is told to end; its unread events moved over
-    again = second.get(timeout=1)
-    assert again is not None and again.kind is EventKind.ASSIGN and again.version == v
-
-
-def test_mark_durable_checks_a_manifest_it_can_read(tmp_path: Path) -> None:
-    core, t, _ = fleet(1)
-    v = core.open_version(t, "job", "t1", 1, TABLE).version
-    manifest = tmp_path / "manifest.json"
-    manifest.write_text("{}")
-    with pytest.raises(faults.InvalidArgument, match=r"does not match .*manifest\.json"):
-        core.mark_durable("job", v, str(manifest), "b" * 64)
-    info = core.mark_durable("job", v, str(manifest), hashlib.sha256(b"{}").hexdigest())
-    assert info.durable and info.manifest_path == str(manifest)
+    again = next_event(second)
+    assert again.kind is EventKind.ASSIGN and again.version == v
 
 
 def test_a_replica_that_stops_watching_is_not_planned() -> None:
@@ -240,9 +305,329 @@ def test_a_replica_that_stops_watching_is_not_planned() -> None:
     core.subscribe(r0)
     core.subscribe(r1)
     core.stream_ended(r1)  # r1's agent stopped reading its stream but keeps renewing
-    time.sleep(0.35)
+    time.sleep(0.35)  # "not watching for a lease TTL" is the rule under test: time must pass
     core.renew(t)
     core.renew(r0)
     core.renew(r1)
     opened = core.open_version(t, "job", "t1", 1, TABLE)
     assert [p.replica_id for p in opened.plans] == ["r0"]
+
+
+# ---- durability and the volume ------------------------------------------------------------------------------------
+
+
+def test_mark_durable_checks_the_manifest_on_its_own_volume(tmp_path: Path) -> None:
+    core, t, _ = fleet(1, volume=tmp_path)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    with pytest.raises(faults.FailedPrecondition, match="has no manifest on the coordinator's volume"):
+        core.mark_durable("job", v, "/elsewhere/manifest.json", manifest_checksum(b"{}"))
+    path, checksum = write_manifest(tmp_path, v)
+    with pytest.raises(faults.InvalidArgument, match=r"does not match version 1's manifest on the volume"):
+        core.mark_durable("job", v, str(path), manifest_checksum(b"something else"))
+    assert not latest(core).durable
+    # the coordinator reads its own mount: the client's path is not what it records
+    info = core.mark_durable("job", v, "/publisher/mount/v00000001/manifest.json", checksum)
+    assert info.durable and info.manifest_path == str(path) and info.manifest_checksum == checksum
+    assert latest(core).manifest_checksum == checksum
+
+
+def test_mark_durable_without_a_volume_records_the_publishers_claim() -> None:
+    core, t, _ = fleet(1)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    checksum = manifest_checksum(b"not on this machine")
+    info = core.mark_durable("job", v, "/ckpt/v00000001/manifest.json", checksum)
+    assert info.durable and info.manifest_path == "/ckpt/v00000001/manifest.json"
+    assert info.manifest_checksum == checksum
+
+
+def test_a_volume_planned_replica_is_assigned_only_once_the_version_is_durable(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, volume=tmp_path)
+    vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
+    live_events, vol_events = core.subscribe(r0), core.subscribe(vol)
+    opened = core.open_version(t, "job", "t1", 1, TABLE)
+    v = opened.version
+    assert {p.replica_id: p.channel for p in opened.plans} == {"r0": Channel.CPU, "vol": Channel.VOLUME}
+    assert opened.receivers(Channel.CPU).keys() == {"r0"} and opened.receivers(Channel.VOLUME).keys() == {"vol"}
+    assert next_event(live_events).kind is EventKind.ASSIGN  # the live replica is assigned at once
+    assert vol_events.empty()  # the volume replica is not: there is nothing to load yet
+    info = latest(core)
+    assert info.durable_needed and not info.durable
+    # the publisher's wait returns as soon as someone waits for the volume copy
+    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)
+    assert met and info.durable_needed and info.state is VersionState.STAGING
+    # receivers_joined counts only replicas planned on a live channel
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is False
+    core.report_progress(r0, v, Progress.JOINED)
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    assert met and statuses(info) == {"r0": ReplicaState.JOINED, "vol": ReplicaState.PLANNED}
+    # streamed to r0: the report says the volume copy is needed, so the publisher writes it
+    info = sent(core, t, v)
+    assert info.durable_needed and info.state is VersionState.STAGING
+    # a new stream before the copy landed does not get the assignment either
+    vol_events = core.subscribe(vol)
+    assert vol_events.empty()
+
+    path, checksum = write_manifest(tmp_path, v)
+    info = core.mark_durable("job", v, str(path), checksum)
+    assert info.durable and not info.durable_needed
+    event = next_event(vol_events)
+    assert event.kind is EventKind.ASSIGN and event.version == v and event.table == TABLE
+    assert event.plan is not None and event.plan.channel is Channel.VOLUME
+    assert event.plan.manifest_checksum == checksum and event.plan.rendezvous.root == "/ckpt"
+    assert vol_events.empty() and live_events.empty()
+    # a stream opened now is primed with the same assignment, checksum included
+    again = next_event(core.subscribe(vol))
+    assert again.kind is EventKind.ASSIGN and again.plan == event.plan
+
+    core.ack(r0, ok(v))
+    assert core.ack(vol, ok(v)) is VersionState.READY
+    assert statuses(latest(core)) == {"r0": ReplicaState.LOADED, "vol": ReplicaState.LOADED}
+
+
+def test_a_version_for_volume_replicas_only_needs_no_live_receiver(tmp_path: Path) -> None:
+    core, t, _ = fleet(0, volume=tmp_path)
+    vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
+    events = core.subscribe(vol)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    assert met and info.durable_needed and events.empty()
+    assert sent(core, t, v).durable_needed  # nothing to stream: the publisher reports at once
+    path, checksum = write_manifest(tmp_path, v)
+    core.mark_durable("job", v, str(path), checksum)
+    assert next_event(events).plan.manifest_checksum == checksum  # type: ignore[union-attr]
+    assert core.ack(vol, ok(v)) is VersionState.READY
+
+
+def test_a_failed_live_channel_falls_back_to_the_volume_for_the_same_version(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, volume=tmp_path)
+    events = core.subscribe(r0)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert next_event(events).plan.channel is Channel.CPU  # type: ignore[union-attr]
+    core.report_progress(r0, v, Progress.JOINED)
+
+    state = core.ack(r0, failed(v, "gloo: connection reset", channel_failed=True))
+    assert state is VersionState.STAGING  # not FAILED: r0 loads v from the volume instead
+    info = latest(core)
+    (replica,) = info.replicas
+    assert replica.state is ReplicaState.PLANNED and replica.channel is Channel.VOLUME
+    assert "cpu failed, loading from the volume: gloo: connection reset" in replica.error
+    assert info.durable_needed and info.state is VersionState.STAGING
+    sent(core, t, v)
+    assert core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)[1] is True
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is True
+    assert events.empty()  # not durable yet: nothing to load
+
+    path, checksum = write_manifest(tmp_path, v)
+    core.mark_durable("job", v, str(path), checksum)
+    event = next_event(events)
+    assert event.kind is EventKind.ASSIGN and event.version == v and event.plan is not None
+    assert event.plan.channel is Channel.VOLUME and event.plan.manifest_checksum == checksum
+    assert event.plan.rendezvous.root == "/ckpt" and "cpu failed" in event.plan.reason
+    assert core.ack(r0, ok(v)) is VersionState.READY
+
+    # the failed channel is skipped for this replica from now on
+    opened = core.open_version(t, "job", "t1", 2, TABLE)
+    assert [p.channel for p in opened.plans] == [Channel.VOLUME]
+    assert events.empty()
+
+
+def test_a_fallback_on_a_durable_version_is_assigned_at_once(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, volume=tmp_path)
+    events = core.subscribe(r0)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    path, checksum = write_manifest(tmp_path, v)
+    core.mark_durable("job", v, str(path), checksum)
+    assert next_event(events).plan.channel is Channel.CPU  # type: ignore[union-attr]
+    assert core.ack(r0, failed(v, "reset", channel_failed=True)) is VersionState.STAGING
+    event = next_event(events)
+    assert event.kind is EventKind.ASSIGN and event.plan is not None
+    assert event.plan.channel is Channel.VOLUME and event.plan.manifest_checksum == checksum
+    assert not latest(core).durable_needed
+
+
+@pytest.mark.parametrize(
+    ("replica", "offers"),
+    [
+        pytest.param(Capabilities(host="n", channels=(Channel.CPU,)), OFFERS, id="no-shared-volume"),
+        pytest.param(CPU, (CPU_OFFER,), id="volume-not-offered"),
+    ],
+)
+def test_a_failed_channel_without_a_volume_to_fall_back_to_fails_the_version(
+    replica: Capabilities, offers: tuple[Offer, ...]
+) -> None:
+    core, t, _ = fleet(0, offers=offers)
+    r = core.register("job", Role.REPLICA, "r", "ir", replica).lease_id
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert core.ack(r, failed(v, "reset", channel_failed=True)) is VersionState.FAILED
+    info = latest(core)
+    assert statuses(info) == {"r": ReplicaState.FAILED} and "r: reset" in info.reason
+
+
+def test_a_volume_failure_is_not_retried_on_the_volume(tmp_path: Path) -> None:
+    core, t, _ = fleet(0, volume=tmp_path)
+    vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    path, checksum = write_manifest(tmp_path, v)
+    core.mark_durable("job", v, str(path), checksum)
+    assert core.ack(vol, failed(v, "shard missing", channel_failed=True)) is VersionState.FAILED
+
+
+# ---- content digests ------------------------------------------------------------------------------------------------
+
+
+POLICIES = [pytest.param(JobPolicy(), id="all-live"), pytest.param(JobPolicy(ack_quorum=1), id="quorum-1")]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_version_is_ready_only_once_the_publisher_reported_what_it_sent(policy: JobPolicy) -> None:
+    core, t, (r0, r1) = fleet(2, policy)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    # the replicas load fast: every planned one acks before the publisher's report arrives
+    assert core.ack(r0, ok(v, content_digest=SENT)) is VersionState.STAGING
+    assert core.ack(r1, ok(v, content_digest=SENT)) is VersionState.STAGING
+    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0.01)
+    assert not met and info.state is VersionState.STAGING and not info.content_digest
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
+    assert core.get_job("job").newest_ready == 0
+    # the report with the digest they acked settles it
+    info = sent(core, t, v, SENT)
+    assert info.state is VersionState.READY and info.content_digest == SENT
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
+    assert core.wait_version("job", v, WaitFor.SETTLED, 0.01)[1] is True
+    assert core.get_job("job").newest_ready == v
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_acks_that_beat_the_report_are_checked_against_it(policy: JobPolicy) -> None:
+    """The race: replicas that all acked the same wrong bytes before the trainer's digest arrived must not make
+    the version READY; the report fails them, and with them the version."""
+    core, t, (r0, r1) = fleet(2, policy)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert core.ack(r0, ok(v, content_digest=CORRUPT)) is VersionState.STAGING
+    assert core.ack(r1, ok(v, content_digest=CORRUPT)) is VersionState.STAGING  # they agree: nothing to flag yet
+    assert statuses(latest(core)) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
+    info = sent(core, t, v, SENT)
+    assert info.state is VersionState.FAILED and info.content_digest == SENT
+    assert statuses(info) == {"r0": ReplicaState.FAILED, "r1": ReplicaState.FAILED}
+    for replica in info.replicas:
+        assert replica.content_digest == CORRUPT
+        assert f"content_digest {CORRUPT} is not the {SENT} the trainer sent" in replica.error
+    assert f"r0: content_digest {CORRUPT} is not the {SENT} the trainer sent" in info.reason
+    assert core.get_job("job").newest_ready == 0
+
+
+def test_report_sent_with_a_different_content_digest_fails_an_acked_replica() -> None:
+    core, t, (r0, r1) = fleet(2)
+    events = core.subscribe(r1)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert core.ack(r0, ok(v, content_digest=CORRUPT)) is VersionState.STAGING
+    assert statuses(latest(core))["r0"] is ReplicaState.LOADED
+    info = core.report_sent(t, v, SENT, {})
+    assert info.content_digest == SENT
+    r0_status = next(r for r in info.replicas if r.replica_id == "r0")
+    assert r0_status.state is ReplicaState.FAILED and r0_status.content_digest == CORRUPT
+    assert f"content_digest {CORRUPT} is not the {SENT} the trainer sent" in r0_status.error
+    assert info.state is VersionState.FAILED and "r0: content_digest" in info.reason
+    assert [next_event(events).kind, next_event(events).kind] == [EventKind.ASSIGN, EventKind.ABORT]
+
+
+def test_acks_are_checked_against_what_the_trainer_sent() -> None:
+    core, t, (r0, r1, _r2) = fleet(3)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert core.ack(r0, ok(v, content_digest=SENT)) is VersionState.STAGING
+    info = core.report_sent(t, v, SENT, {"r2": "connection reset by peer"})
+    assert info.state is VersionState.STAGING and statuses(info)["r0"] is ReplicaState.LOADED
+    r2_status = next(r for r in info.replicas if r.replica_id == "r2")
+    assert r2_status.state is ReplicaState.PLANNED  # its own ack decides; the trainer's word is recorded
+    assert "the trainer's sender lost it: connection reset by peer" in r2_status.error
+    assert core.ack(r1, ok(v, content_digest=CORRUPT)) is VersionState.FAILED
+    info = latest(core)
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.FAILED, "r2": ReplicaState.PLANNED}
+    assert info.content_digest == SENT and "the trainer sent" in info.reason
+
+
+def test_acks_that_disagree_fail_before_the_trainers_report() -> None:
+    core, t, (r0, r1) = fleet(2)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert core.ack(r0, ok(v, content_digest=SENT)) is VersionState.STAGING
+    assert core.ack(r1, ok(v, content_digest=CORRUPT)) is VersionState.FAILED
+    r1_status = next(r for r in latest(core).replicas if r.replica_id == "r1")
+    assert r1_status.state is ReplicaState.FAILED
+    assert f"content_digest {CORRUPT} differs from other replicas' {SENT}" in r1_status.error
+
+
+def test_report_sent_needs_the_trainer_incarnation_that_opened_it() -> None:
+    core, t, _ = fleet(1)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    t2 = core.register("job", Role.TRAINER, "trainer", "t2", CPU, offers=OFFERS).lease_id
+    with pytest.raises(faults.PermissionDenied, match="opened by another trainer incarnation"):
+        core.report_sent(t2, v, SENT, {})
+    with pytest.raises(faults.NotFound, match="has no version 7"):
+        core.report_sent(t2, 7, SENT, {})
+
+
+# ---- retention ----------------------------------------------------------------------------------------------------
+
+
+def test_retention_prunes_durable_versions_but_never_the_newest_durable_ready(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, JobPolicy(retention=1), volume=tmp_path)
+
+    def durable(v: int) -> None:
+        path, checksum = write_manifest(tmp_path, v)
+        core.mark_durable("job", v, str(path), checksum)
+
+    def on_disk() -> set[int]:
+        return {int(p.name[1:]) for p in tmp_path.iterdir() if p.name.startswith("v")}
+
+    def durable_versions() -> set[int]:
+        return {i.version for i in core.list_versions("job") if i.durable}
+
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
+    core.ack(r0, ok(v1))
+    durable(v1)
+    v2 = core.open_version(t, "job", "t1", 2, TABLE).version
+    sent(core, t, v2)
+    durable(v2)  # STAGING: kept, and v1 (the newest durable READY) too
+    assert on_disk() == durable_versions() == {v1, v2}
+    core.ack(r0, failed(v2, "boom"))
+    v3 = core.open_version(t, "job", "t1", 3, TABLE).version
+    sent(core, t, v3)
+    durable(v3)
+    # retention 1 counts READY/SUPERSEDED versions only: the FAILED v2 goes, v1 stays (the newest durable READY)
+    assert on_disk() == durable_versions() == {v1, v3}
+    pruned = next(i for i in core.list_versions("job") if i.version == v2)
+    assert pruned.state is VersionState.FAILED and not pruned.manifest_path and not pruned.manifest_checksum
+    assert core.get_job("job").newest_durable_ready == v1
+    core.ack(r0, ok(v3))  # v3 READY, v1 SUPERSEDED
+    v4 = core.open_version(t, "job", "t1", 4, TABLE).version
+    sent(core, t, v4)
+    durable(v4)
+    assert on_disk() == durable_versions() == {v3, v4}
+    assert core.get_job("job").newest_durable_ready == v3
+    late = core.register("job", Role.REPLICA, "late", "il", CPU).lease_id
+    catch_up = next_event(core.subscribe(late))
+    assert catch_up.kind is EventKind.CATCH_UP and catch_up.version == v3
+
+
+def test_retention_keeps_the_newest_n(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, JobPolicy(retention=2), volume=tmp_path)
+    for step in range(1, 6):
+        v = core.open_version(t, "job", "t1", step, TABLE).version
+        sent(core, t, v)
+        core.ack(r0, ok(v))
+        path, checksum = write_manifest(tmp_path, v)
+        core.mark_durable("job", v, str(path), checksum)
+        kept = {v - 1, v} if v > 1 else {v}
+        assert {int(p.name[1:]) for p in tmp_path.iterdir()} == kept
+        assert {i.version for i in core.list_versions("job") if i.durable} == kept
+
+
+def test_without_a_volume_nothing_is_pruned() -> None:
+    core, t, (r0,) = fleet(1, JobPolicy(retention=1))
+    for step in range(1, 4):
+        v = core.open_version(t, "job", "t1", step, TABLE).version
+        sent(core, t, v)
+        core.ack(r0, ok(v))
+        core.mark_durable("job", v, f"/ckpt/v{v:08d}/manifest.json", manifest_checksum(b"%d" % v))
+    assert {i.version for i in core.list_versions("job") if i.durable} == {1, 2, 3}

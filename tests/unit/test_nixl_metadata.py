@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from weightsync.channels import nixl, receiver_class, sender_class
-from weightsync.channels.base import UpdateTicket, WorkerContext
+from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous
 from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
@@ -37,9 +37,15 @@ def _meta(**over: object) -> str:
         "mem": "VRAM",
         "locations": [[4096 * (i + 1), 1] for i in range(len(TABLE))],
         "digests": {"model.norm.weight": "16:00000000000000ff"},
+        "table": TABLE.to_dict(),
     }
     body.update(over)
     return json.dumps(body)
+
+
+def _ticket(version: int = 3, **kw: object) -> UpdateTicket:
+    """What a replica's ticket holds: no table (the channel carries it), the layout digest to check it against."""
+    return UpdateTicket(version, Channel.NIXL, layout_digest=TABLE.layout_digest(), **kw)  # type: ignore[arg-type]
 
 
 def test_channel_is_registered_and_its_module_imports_without_nixl() -> None:
@@ -62,31 +68,36 @@ def test_bad_agent_metadata_is_refused_naming_the_field(bad: object) -> None:
 
 def test_version_metadata_round_trips() -> None:
     locations = tuple((4096 * (i + 1), 1) for i in range(len(TABLE)))
-    meta = nixl.VersionMeta(3, 2, "VRAM", locations, {"model.norm.weight": "16:00000000000000ff"})
-    assert nixl.VersionMeta.parse(meta.to_json(), TABLE, 3) == meta
+    meta = nixl.VersionMeta(3, 2, "VRAM", locations, {"model.norm.weight": "16:00000000000000ff"}, TABLE)
+    assert nixl.VersionMeta.parse(meta.to_json(), _ticket()) == meta
 
 
 def test_version_metadata_errors_name_the_tensor_or_field() -> None:
     with pytest.raises(PermanentError, match="published for v3, the ticket asks for v4"):
-        nixl.VersionMeta.parse(_meta(), TABLE, 4)
+        nixl.VersionMeta.parse(_meta(), _ticket(4))
     with pytest.raises(PermanentError, match="locates 1 tensors, the table has 4"):
-        nixl.VersionMeta.parse(_meta(locations=[[1, 0]]), TABLE, 3)
+        nixl.VersionMeta.parse(_meta(locations=[[1, 0]]), _ticket())
     bad = [[4096, 1], [4096, 1], "oops", [4096, 1]]
     with pytest.raises(
         PermanentError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight'.*expected \[address, device\]"
     ):
-        nixl.VersionMeta.parse(_meta(locations=bad), TABLE, 3)
+        nixl.VersionMeta.parse(_meta(locations=bad), _ticket())
     with pytest.raises(PermanentError, match=re.escape("tensor 'model.embed_tokens.weight'")):
-        nixl.VersionMeta.parse(_meta(locations=[None, [1, 0], [1, 0], [1, 0]]), TABLE, 3)
+        nixl.VersionMeta.parse(_meta(locations=[None, [1, 0], [1, 0], [1, 0]]), _ticket())
     with pytest.raises(PermanentError, match="memory kind 'HBM'"):
-        nixl.VersionMeta.parse(_meta(mem="HBM"), TABLE, 3)
+        nixl.VersionMeta.parse(_meta(mem="HBM"), _ticket())
     with pytest.raises(PermanentError, match="v3 metadata is malformed"):
-        nixl.VersionMeta.parse("{", TABLE, 3)
+        nixl.VersionMeta.parse("{", _ticket())
+    other = TensorTable.build([[("x", "bfloat16", (2,))]])
+    with pytest.raises(PermanentError, match=r"layout digest .* the coordinator recorded"):
+        nixl.VersionMeta.parse(_meta(table=other.to_dict()), _ticket())
 
 
-def test_missing_init_field_is_named() -> None:
-    with pytest.raises(PermanentError, match="nixl channel: init_info lacks 'metadata'"):
-        nixl.NixlReceiver.from_init({"address": "127.0.0.1:1", "agent": "a", "epoch": 0}, WorkerContext())
+def test_missing_rendezvous_field_is_named() -> None:
+    rdv = Rendezvous(Channel.NIXL, agent="a")
+    lacks = "nixl rendezvous lacks endpoint, group, secret, world_size, rank, metadata"
+    with pytest.raises(PermanentError, match=lacks):
+        nixl.NixlReceiver.start(rdv, WorkerContext())
 
 
 needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="the nixl package is not importable here")
@@ -95,7 +106,9 @@ needs_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="the nixl package is not i
 @needs_nixl
 def test_host_memory_round_trip_registers_once_and_verifies() -> None:
     sender = nixl.NixlSender("cpu", timeout_s=10)
-    receiver = nixl.NixlReceiver.from_init(json.loads(json.dumps(sender.init_info())), WorkerContext(0, 1, "cpu"))
+    rdv = direct_rendezvous(sender.offer())
+    sender.take_plan({"replica": rdv})
+    receiver = nixl.NixlReceiver.start(Rendezvous.from_dict(json.loads(json.dumps(rdv.to_dict()))), WorkerContext())
     src = [
         [torch.randn(16, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.float32)],  # the second is cast
         [torch.randn(8, 4), torch.randint(0, 256, (1001,), dtype=torch.uint8)],
@@ -109,21 +122,21 @@ def test_host_memory_round_trip_registers_once_and_verifies() -> None:
                 src[1][0].add_(1)
             ticket = UpdateTicket(version=version, channel=Channel.NIXL, table=TABLE, verify=True, timeout_s=10)
             sent = sender.send(ticket, src)
-            yielded = [spec.name for group in receiver.receive(ticket, dests) for spec, _ in group]
-            sender.wait_consumed(version)
+            yielded = [spec.name for group in receiver.receive(_ticket(version), lambda _: dests) for spec, _ in group]
+            sender.release(version, 10)
             assert yielded == [s.name for s in TABLE][1:]  # everything but the in-place destination is staged
-            assert receiver.verified == sent
+            assert receiver.in_place == {"model.embed_tokens.weight"}
+            assert receiver.verified == sent.digests
             assert torch.equal(dests["model.embed_tokens.weight"], src[0][0])
             if version == 1:
                 epoch, regs = sender.epoch, sender.registrations
             elif version == 2:
                 assert (sender.epoch, sender.registrations) == (epoch, regs)  # nothing registered again
         assert sender.epoch == epoch + 1 and sender.registrations == regs
-        ticket = UpdateTicket(version=9, channel=Channel.NIXL, table=TABLE, verify=True, timeout_s=0.5)
         with pytest.raises(TransferTimeoutError, match=re.escape("v9 metadata did not arrive within 0.5s")):
-            list(receiver.receive(ticket, dests))
-        with pytest.raises(TransferTimeoutError, match=re.escape("receiver 0's ack of v9 did not arrive within 0.5s")):
-            sender.wait_consumed(9, timeout_s=0.5)
+            list(receiver.receive(_ticket(9, timeout_s=0.5), lambda _: dests))
+        with pytest.raises(TransferTimeoutError, match=re.escape("receiver 1's ack of v9 did not arrive within 0.5s")):
+            sender.release(9, 0.5)
     finally:
         receiver.close()
         sender.close()
@@ -131,13 +144,13 @@ def test_host_memory_round_trip_registers_once_and_verifies() -> None:
 
 @needs_nixl
 def test_metadata_of_another_agent_is_refused() -> None:
+    import dataclasses
+
     sender = nixl.NixlSender("cpu", timeout_s=5)
-    init = sender.init_info()
-    init["agent"] = "someone-else"
+    rdv = direct_rendezvous(sender.offer())
+    sender.take_plan({"replica": rdv})
     with pytest.raises(PermanentError, match=r"describes agent 'weightsync-trainer-.*', expected 'someone-else'"):
-        nixl.NixlReceiver.from_init(init, WorkerContext(0, 1, "cpu"))
-    init = sender.init_info()
-    init["metadata"] = nixl.encode_metadata(b"garbage")
-    with pytest.raises(PermanentError, match="NIXL could not load init_info 'metadata'"):
-        nixl.NixlReceiver.from_init(init, WorkerContext(0, 1, "cpu"))
+        nixl.NixlReceiver.start(dataclasses.replace(rdv, agent="someone-else"), WorkerContext())
+    with pytest.raises(PermanentError, match="NIXL could not load the rendezvous' agent metadata"):
+        nixl.NixlReceiver.start(dataclasses.replace(rdv, metadata=b"garbage"), WorkerContext())
     sender.close()

@@ -124,3 +124,56 @@ def test_operator_never_imports_torch_or_vllm() -> None:
         "bad = [m for m in ('torch', 'vllm') if m in sys.modules]; sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_the_job_s_sync_choices_reach_every_process() -> None:
+    """job.json carries the channels, timeouts, ack policy and NCCL domain; the coordinator mounts the volume it
+    hashes and prunes; the trainer's rendezvous binds its pod IP; vLLM runs the worker extension the agent asks."""
+    import json
+
+    objs = _by_kind()
+    config = json.loads(objs[("ConfigMap", "grpo-config")]["data"]["job.json"])
+    assert config["sync"]["channels"] == ["nccl", "volume"] and config["ncclDomain"] == "grpo"
+    assert config["sync"]["timeoutSeconds"] == 300 and config["sync"]["ackPolicy"] == "All"
+    coordinator = objs[("Deployment", "grpo-coordinator")]["spec"]["template"]["spec"]
+    command = coordinator["containers"][0]["command"]
+    assert command[command.index("--volume") + 1] == names.CHECKPOINT_MOUNT
+    mounts = {m["mountPath"]: m for m in coordinator["containers"][0]["volumeMounts"]}
+    assert mounts[names.CHECKPOINT_MOUNT].get("readOnly") is False
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in _containers(
+        objs[("Pod", "grpo-trainer-0")]
+    )["trainer"]["env"]
+    inference = _containers(objs[("StatefulSet", "grpo-inference")])
+    vllm = inference["vllm"]["command"]
+    assert vllm[vllm.index("--worker-extension-cls") + 1] == "weightsync_inference.worker.WorkerExtension"
+    agent_env = {e["name"] for e in inference["agent"]["env"]}
+    assert {"WEIGHTSYNC_CONFIG", "WEIGHTSYNC_COORDINATOR", "NODE_NAME", "POD_NAME"} <= agent_env
+    no_nccl = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"channels": ["cpu", "volume"]})})
+    config = json.loads(_by_kind(spec=no_nccl)[("ConfigMap", "grpo-config")]["data"]["job.json"])
+    assert config["ncclDomain"] == ""
+
+
+def test_rdma_and_colocated_ipc_get_what_their_channels_need() -> None:
+    from weightsync.resources.rljob import Rdma
+
+    plain = _by_kind()
+    trainer = plain[("Pod", "grpo-trainer-0")]
+    assert "hostIPC" not in trainer["spec"]
+    assert "add" not in _containers(trainer)["trainer"]["securityContext"]["capabilities"]
+
+    sync = SPEC.sync.model_copy(update={"channels": ["ipc", "nccl", "volume"], "rdma": Rdma(resource="rdma/ib")})
+    placement = SPEC.placement.model_copy(update={"mode": PlacementMode.COLOCATE})
+    objs = _by_kind(spec=SPEC.model_copy(update={"sync": sync, "placement": placement}))
+    for pod in (
+        objs[("Pod", "grpo-trainer-0")]["spec"],
+        objs[("StatefulSet", "grpo-inference")]["spec"]["template"]["spec"],
+    ):
+        assert pod["hostIPC"] is True
+    for container in (
+        _containers(objs[("Pod", "grpo-trainer-0")])["trainer"],
+        _containers(objs[("StatefulSet", "grpo-inference")])["vllm"],
+    ):
+        assert container["resources"]["limits"]["rdma/ib"] == "1"
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    agent = _containers(objs[("StatefulSet", "grpo-inference")])["agent"]
+    assert "add" not in agent["securityContext"]["capabilities"]  # only what registers memory gets IPC_LOCK

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.channels.base import dtype_name
+from weightsync.channels.wire import dtype_name
 from weightsync.errors import PermanentError
 from weightsync.tensors import TensorTable
 from weightsync_trainer import naming

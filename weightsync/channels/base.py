@@ -1,121 +1,269 @@
-"""The channel contract: a sender on the trainer, a receiver beside the engine.
+"""The channel contract: what a sender offers, what a receiver needs to start, one sequence for every channel.
 
-Every channel moves the same thing: the tensors of one ``TensorTable``, group by
-group, in table order. A sender is handed the trainer's tensors one group at a
-time (so a sharded trainer gathers one layer group, sends it, and frees it); a
-receiver yields each group as ``(spec, tensor)`` pairs, already checked against the
-trainer's digests when the ticket asks for verification, so the engine loads only
-bytes that are known to be whole. Both ends hold their connection across versions
-and are closed explicitly.
+The publisher and the agent drive channels only through this module, so a new
+channel is one module (its sender and receiver) plus its registration in
+``weightsync.channels``. Nothing here imports torch: the coordinator speaks the
+contract (offers in, rendezvous out) without moving a tensor.
 
-An ``UpdateTicket`` is everything the receiving side needs for one version; it
-crosses process boundaries as a plain dict (vLLM's ``update_info``) and validates
-itself when parsed back.
+A sender, on the trainer's sending rank::
+
+    sender = channels.sender_class(channel).create(SenderConfig(host=pod_ip, device="cuda:0"))
+    coordinator.register(offers=[sender.offer()])      # where its rendezvous listens, devices, NIXL metadata
+    for each version:
+        sender.take_plan(receivers)      # this version's receivers on this channel (replica -> Rendezvous):
+                                         # forms or rebuilds groups when membership or generation changes
+        report = sender.send(ticket, groups)   # one gather, group by group; names receivers it lost
+        sender.release(ticket.version, timeout_s)   # one-sided channels: until every receiver consumed it
+    sender.close()
+
+A receiver, in each engine worker, starts from the plan's typed ``Rendezvous``::
+
+    receiver = channels.receiver_class(channel).start(rendezvous, WorkerContext(rank, world_size, device))
+    for group in receiver.receive(ticket, place):   # verified groups; ``receiver.table`` is the full table
+        load(group)
+
+Every receiver knows the version's full tensor table before it posts a receive: from
+the ticket or carried by the channel itself (the stream's header, the volume's
+manifest, a store key of the GPU channels), and always checked against the layout
+digest the coordinator recorded, so it never receives against an empty or a
+different table.
+
+Plain data crosses every process boundary: ``Rendezvous.to_dict`` is what vLLM's
+``init_info`` carries, ``UpdateTicket.to_update_info`` its ``update_info``; both are
+JSON and validate themselves when parsed back.
 """
 
 from __future__ import annotations
 
-import datetime
+import base64
+import binascii
+import dataclasses
+import secrets
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-import torch
-import torch.distributed
-
-from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
-from weightsync.tensors import TensorSpec, TensorTable
+from weightsync.errors import IntegrityError, PermanentError
+from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
-# The process-group and store classes the channels use (TCPStore, PrefixStore, the gloo and
-# NCCL backends) are public in practice but missing from torch's type stubs; one Any-typed
-# handle keeps every channel module strictly checked otherwise.
-dist: Any = torch.distributed
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.channels.wire import Group
+
+Placement = Callable[[TensorTable], Mapping[str, "torch.Tensor"]]
+"""Given a version's table, views of the engine's own parameters to receive tensors into (by trainer name)."""
 
 
-def tcp_store(host: str, port: int, master: bool, timeout_s: float) -> Any:
-    """A channel's own rendezvous store (port 0 on the master picks a free one); never the global group's."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore(host, port, None, is_master=master, timeout=timeout, wait_for_workers=False)
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a rendezvous listens: one address of the sender's host (the pod's IP), never a wildcard."""
+
+    host: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not self.host or any(c.isspace() for c in self.host) or self.host in ("0.0.0.0", "::"):
+            raise PermanentError(
+                f"endpoint host {self.host!r} is not one address of this host; offer the pod's IP or 127.0.0.1"
+            )
+        if not 0 < self.port < 65536:
+            raise PermanentError(f"endpoint port {self.port} is outside 1-65535")
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        host, sep, port = text.rpartition(":")
+        if not sep or not port.isdigit():
+            raise PermanentError(f"endpoint {text!r} is not HOST:PORT")
+        return cls(host.strip("[]"), int(port))
 
 
-def wait_key(store: Any, key: str, timeout_s: float, what: str, channel: Channel) -> bytes:
-    """A store key's value, or ``TransferTimeoutError`` naming what did not arrive."""
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TransferTimeoutError(
-            f"{channel.value} channel: {what} did not arrive within {timeout_s:.1f}s: {e}"
-        ) from e
-    return bytes(store.get(key))
+@dataclass(frozen=True)
+class Offer:
+    """What a sender offers for its channel, sent to the coordinator when the publisher registers.
+
+    The coordinator negotiates only channels the publisher offered, and copies into each
+    receiver's ``Rendezvous`` what that receiver needs from it.
+    """
+
+    channel: Channel
+    endpoint: Endpoint | None = None
+    """Where the sender's rendezvous store listens (every channel but the volume)."""
+    devices: tuple[str, ...] = ()
+    """GPU UUIDs the sender's buffers live on (a colocated IPC replica's GPUs must be among them)."""
+    agent: str = ""
+    """NIXL: the sender's agent name."""
+    metadata: bytes = b""
+    """NIXL: the sender's agent metadata (NIXL's own bytes)."""
+    epoch: int = 0
+    """NIXL: the metadata's epoch (bumped when the sender's registrations change)."""
 
 
-TORCH_DTYPES: Mapping[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+@dataclass(frozen=True)
+class Rendezvous:
+    """What one replica's receiver needs to start on its planned channel: the plan's typed payload.
 
-Group = list[tuple[TensorSpec, torch.Tensor]]
+    Which fields a channel needs is its receiver's ``needs``; ``require`` checks them where
+    the rendezvous enters a process. ``group``/``secret``/``generation`` name one membership
+    of a group channel: the group's keys live under a store prefix that includes
+    ``secret``, which only the planned members learn (from the coordinator, over its
+    authenticated connection), so a process that reaches the store but was not planned
+    cannot join the group or set its keys.
+    """
+
+    channel: Channel
+    endpoint: Endpoint | None = None
+    group: str = ""
+    """The group's public name (logs, errors): changes whenever its membership does."""
+    secret: str = ""
+    """Hex; part of the group's store prefix. Never logged."""
+    generation: int = 0
+    """The membership's generation (monotonic per job): a new one means rebuild."""
+    rank: int = 0
+    """This replica's first rank among the channel's participants (the sender is rank 0)."""
+    world_size: int = 0
+    """Participants of the group: the sender plus every receiving worker."""
+    agent: str = ""
+    metadata: bytes = b""
+    epoch: int = 0
+    root: str = ""
+    """Volume: the volume's root as this replica mounts it."""
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.world_size < 0 or self.generation < 0 or self.epoch < 0:
+            raise PermanentError(f"{self.channel.value} rendezvous: rank, world_size, generation, epoch must be >= 0")
+        if self.world_size and not 0 < self.rank < self.world_size:
+            raise PermanentError(
+                f"{self.channel.value} rendezvous: rank {self.rank} is outside 1..{self.world_size - 1} "
+                "(rank 0 is the sender)"
+            )
+        if self.timeout_s <= 0:
+            raise PermanentError(f"{self.channel.value} rendezvous: timeout_s must be positive, got {self.timeout_s}")
+
+    def require(self, needs: Iterable[str]) -> None:
+        """Raise naming every field ``needs`` lists that this rendezvous leaves empty."""
+        missing = [n for n in needs if not getattr(self, n)]
+        if missing:
+            raise PermanentError(
+                f"{self.channel.value} rendezvous lacks {', '.join(missing)}; the plan did not carry what this "
+                "channel's receiver needs (is the coordinator older than this replica?)"
+            )
+
+    def same_membership(self, other: Rendezvous | None) -> bool:
+        """Whether ``other`` names the same group membership (so a sender keeps what it built for it)."""
+        return other is not None and (self.group, self.secret, self.generation) == (
+            other.group,
+            other.secret,
+            other.generation,
+        )
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix of this membership's keys."""
+        return f"weightsync/{self.channel.value}/{self.group}/{self.secret}/"
+
+    def with_timeout(self, timeout_s: float) -> Rendezvous:
+        return dataclasses.replace(self, timeout_s=timeout_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe (vLLM's ``init_info``): the endpoint as ``host:port``, metadata as base64."""
+        d: dict[str, Any] = {"channel": self.channel.value, "timeout_s": self.timeout_s}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in d or not value:
+                continue
+            if f.name == "endpoint":
+                value = str(value)
+            elif f.name == "metadata":
+                value = base64.b64encode(value).decode("ascii")
+            d[f.name] = value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Rendezvous:
+        """The inverse of ``to_dict``; raises naming the field that is malformed."""
+        try:
+            channel = Channel.parse(str(d["channel"]))
+        except (KeyError, ValueError) as e:
+            raise PermanentError(f"rendezvous: channel missing or unknown ({e})") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PermanentError(f"{channel.value} rendezvous: unknown fields {unknown}; known: {sorted(known)}")
+        try:
+            return cls(
+                channel=channel,
+                endpoint=Endpoint.parse(str(d["endpoint"])) if d.get("endpoint") else None,
+                group=str(d.get("group", "")),
+                secret=str(d.get("secret", "")),
+                generation=int(d.get("generation", 0)),
+                rank=int(d.get("rank", 0)),
+                world_size=int(d.get("world_size", 0)),
+                agent=str(d.get("agent", "")),
+                metadata=base64.b64decode(str(d.get("metadata", "")).encode("ascii"), validate=True),
+                epoch=int(d.get("epoch", 0)),
+                root=str(d.get("root", "")),
+                timeout_s=float(d.get("timeout_s", 120.0)),
+            )
+        except (TypeError, ValueError, binascii.Error) as e:
+            raise PermanentError(f"{channel.value} rendezvous: malformed field ({e}) in {sorted(d)}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return DTYPE_NAMES[dtype]
-    except KeyError:
-        raise PermanentError(f"dtype {dtype} cannot travel; supported: {', '.join(TORCH_DTYPES)}") from None
+def direct_rendezvous(offer: Offer, devices: int = 1, group: str = "direct") -> Rendezvous:
+    """The rendezvous of one replica (of ``devices`` workers) planned on ``offer`` without a coordinator.
 
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (no copy)."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def view_from_bytes(buffer: torch.Tensor, spec: TensorSpec, base: int = 0) -> torch.Tensor:
-    """The tensor ``spec`` viewed in place inside ``buffer`` (which starts at stream offset ``base``)."""
-    start = spec.offset - base
-    raw = buffer[start : start + spec.nbytes]
-    return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
-
-
-def fits_in_place(spec: TensorSpec, device: torch.device, view: torch.Tensor | None) -> bool:
-    """True when ``spec``'s bytes can be received straight into ``view`` (a destination parameter)."""
-    return (
-        view is not None
-        and view.device == device
-        and view.dtype == TORCH_DTYPES[spec.dtype]
-        and tuple(view.shape) == spec.shape
-        and view.is_contiguous()
+    For the sandbox, the tests and the benchmarks; a fleet gets its rendezvous from the coordinator's plan.
+    """
+    if offer.channel.value == "volume":
+        raise PermanentError("the volume has no rendezvous to plan: give the receiver its root")
+    return Rendezvous(
+        offer.channel,
+        endpoint=offer.endpoint,
+        group=group,
+        secret=secrets.token_hex(16),
+        generation=1,
+        rank=1,
+        world_size=1 + devices,
+        agent=offer.agent,
+        metadata=offer.metadata,
+        epoch=offer.epoch,
     )
 
 
-def check_tensor(spec: TensorSpec, tensor: torch.Tensor) -> None:
-    """Raise naming the tensor when the sender's tensor does not match its spec."""
-    if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
-        raise PermanentError(
-            f"tensor {spec.name!r}: got dtype {dtype_name(tensor.dtype)} shape {list(tensor.shape)}, "
-            f"the table says dtype {spec.dtype} shape {list(spec.shape)}"
-        )
+@dataclass(frozen=True)
+class SenderConfig:
+    """How the publisher builds every sender the same way."""
+
+    host: str = "127.0.0.1"
+    """The address receivers reach this process at (the pod's IP); rendezvous stores listen there only."""
+    device: str = "cpu"
+    """Where the trainer's tensors live (``cuda:N`` for the GPU channels)."""
+    timeout_s: float = 120.0
+    root: str = ""
+    """Volume: where versions are written."""
 
 
 @dataclass(frozen=True)
 class UpdateTicket:
-    """What a receiver needs for one version: the table and the channel's parameters."""
+    """What a receiver needs for one version.
+
+    ``table`` may be left out: the channel then carries it (and the receiver checks it
+    against ``layout_digest``). ``manifest_checksum`` is what the coordinator recorded for
+    a volume version; the volume receiver refuses a manifest that does not match it.
+    """
 
     version: int
     channel: Channel
-    table: TensorTable
+    table: TensorTable | None = None
+    layout_digest: str = ""
+    manifest_checksum: str = ""
     step: int = 0
     verify: bool = True
     timeout_s: float = 300.0
@@ -126,25 +274,32 @@ class UpdateTicket:
             raise PermanentError(f"version must be >= 1, got {self.version}")
         if self.timeout_s <= 0:
             raise PermanentError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.table is not None and not len(self.table):
+            raise PermanentError(f"version {self.version}: the ticket's table is empty; leave it out instead")
 
     def to_update_info(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "channel": self.channel.value,
+            "table": self.table.to_dict() if self.table is not None else None,
+            "layout_digest": self.layout_digest,
+            "manifest_checksum": self.manifest_checksum,
             "step": self.step,
             "verify": self.verify,
             "timeout_s": self.timeout_s,
-            "table": self.table.to_dict(),
             "params": dict(self.params),
         }
 
     @classmethod
     def from_update_info(cls, info: Mapping[str, Any]) -> UpdateTicket:
         try:
+            table = info.get("table")
             return cls(
                 version=int(info["version"]),
                 channel=Channel.parse(str(info["channel"])),
-                table=TensorTable.from_dict(info["table"]),
+                table=TensorTable.from_dict(table) if table else None,
+                layout_digest=str(info.get("layout_digest", "")),
+                manifest_checksum=str(info.get("manifest_checksum", "")),
                 step=int(info.get("step", 0)),
                 verify=bool(info.get("verify", True)),
                 timeout_s=float(info.get("timeout_s", 300.0)),
@@ -153,43 +308,61 @@ class UpdateTicket:
         except KeyError as e:
             raise PermanentError(f"update_info lacks field {e.args[0]!r}") from None
 
-
-def init_field(init: Mapping[str, Any], key: str, channel: Channel) -> Any:
-    """A required ``init_info`` field, or an error naming it."""
-    try:
-        return init[key]
-    except KeyError:
-        raise PermanentError(f"{channel.value} channel: init_info lacks {key!r} (got {sorted(init)})") from None
-
-
-def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
-    """Digest each received tensor and compare with the trainer's; raise naming the first mismatch."""
-    from weightsync.channels import digests
-
-    got: dict[str, str] = {}
-    for spec, tensor in group:
-        digest = digests.digest(tensor)
-        want = expected.get(spec.name) or spec.digest
-        if want and digest != want:
+    def resolve_table(self, carried: TensorTable, where: str) -> TensorTable:
+        """The version's table: ``carried`` by the channel, checked against this ticket's table or layout digest."""
+        if not len(carried):
+            raise IntegrityError(f"{where}: version {self.version} carried an empty tensor table")
+        if self.table is not None:
+            carried.check_matches(self.table)
+            if carried != self.table:
+                raise IntegrityError(f"{where}: the tensor offsets differ from the ticket's table")
+        if self.layout_digest and carried.layout_digest() != self.layout_digest:
             raise IntegrityError(
-                f"tensor {spec.name!r}: received digest {digest}, the trainer sent {want}; "
-                "the bytes were altered in transit, the update is refused"
+                f"{where}: version {self.version}'s table has layout digest {carried.layout_digest()}, the "
+                f"coordinator recorded {self.layout_digest}; the sender and the coordinator disagree on the version"
             )
-        got[spec.name] = digest
-    return got
+        return carried
+
+
+@dataclass
+class SendReport:
+    """What one sender did with one version."""
+
+    digests: dict[str, str] = field(default_factory=dict)
+    """Per-tensor digests of what was sent (verification on), computed where the bytes lay."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Replica id -> why its receiver was lost mid-version (the others got the version)."""
 
 
 class Sender(ABC):
-    """Trainer side of a channel. ``send`` is called on the sending rank only."""
+    """Trainer side of a channel; see the module docstring for the sequence. Used on the sending rank only."""
 
     channel: ClassVar[Channel]
 
+    @classmethod
     @abstractmethod
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
-        """Send every group of ``ticket.table``; ``groups`` yields the tensors of each group in order.
+    def create(cls, config: SenderConfig) -> Self:
+        """Build from the publisher's common configuration."""
 
-        Returns the per-tensor digests when ``ticket.verify`` is set (else an empty dict).
+    @abstractmethod
+    def offer(self) -> Offer:
+        """Where this sender's rendezvous listens and what else a receiver needs from it."""
+
+    def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:  # noqa: B027 - optional hook
+        """This version's receivers on this channel (replica id -> its rendezvous).
+
+        Group channels form or rebuild their groups here (in the background: the receivers
+        join while the publisher waits for them; ``send`` waits for the formation). The
+        default keeps nothing: channels without groups need no plan.
         """
+
+    @abstractmethod
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        """Send every group of ``ticket.table`` (``groups`` yields the tensors of each group, in order)."""
+
+    def release(self, version: int, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Return once every planned receiver consumed ``version`` (one-sided channels read the trainer's
+        memory, so it must not change before); the default has nothing to wait for."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default holds none."""
@@ -205,34 +378,60 @@ class WorkerContext:
 
 
 class Receiver(ABC):
-    """Engine side of a channel.
+    """Engine side of a channel: started in a vLLM worker from the plan's ``Rendezvous``, fed one ticket per version.
 
-    Built inside a vLLM worker from the plain-dict ``init_info`` the trainer side handed
-    out (``from_init``), then fed one ``UpdateTicket`` per version.
+    After (or while) ``receive`` runs: ``table`` is the version's full table, ``verified``
+    the digests this receiver computed and checked (name -> digest), ``verify_seconds``
+    the time checking took, and ``in_place`` the tensors written straight into the
+    engine's parameters (never yielded).
     """
 
     channel: ClassVar[Channel]
-    verified: dict[str, str]
-    """Digests checked during the last ``receive`` (tensor name -> digest); reset by each ``receive``."""
+    needs: ClassVar[tuple[str, ...]] = ()
+    """The ``Rendezvous`` fields this channel's receiver cannot start without."""
+
     table: TensorTable | None = None
-    """The table the last ``receive`` delivered: the ticket's, or the one the channel carried itself
-    (the volume's manifest, the stream's header), so a ticket may name only the version."""
+    verified: dict[str, str]
+    verify_seconds: float
+    in_place: set[str]
+
+    @classmethod
+    def start(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> Receiver:
+        """Check the rendezvous carries what this channel needs, then build (and join) the receiver."""
+        if rendezvous.channel is not cls.channel:
+            raise PermanentError(f"a {rendezvous.channel.value} rendezvous cannot start a {cls.channel.value} receiver")
+        rendezvous.require(cls.needs)
+        receiver = cls.from_rendezvous(rendezvous, ctx)
+        receiver.begin()
+        return receiver
 
     @classmethod
     @abstractmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> Receiver:
-        """Build (and rendezvous) from vLLM's ``init_info``; raise naming a missing or bad field."""
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> Receiver:
+        """Build (and join the group) from a checked rendezvous."""
 
     @abstractmethod
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        """Yield each group of ``ticket.table`` in order, verified when ``ticket.verify`` is set.
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        """Yield each group of the version in table order, verified when ``ticket.verify`` is set.
 
-        ``destinations`` maps trainer tensor names to views of the engine's own
-        parameters (fused q/k/v and gate/up row slices included) with the same dtype and
-        shape. A channel that can receive in place writes those tensors straight into
-        their views and does not yield them; the others ignore it. Views yielded may be
-        reused for the next group: consume them before advancing.
+        ``place`` gives, once the table is known, views of the engine's parameters by trainer
+        name (fused q/k/v and gate/up row blocks included). A channel that can write in place
+        receives those tensors straight into their views, records them in ``in_place`` and
+        does not yield them; the others ignore it. Views yielded may be reused for the next
+        group: consume them before advancing.
         """
+
+    def begin(self) -> None:
+        """Forget the last version's record (each ``receive`` calls it first)."""
+        self.table, self.verified, self.verify_seconds, self.in_place = None, {}, 0.0, set()
+
+    def check(self, group: Group, expected: Mapping[str, str]) -> None:
+        """Digest every tensor of ``group`` where it lies and compare with the trainer's (timed as ``verify``)."""
+        from weightsync.channels import wire
+
+        t0 = time.perf_counter()
+        self.verified.update(wire.verify_group(group, expected))
+        self.verify_seconds += time.perf_counter() - t0
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default holds none."""

@@ -13,40 +13,49 @@ Why gloo over shared memory: the same code reaches a replica on another host, an
 the benchmark (bench/cpu_channels.py) shows the stream within a small factor of a raw
 flat gloo broadcast on one host; shared memory would only win on one host.
 
+Groups come from the plan: one per replica (a gloo collective fails for every member
+when one dies, so a dead replica breaks only its own group), each a membership with its
+own generation and secret (``Rendezvous``). ``take_plan`` forms the groups the sender
+lacks in the background while the replicas' agents join them, and drops the ones no
+longer planned. Both ends bind gloo to an address of their own host: the sender to the
+one it offered, a receiver to its local address on the route to the sender.
+
 Every wait has a timeout: a peer that dies mid-broadcast makes the other side raise
 ``TransferTimeoutError`` (or gloo's own connection error) instead of hanging; the
-group is then unusable and must be rebuilt with the new member list.
+group is then unusable and is rebuilt with the next plan.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
-from weightsync.channels import digests
+from weightsync.channels import digests, wire
 from weightsync.channels.base import (
-    Group,
+    Endpoint,
+    Offer,
+    Placement,
     Receiver,
+    Rendezvous,
     Sender,
+    SenderConfig,
+    SendReport,
     UpdateTicket,
     WorkerContext,
-    as_bytes,
-    check_tensor,
-    dist,
-    init_field,
-    tcp_store,
-    verify_group,
-    view_from_bytes,
 )
+from weightsync.channels.wire import Group, as_bytes, check_tensor, dist, view_from_bytes
 from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
 
 DEFAULT_BUCKET_BYTES = 64 << 20
+BUCKET_BYTES_PARAM = "bucket_bytes"
+"""A ticket param both ends read (the sender writes it into the header), so buckets never disagree."""
 MAX_HEADER_BYTES = 64 << 20
 
 
@@ -72,38 +81,34 @@ def _span(bucket: list[tuple[TensorSpec, ...]]) -> tuple[int, int]:
 
 
 class _Group:
-    """A gloo process group on a prefix of a TCPStore, so it never touches the global default group.
+    """One membership's gloo process group, on the sender's store under the membership's secret prefix."""
 
-    The sender's store lives as long as the sender: each membership is a new group
-    under its own prefix, so the sender offers one address for its lifetime.
-    """
-
-    def __init__(self, store: Any, host: str, world_size: int, rank: int, timeout_s: float, group_id: str) -> None:
-        if world_size < 2:
-            raise PermanentError(f"cpu channel: world_size must be >= 2 (sender and receivers), got {world_size}")
-        if not 0 <= rank < world_size:
-            raise PermanentError(f"cpu channel: rank {rank} is outside world_size {world_size}")
-        self.store, self.host, self.world_size, self.rank, self.group_id = store, host, world_size, rank, group_id
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.pg: dist.ProcessGroupGloo | None = None
+    def __init__(self, store: Any, bind: str, rendezvous: Rendezvous, rank: int) -> None:
+        if rendezvous.world_size < 2:
+            raise PermanentError(
+                f"cpu channel: world_size must be >= 2 (sender and receivers), got {rendezvous.world_size}"
+            )
+        self.store, self.bind, self.rdv, self.rank = store, bind, rendezvous, rank
+        self.timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+        self.pg: Any = None
 
     def connect(self) -> None:
         """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = self.timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-        store = dist.PrefixStore(f"weightsync/cpu/{self.group_id}/", self.store)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
+        store = dist.PrefixStore(self.rdv.prefix, self.store)
         try:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
+            self.pg = dist.ProcessGroupGloo(store, self.rank, self.rdv.world_size, opts)
         except RuntimeError as e:
             raise TransferTimeoutError(
-                f"cpu channel: group {self.group_id!r} of {self.world_size} at {self.host} did not form "
+                f"cpu channel: group {self.rdv.group!r} of {self.rdv.world_size} at {self.rdv.endpoint} did not form "
                 f"within {self.timeout.total_seconds():.0f}s: {e}"
             ) from e
 
     def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.pg is None:
-            raise PermanentError("cpu channel: connect() was not called")
+            raise PermanentError("cpu channel: the group is not connected")
         return self.pg.broadcast(tensor, 0)
 
     def wait(self, work: Any, what: str) -> None:
@@ -121,72 +126,88 @@ class _Group:
 
 
 class CpuSender(Sender):
-    """Rank 0 of one or more groups. Create it, hand ``address`` to the receivers, then ``connect()``.
-
-    Each ``connect(world_size, group_id)`` forms one more group under the same store; a
-    version is broadcast to every connected group. A group whose member dies mid-stream
-    is dropped (named in ``failed``) and the others go on: with one group per replica, a
-    replica that dies never costs another replica its version.
-    """
+    """Rank 0 of one group per planned replica; see the module docstring."""
 
     channel: ClassVar[Channel] = Channel.CPU
 
     def __init__(
-        self,
-        world_size: int = 2,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout_s: float = 120.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> None:
-        self.host, self.world_size, self.timeout_s, self.bucket_bytes = host, world_size, timeout_s, bucket_bytes
-        self._store = tcp_store(host, port, True, timeout_s)
+        self.host, self.timeout_s, self.bucket_bytes = host, timeout_s, bucket_bytes
+        self._store = wire.serve_store(host, port, timeout_s)
         self.port = int(self._store.port)
         self.groups: dict[str, _Group] = {}
+        """Formed groups by replica id."""
+        self._forming: dict[str, tuple[threading.Thread, _Group]] = {}
+        self._members: dict[str, Rendezvous] = {}
         self.failed: dict[str, str] = {}
         self._buffers: list[torch.Tensor] = []
 
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+    @classmethod
+    def create(cls, config: SenderConfig) -> Self:
+        return cls(host=config.host, timeout_s=config.timeout_s)
 
-    def connect(self, world_size: int | None = None, group_id: str = "") -> None:
-        """Form a group of ``world_size`` members (default: the constructor's) named ``group_id``."""
-        group = _Group(self._store, self.host, world_size or self.world_size, 0, self.timeout_s, group_id)
-        group.connect()
-        self.groups[group_id] = group
+    def offer(self) -> Offer:
+        return Offer(Channel.CPU, Endpoint(self.host, self.port))
 
-    def retain(self, group_ids: Iterable[str]) -> None:
-        """Forget the groups whose membership is gone."""
-        keep = set(group_ids)
-        for gid in [g for g in self.groups if g not in keep]:
-            self.groups.pop(gid).close()
+    def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
+        """Keep the groups whose membership is unchanged, drop the rest, form the missing ones in the background."""
+        self.failed = {}
+        for rid in list(self.groups):
+            if self._members.get(rid) != receivers.get(rid):
+                self._drop(rid, "")
+        for rid, rdv in receivers.items():
+            if rid in self.groups or rid in self._forming:
+                continue
+            group = _Group(self._store, self.host, rdv, 0)
+            thread = threading.Thread(target=self._form, args=(rid, group), name=f"weightsync-cpu-{rdv.group}")
+            self._members[rid] = rdv
+            self._forming[rid] = (thread, group)
+            thread.start()
+
+    def _form(self, rid: str, group: _Group) -> None:
+        try:
+            group.connect()
+        except TransferTimeoutError as e:
+            self.failed[rid] = str(e)
+
+    def _await_groups(self) -> None:
+        for rid, (thread, group) in list(self._forming.items()):
+            thread.join(group.timeout.total_seconds() + 5)
+            del self._forming[rid]
+            if group.pg is not None:
+                self.groups[rid] = group
+            else:
+                self.failed.setdefault(rid, f"cpu channel: group {group.rdv.group!r} did not form")
+                self._members.pop(rid, None)
 
     def _all(self, what: str, post: Any) -> dict[str, Any]:
         """Post ``post(group)`` on every live group; a group that fails is dropped, not fatal."""
         works = {}
-        for gid, group in list(self.groups.items()):
+        for rid, group in list(self.groups.items()):
             try:
-                works[gid] = post(group)
+                works[rid] = post(group)
             except (RuntimeError, TransferTimeoutError) as e:
-                self._drop(gid, f"{what}: {e}")
+                self._drop(rid, f"{what}: {e}")
         return works
 
     def _wait(self, works: dict[str, Any], what: str) -> None:
-        for gid, work in works.items():
-            group = self.groups.get(gid)
+        for rid, work in works.items():
+            group = self.groups.get(rid)
             if group is None:
                 continue
             try:
                 group.wait(work, what)
             except TransferTimeoutError as e:
-                self._drop(gid, str(e))
+                self._drop(rid, str(e))
         if not self.groups:
             raise TransferTimeoutError(f"cpu channel: every group failed ({'; '.join(self.failed.values())})")
 
-    def _drop(self, gid: str, why: str) -> None:
-        self.failed[gid] = why
-        group = self.groups.pop(gid, None)
+    def _drop(self, rid: str, why: str) -> None:
+        if why:
+            self.failed[rid] = why
+        self._members.pop(rid, None)
+        group = self.groups.pop(rid, None)
         if group is not None:
             group.close()
 
@@ -197,16 +218,20 @@ class CpuSender(Sender):
             self._buffers[i] = torch.empty(size, dtype=torch.uint8)
         return self._buffers[i][:size]
 
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        table = _table(ticket)
+        self._await_groups()
         if not self.groups:
-            raise PermanentError("cpu channel: no group is connected; call connect() first")
-        self.failed = {}
-        bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
-        self._send_header(ticket)
+            raise TransferTimeoutError(
+                "cpu channel: no receiver joined"
+                + (f" ({'; '.join(self.failed.values())})" if self.failed else "; call take_plan() first")
+            )
+        bucket_bytes = int(ticket.params.get(BUCKET_BYTES_PARAM, self.bucket_bytes))
+        self._send_header(ticket, table, bucket_bytes)
         found: dict[str, str] = {}
         source = iter(groups)
         in_flight: list[tuple[dict[str, Any], str]] = []
-        for i, bucket in enumerate(plan_buckets(ticket.table, bucket_bytes)):
+        for i, bucket in enumerate(plan_buckets(table, bucket_bytes)):
             base, end = _span(bucket)
             buf = self._buffer(i % 2, end - base)
             # the buffer we are about to overwrite was sent two buckets ago: make sure it left
@@ -237,55 +262,47 @@ class CpuSender(Sender):
             self._wait(works, label)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
-        return found
+        return SendReport(found, dict(self.failed))
 
-    def _send_header(self, ticket: UpdateTicket) -> None:
-        """The version number and the whole table go first, so receivers need only a version to start."""
-        header = json.dumps({"version": ticket.version, "table": ticket.table.to_dict()}).encode()
+    def _send_header(self, ticket: UpdateTicket, table: TensorTable, bucket_bytes: int) -> None:
+        """The version, the whole table and the bucket size go first, so receivers need only a version to start."""
+        header = json.dumps(
+            {"version": ticket.version, "table": table.to_dict(), BUCKET_BYTES_PARAM: bucket_bytes}
+        ).encode()
         size = torch.tensor([len(header)], dtype=torch.int64)
         raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         self._wait(self._all("header size", lambda g: g.broadcast(size)), "header size")
         self._wait(self._all("header", lambda g: g.broadcast(raw)), "header")
 
     def close(self) -> None:
-        self.retain(())
+        self._await_groups()
+        for rid in list(self.groups):
+            self._drop(rid, "")
+
+
+def _table(ticket: UpdateTicket) -> TensorTable:
+    if ticket.table is None:
+        raise PermanentError(f"{ticket.channel.value} channel: the sender's ticket for v{ticket.version} has no table")
+    return ticket.table
 
 
 class CpuReceiver(Receiver):
-    """One replica worker's member of the group (rank >= 1)."""
+    """One replica worker's member of its group (rank >= 1)."""
 
     channel: ClassVar[Channel] = Channel.CPU
+    needs = ("endpoint", "group", "secret", "generation", "world_size", "rank")
 
-    def __init__(
-        self,
-        address: str,
-        world_size: int,
-        rank: int,
-        timeout_s: float = 120.0,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        group_id: str = "",
-    ) -> None:
-        self.bucket_bytes = bucket_bytes
-        self.verified = {}
-        host, _, port = address.rpartition(":")
-        store = tcp_store(host, int(port), False, timeout_s)
-        self._group = _Group(store, host, world_size, rank, timeout_s, group_id)
+    def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
+        assert rendezvous.endpoint is not None
+        store = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        self._group = _Group(store, wire.local_address_for(rendezvous.endpoint), rendezvous, rank)
         self._group.connect()
 
     @classmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> CpuReceiver:
-        """``init_info``: address (the sender's host:port), world_size, rank_offset (this
-        replica's first rank in the group), group_id, timeout_s, bucket_bytes."""
-        return cls(
-            address=str(init_field(init, "address", Channel.CPU)),
-            world_size=int(init_field(init, "world_size", Channel.CPU)),
-            rank=int(init_field(init, "rank_offset", Channel.CPU)) + ctx.rank,
-            timeout_s=float(init.get("timeout_s", 120.0)),
-            bucket_bytes=int(init.get("bucket_bytes", DEFAULT_BUCKET_BYTES)),
-            group_id=str(init.get("group_id", "")),
-        )
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> CpuReceiver:
+        return cls(rendezvous, rendezvous.rank + ctx.rank)
 
-    def _receive_header(self, ticket: UpdateTicket) -> TensorTable:
+    def _receive_header(self, ticket: UpdateTicket) -> tuple[TensorTable, int]:
         size = torch.zeros(1, dtype=torch.int64)
         self._group.wait(self._group.broadcast(size), "header size")
         if not 0 < int(size) <= MAX_HEADER_BYTES:
@@ -296,18 +313,14 @@ class CpuReceiver(Receiver):
         if int(header["version"]) != ticket.version:
             got = header["version"]
             raise IntegrityError(f"cpu channel: the sender streams version {got}, expected {ticket.version}")
-        table = TensorTable.from_dict(header["table"])
-        if len(ticket.table):
-            table.check_matches(ticket.table)
-            if table != ticket.table:
-                raise IntegrityError("cpu channel: the sender's tensor offsets differ from the ticket's table")
-        return table
+        table = ticket.resolve_table(TensorTable.from_dict(header["table"]), "cpu channel")
+        return table, int(header[BUCKET_BYTES_PARAM])
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        self.verified = {}
-        bucket_bytes = int(ticket.params.get("bucket_bytes", self.bucket_bytes))
-        self.table = self._receive_header(ticket)
-        buckets = plan_buckets(self.table, bucket_bytes)
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        self.begin()
+        table, bucket_bytes = self._receive_header(ticket)
+        self.table = table
+        buckets = plan_buckets(table, bucket_bytes)
         buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
 
         def post(i: int) -> tuple[torch.Tensor, Any, torch.Tensor | None, Any | None]:
@@ -336,7 +349,7 @@ class CpuReceiver(Receiver):
             for specs in bucket:
                 group: Group = [(s, view_from_bytes(buf, s, base)) for s in specs]
                 if ticket.verify:
-                    self.verified.update(verify_group(group, expected))
+                    self.check(group, expected)
                 yield group
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from weightsync.channels.base import as_bytes
+from weightsync.channels.wire import as_bytes
 from weightsync.tensors import TensorSpec
 
 _CHUNK_WORDS = 1 << 22
@@ -53,16 +53,6 @@ def digest(tensor: torch.Tensor) -> str:
         tail = int.from_bytes(bytes(raw[whole:].cpu().tolist()), "little")
         total = (total + tail * (2 * (whole // 8) + 1)) & _MASK
     return f"{n}:{total:016x}"
-
-
-def table_digest(digests: dict[str, str]) -> str:
-    """One digest for a whole version: sha256 over the sorted per-tensor digests."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in sorted(digests):
-        h.update(f"{name}={digests[name]}\n".encode())
-    return h.hexdigest()
 
 
 def to_words(group_digests: list[str]) -> torch.Tensor:

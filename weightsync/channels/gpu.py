@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from weightsync.channels.base import TORCH_DTYPES, dtype_name
+from weightsync.channels.wire import TORCH_DTYPES, dtype_name
 from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorSpec
 
@@ -40,6 +40,12 @@ def cuda_device(device: str | int | torch.device) -> torch.device:
     if dev.type != "cuda":
         raise PermanentError(f"GPU channel: device {device!r} is not a CUDA device")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def uuid(device: torch.device) -> str:
+    """The GPU's UUID as ``nvidia-smi`` prints it (``GPU-...``): how two processes tell they share a GPU."""
+    raw = str(torch.cuda.get_device_properties(device).uuid)
+    return raw if raw.startswith("GPU-") else f"GPU-{raw}"
 
 
 def check_wire(spec: TensorSpec, tensor: torch.Tensor) -> None:

@@ -11,11 +11,12 @@ storage alive and reuses its export while the trainer hands the same storage aga
 mapping open until a version no longer refers to it. A trainer that hands new
 storages every step (gathered shards) costs one export per new storage.
 
-Handles and tensor locations travel as explicit metadata, JSON on the channel's
-TCPStore under the version's key (hex handles, integer offsets; nothing pickled):
-``send`` publishes it when the trainer's GPU has finished writing, ``receive`` waits
-for it (bounded by the ticket's timeout) and acknowledges when its copies are done,
-which the trainer awaits with ``wait_consumed`` before it overwrites its tensors.
+Handles, tensor locations and the version's table travel as explicit metadata, JSON
+on the channel's TCPStore under the membership's secret prefix (hex handles, integer
+offsets; nothing pickled): ``send`` publishes it when the trainer's GPU has finished
+writing, ``receive`` waits for it (bounded by the ticket's timeout), checks the table
+against the coordinator's layout digest, and acknowledges when its copies are done,
+which the trainer awaits with ``release`` before it overwrites its tensors.
 
 The copies of a version into the engine's parameters are recorded once into a CUDA
 graph and replayed: hundreds of small copies cost one launch (the calibration showed
@@ -27,25 +28,26 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
-from weightsync.channels import digests, gpu
+from weightsync.channels import digests, gpu, wire
 from weightsync.channels.base import (
-    TORCH_DTYPES,
-    Group,
+    Endpoint,
+    Offer,
+    Placement,
     Receiver,
+    Rendezvous,
     Sender,
+    SenderConfig,
+    SendReport,
     UpdateTicket,
     WorkerContext,
-    init_field,
-    tcp_store,
-    verify_group,
-    wait_key,
 )
+from weightsync.channels.wire import TORCH_DTYPES, Group, dist, wait_key
 from weightsync.errors import PermanentError
-from weightsync.tensors import TensorSpec
+from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
 
 
@@ -111,7 +113,7 @@ class Export:
 
 
 class IpcSender(Sender):
-    """The trainer's side. Hand ``init_info()`` to the colocated replica's workers."""
+    """The trainer's side: offers its store and the GPU its buffers live on."""
 
     channel: ClassVar[Channel] = Channel.IPC
 
@@ -120,8 +122,10 @@ class IpcSender(Sender):
     ) -> None:
         self.device = gpu.cuda_device(device)
         self.timeout_s = timeout_s
-        self._store = tcp_store(host, port, True, timeout_s)
-        self.host, self.port = host, self._store.port
+        self._base = wire.serve_store(host, port, timeout_s)
+        self.host, self.port = host, int(self._base.port)
+        self._store: Any = None
+        self._membership: Rendezvous | None = None
         # name -> (the trainer's tensor, the tensor shared for it, its location), kept alive until replaced
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
         self._cast: dict[str, torch.Tensor] = {}
@@ -129,8 +133,21 @@ class IpcSender(Sender):
         self._exports: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
         self._next_id = 0
 
-    def init_info(self) -> dict[str, Any]:
-        return {"address": f"{self.host}:{self.port}", "timeout_s": self.timeout_s}
+    @classmethod
+    def create(cls, config: SenderConfig) -> Self:
+        return cls(device=config.device, host=config.host, timeout_s=config.timeout_s)
+
+    def offer(self) -> Offer:
+        return Offer(Channel.IPC, Endpoint(self.host, self.port), devices=(gpu.uuid(self.device),))
+
+    def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
+        """A new membership publishes under a new prefix: its exports are published there again."""
+        wanted = next(iter(receivers.values()), None)
+        if wanted is None or wanted.same_membership(self._membership):
+            return
+        self._membership = wanted
+        self._store = dist.PrefixStore(wanted.prefix, self._base)
+        self._located, self._exports, self._next_id = {}, {}, 0
 
     def _wire(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
         """The trainer's tensor itself when it can be shared as is, else the sender's own buffer for it.
@@ -159,12 +176,15 @@ class IpcSender(Sender):
             self._next_id += 1
         return cached[1]
 
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        if ticket.table is None or self._store is None:
+            raise PermanentError("ipc channel: send needs a ticket with the table and a plan (take_plan) first")
+        table = ticket.table
         found: dict[str, str] = {}
         # name -> (the trainer's tensor, what is shared for it, [export id, byte offset] or None, its address then)
         located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
         source = iter(groups)
-        for i, specs in enumerate(ticket.table.groups()):
+        for i, specs in enumerate(table.groups()):
             tensors = next(source, None)
             if tensors is None or len(tensors) != len(specs):
                 got = "nothing" if tensors is None else f"{len(tensors)} tensors"
@@ -191,21 +211,17 @@ class IpcSender(Sender):
             for key in [k for k in self._exports if k not in live]:
                 self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
         self._located = located
-        locations = [located[s.name][2] for s in ticket.table]
-        meta = {"version": ticket.version, "locations": locations, "digests": found}
+        locations = [located[s.name][2] for s in table]
+        meta = {"version": ticket.version, "table": table.to_dict(), "locations": locations, "digests": found}
         self._store.set(f"v{ticket.version}/meta", json.dumps(meta, separators=(",", ":")))
-        return found
+        return SendReport(found)
 
-    def wait_consumed(self, version: int, receivers: int = 1, timeout_s: float | None = None) -> None:
-        """Block until ``receivers`` workers have copied ``version`` (before the trainer overwrites its tensors)."""
-        for r in range(receivers):
-            wait_key(
-                self._store,
-                f"v{version}/done/{r}",
-                timeout_s or self.timeout_s,
-                f"receiver {r}'s ack of v{version}",
-                Channel.IPC,
-            )
+    def release(self, version: int, timeout_s: float) -> None:
+        """Block until every planned receiving worker copied ``version`` (before the trainer overwrites its tensors)."""
+        if self._membership is None:
+            return
+        for r in range(1, self._membership.world_size):
+            wait_key(self._store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", Channel.IPC)
 
     def close(self) -> None:
         self._located, self._exports, self._cast = {}, {}, {}
@@ -220,6 +236,7 @@ class _Prepared:
     dests: Mapping[str, torch.Tensor]
     groups: list[Group]  # every tensor: its destination when copied there, else its view of the trainer's memory
     staged: list[Group]  # the tensors handed to the loader
+    direct: frozenset[str]  # the tensors copied into their destinations
     graph: torch.cuda.CUDAGraph | None
 
 
@@ -227,28 +244,26 @@ class IpcReceiver(Receiver):
     """A colocated replica worker: maps the trainer's buffers once and copies from them."""
 
     channel: ClassVar[Channel] = Channel.IPC
+    needs = ("endpoint", "group", "secret", "world_size", "rank")
 
-    def __init__(self, address: str, rank: int, device: str | torch.device, timeout_s: float = 120.0) -> None:
-        host, _, port = address.rpartition(":")
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: str | torch.device) -> None:
+        assert rendezvous.endpoint is not None
         self.rank, self.device = rank, gpu.cuda_device(device)
-        self._store = tcp_store(host, int(port), False, timeout_s)
+        base = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        self._store = dist.PrefixStore(rendezvous.prefix, base)
         self._mapped: dict[int, torch.Tensor] = {}
         self._prepared: _Prepared | None = None
 
     @classmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> IpcReceiver:
-        """``init_info``: address (the trainer's store, host:port), timeout_s."""
-        return cls(
-            str(init_field(init, "address", Channel.IPC)), ctx.rank, ctx.device, float(init.get("timeout_s", 120.0))
-        )
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> IpcReceiver:
+        return cls(rendezvous, rendezvous.rank + ctx.rank, ctx.device)
 
-    def _views(self, ticket: UpdateTicket, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def _views(self, ticket: UpdateTicket, table: TensorTable, meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Each tensor of the version as a view of the trainer's memory, mapping new buffers once."""
         locations = meta["locations"]
-        if len(locations) != len(ticket.table):
+        if len(locations) != len(table):
             raise PermanentError(
-                f"ipc channel: v{ticket.version} metadata locates {len(locations)} tensors, "
-                f"the table has {len(ticket.table)}"
+                f"ipc channel: v{ticket.version} metadata locates {len(locations)} tensors, the table has {len(table)}"
             )
         used = {loc[0] for loc in locations if loc is not None}
         for buf in used - self._mapped.keys():
@@ -256,7 +271,7 @@ class IpcReceiver(Receiver):
             self._mapped[buf] = Export.from_dict(json.loads(raw)).open()
         self._mapped = {k: v for k, v in self._mapped.items() if k in used}
         views: dict[str, torch.Tensor] = {}
-        for spec, loc in zip(ticket.table, locations, strict=True):
+        for spec, loc in zip(table, locations, strict=True):
             dtype = TORCH_DTYPES[spec.dtype]
             if loc is None:
                 views[spec.name] = torch.empty(spec.shape, dtype=dtype, device=self.device)
@@ -265,7 +280,9 @@ class IpcReceiver(Receiver):
             views[spec.name] = self._mapped[buf][offset : offset + spec.nbytes].view(dtype).view(spec.shape)
         return views
 
-    def _prepare(self, ticket: UpdateTicket, meta: Mapping[str, Any], dests: Mapping[str, torch.Tensor]) -> _Prepared:
+    def _prepare(
+        self, ticket: UpdateTicket, table: TensorTable, meta: Mapping[str, Any], dests: Mapping[str, torch.Tensor]
+    ) -> _Prepared:
         """The version's groups and its direct copies, recorded into one CUDA graph.
 
         Reused as long as the table, the trainer's buffers and the destinations are the
@@ -273,12 +290,12 @@ class IpcReceiver(Receiver):
         not hundreds of Python-level views and copies.
         """
         p = self._prepared
-        if p and p.tensors == ticket.table.tensors and p.locations == meta["locations"] and p.dests is dests:
+        if p and p.tensors == table.tensors and p.locations == meta["locations"] and p.dests is dests:
             return p
-        views = self._views(ticket, meta)
+        views = self._views(ticket, table, meta)
         direct = {
             s.name
-            for s in ticket.table
+            for s in table
             if (d := dests.get(s.name)) is not None
             and s.nbytes
             and d.dtype == views[s.name].dtype
@@ -289,28 +306,30 @@ class IpcReceiver(Receiver):
         if direct:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                for s in ticket.table:
+                for s in table:
                     if s.name in direct:
                         dests[s.name].copy_(views[s.name])
-        groups = [[(s, dests[s.name] if s.name in direct else views[s.name]) for s in g] for g in ticket.table.groups()]
+        groups = [[(s, dests[s.name] if s.name in direct else views[s.name]) for s in g] for g in table.groups()]
         staged = [[(s, t) for s, t in g if s.name not in direct] for g in groups]
-        self._prepared = _Prepared(ticket.table.tensors, meta["locations"], dests, groups, staged, graph)
+        self._prepared = _Prepared(table.tensors, meta["locations"], dests, groups, staged, frozenset(direct), graph)
         return self._prepared
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        """Copy the version into ``destinations`` (one graph launch); yield the rest as views of the trainer's memory.
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        """Copy the version into its destinations (one graph launch); yield the rest as views of the trainer's memory.
 
-        Pass the same ``destinations`` mapping every version to keep the recorded copies.
+        ``place`` should return the same mapping for the same table, so the recorded copies are kept.
         """
-        self.verified = {}
+        self.begin()
         key = f"v{ticket.version}/meta"
         meta = json.loads(wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles", Channel.IPC))
-        prepared = self._prepare(ticket, meta, destinations if destinations is not None else {})
+        table = self.table = ticket.resolve_table(TensorTable.from_dict(meta["table"]), "ipc channel")
+        prepared = self._prepare(ticket, table, meta, place(table) if place is not None else {})
+        self.in_place = set(prepared.direct)
         if prepared.graph is not None:
             prepared.graph.replay()
         for group, staged in zip(prepared.groups, prepared.staged, strict=True):
             if ticket.verify:
-                self.verified.update(verify_group(group, meta["digests"]))
+                self.check(group, meta["digests"])
             if staged:
                 yield staged
         torch.cuda.current_stream(self.device).synchronize()

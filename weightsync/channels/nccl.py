@@ -13,10 +13,19 @@ flight on either side, so the trainer can gather the next group while the last o
 is on the wire and extra memory stays bounded by two groups.
 
 The group is a ``ProcessGroupNCCL`` on the channel's own TCPStore (the trainer's
-default group is never touched), built explicitly for a member list: ``rebuild``
-with the new list when replicas come or go, or after a failure. Every wait is
-bounded: a collective that does not complete within the ticket's timeout aborts the
-communicator (so the stuck kernel returns) and raises ``TransferTimeoutError``.
+default group is never touched), one per membership the coordinator plans: every
+replica planned on NCCL shares it, and ``take_plan`` rebuilds it (in the background,
+while the replicas' workers join) when the membership's generation changes. Before
+the first broadcast of a version the sender puts the version's table on the store,
+under the membership's secret prefix; each receiver reads it there and checks it
+against the coordinator's layout digest, so it posts exactly the broadcasts the
+sender makes. Every wait is bounded: a collective that does not complete within the
+ticket's timeout aborts the communicator (so the stuck kernel returns) and raises
+``TransferTimeoutError``.
+
+``WEIGHTSYNC_NCCL_TRANSPORT=gloo`` runs this same channel (rendezvous, generations,
+in-band table, in-place destinations, verification) over gloo with CPU tensors: how
+the CPU-only tests and machines exercise its code path. Production uses NCCL.
 
 With verification on, each group is followed by a small broadcast of its tensors'
 digests (computed on the trainer's GPU), checked on the receiver's GPU before the
@@ -26,72 +35,113 @@ group is handed over.
 from __future__ import annotations
 
 import datetime
+import json
+import os
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
-from weightsync.channels import digests, gpu
+from weightsync.channels import digests, gpu, wire
 from weightsync.channels.base import (
-    TORCH_DTYPES,
-    Group,
+    Endpoint,
+    Offer,
+    Placement,
     Receiver,
+    Rendezvous,
     Sender,
+    SenderConfig,
+    SendReport,
     UpdateTicket,
     WorkerContext,
-    dist,
-    fits_in_place,
-    init_field,
-    tcp_store,
-    verify_group,
 )
+from weightsync.channels.wire import TORCH_DTYPES, Group, dist, fits_in_place
 from weightsync.errors import PermanentError, TransferTimeoutError
-from weightsync.tensors import TensorSpec, align
+from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
 
 IN_FLIGHT_GROUPS = 2
 _WATCHDOG_FACTOR = 4
 """torch's NCCL watchdog is the backstop only (it may end the process): it fires well after our own abort."""
+TRANSPORT_ENV = "WEIGHTSYNC_NCCL_TRANSPORT"
+
+
+def transport() -> str:
+    """``nccl`` (the default) or ``gloo`` (CPU tensors, for tests and CPU-only machines)."""
+    value = os.environ.get(TRANSPORT_ENV, "nccl")
+    if value not in ("nccl", "gloo"):
+        raise PermanentError(f"{TRANSPORT_ENV}={value!r}; use nccl (default) or gloo")
+    return value
+
+
+def _device(device: str | torch.device) -> torch.device:
+    return gpu.cuda_device(device) if transport() == "nccl" else torch.device("cpu")
+
+
+class _Works:
+    """Several gloo works waited on as one (gloo has no coalescing)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class NcclGroup:
-    """One member's handle on the channel's NCCL group (rank 0 hosts the store)."""
+    """One member's handle on one membership's group (the sender hosts the store)."""
 
-    def __init__(self, host: str, port: int, rank: int, device: torch.device, timeout_s: float) -> None:
-        self.host, self.rank, self.device, self.timeout_s = host, rank, device, timeout_s
-        self._store = tcp_store(host, port, rank == 0, timeout_s)
-        self.port = self._store.port
+    def __init__(self, store: Any, rendezvous: Rendezvous, rank: int, device: torch.device, bind: str) -> None:
+        self.rdv, self.rank, self.device, self.bind = rendezvous, rank, device, bind
+        self.timeout_s = rendezvous.timeout_s
+        self.store = dist.PrefixStore(rendezvous.prefix, store)
         self._pg: Any = None
         self._opts = dist.BroadcastOptions()
         self._opts.rootRank = 0
 
-    def connect(self, generation: int, world_size: int) -> None:
-        """Form the group of ``world_size`` for membership ``generation``; all members call this.
+    def connect(self) -> None:
+        """Form the group; every member calls this.
 
         Members first meet on the store (a bounded wait), so a member that never comes
         fails the others within the timeout instead of leaving them inside NCCL's init.
         """
-        self.abort()
-        store = dist.PrefixStore(f"weightsync/nccl/{generation}/", self._store)
-        store.set(f"joined/{self.rank}", "1")
+        world_size = self.rdv.world_size
+        self.store.set(f"joined/{self.rank}", "1")
         try:
-            store.wait([f"joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=self.timeout_s))
+            self.store.wait([f"joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise TransferTimeoutError(
-                f"nccl channel: not all {world_size} members of group {generation} at {self.host}:{self.port} "
+                f"nccl channel: not all {world_size} members of group {self.rdv.group!r} at {self.rdv.endpoint} "
                 f"joined within {self.timeout_s:.0f}s: {e}"
             ) from e
+        if transport() == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=self.timeout_s)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
+            self._pg = dist.ProcessGroupGloo(self.store, self.rank, world_size, opts)
+            return
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=self.timeout_s * _WATCHDOG_FACTOR)
-        pg = dist.ProcessGroupNCCL(store, self.rank, world_size, opts)
+        pg = dist.ProcessGroupNCCL(self.store, self.rank, world_size, opts)
         pg.eager_connect_single_device(self.device)
         self._pg = pg
+
+    @property
+    def connected(self) -> bool:
+        return self._pg is not None
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> Any:
         """One NCCL launch broadcasting every tensor of ``tensors`` from rank 0."""
         if self._pg is None:
-            raise PermanentError("nccl channel: the group is not connected (connect/rebuild first, or after a failure)")
+            raise PermanentError("nccl channel: the group is not connected (it failed, or was never formed)")
+        if transport() == "gloo":
+            return _Works([self._pg.broadcast([t], self._opts) for t in tensors])
         self._pg._start_coalescing()
         for t in tensors:
             self._pg.broadcast([t], self._opts)
@@ -104,125 +154,146 @@ class NcclGroup:
     def abort(self) -> None:
         if self._pg is not None:
             pg, self._pg = self._pg, None
-            pg.abort()
+            if hasattr(pg, "abort"):
+                pg.abort()
 
 
 def _words(group_digests: list[str], device: torch.device) -> torch.Tensor:
     return digests.to_words(group_digests).to(device)
 
 
-class NcclSender(Sender):
-    """Rank 0. Create it, hand ``init_info(member)`` to each receiving worker, then ``connect()``.
+def _table_key(version: int) -> str:
+    return f"v{version}/table"
 
-    ``members`` names every receiving worker (one per tensor-parallel rank of each
-    replica); a member's rank is 1 + its index.
-    """
+
+class NcclSender(Sender):
+    """Rank 0 of the planned membership's group; see the module docstring."""
 
     channel: ClassVar[Channel] = Channel.NCCL
 
     def __init__(
-        self,
-        members: Sequence[str],
-        device: str | torch.device = "cuda",
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout_s: float = 120.0,
+        self, device: str | torch.device = "cuda", host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0
     ) -> None:
-        self.device = gpu.cuda_device(device)
-        self._group = NcclGroup(host, port, 0, self.device, timeout_s)
-        self.members: list[str] = []
-        self.generation = 0
-        self._set_members(members)
+        self.device = _device(device)
+        self.host, self.timeout_s = host, timeout_s
+        self._store = wire.serve_store(host, port, timeout_s)
+        self.port = int(self._store.port)
+        self._group: NcclGroup | None = None
+        self._forming: threading.Thread | None = None
+        self._form_error = ""
+        self.members: dict[str, Rendezvous] = {}
 
-    def _set_members(self, members: Sequence[str]) -> None:
-        if not members or len(set(members)) != len(members):
-            raise PermanentError(f"nccl channel: members must be distinct and non-empty, got {list(members)}")
-        self.members = list(members)
-        self.generation += 1
+    @classmethod
+    def create(cls, config: SenderConfig) -> Self:
+        return cls(device=config.device, host=config.host, timeout_s=config.timeout_s)
 
-    @property
-    def address(self) -> str:
-        return f"{self._group.host}:{self._group.port}"
+    def offer(self) -> Offer:
+        return Offer(Channel.NCCL, Endpoint(self.host, self.port))
 
-    def init_info(self, member: str) -> dict[str, Any]:
-        """What a receiving worker needs; a tensor-parallel replica passes its first worker's name."""
-        if member not in self.members:
-            raise PermanentError(f"nccl channel: {member!r} is not a member; members: {self.members}")
-        return {
-            "address": self.address,
-            "world_size": 1 + len(self.members),
-            "rank_offset": 1 + self.members.index(member),
-            "generation": self.generation,
-            "timeout_s": self._group.timeout_s,
-        }
+    def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
+        """One group for every receiver planned on NCCL; rebuilt when its generation changes."""
+        plans = dict(receivers)
+        memberships = {(r.group, r.secret, r.generation, r.world_size) for r in plans.values()}
+        if len(memberships) > 1:
+            raise PermanentError(f"nccl channel: the plan names {len(memberships)} groups; one was expected")
+        wanted = next(iter(plans.values()), None)
+        if wanted is not None and wanted.same_membership(self._group.rdv if self._group is not None else None):
+            self.members = plans
+            return
+        self._await()
+        if self._group is not None:
+            self._group.abort()
+            self._group = None
+        self.members = plans
+        if wanted is None:
+            return
+        group = NcclGroup(self._store, wanted.with_timeout(self.timeout_s), 0, self.device, self.host)
+        self._group, self._form_error = group, ""
+        self._forming = threading.Thread(target=self._form, args=(group,), name=f"weightsync-nccl-{wanted.group}")
+        self._forming.start()
 
-    def connect(self) -> None:
-        self._group.connect(self.generation, 1 + len(self.members))
+    def _form(self, group: NcclGroup) -> None:
+        try:
+            group.connect()
+        except (TransferTimeoutError, RuntimeError) as e:
+            self._form_error = str(e)
 
-    def rebuild(self, members: Sequence[str]) -> None:
-        """Drop the current group and take a new member list; hand out ``init_info`` again, then ``connect()``."""
-        self._group.abort()
-        self._set_members(members)
+    def _await(self) -> None:
+        if self._forming is not None:
+            self._forming.join(self.timeout_s + 5)
+            self._forming = None
 
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        if ticket.table is None:
+            raise PermanentError(f"nccl channel: the sender's ticket for v{ticket.version} has no table")
+        self._await()
+        group = self._group
+        if group is None or not group.connected:
+            why = self._form_error or "no receiver is planned on it (call take_plan first)"
+            raise TransferTimeoutError(f"nccl channel: the group is not formed: {why}")
+        group.store.set(_table_key(ticket.version), json.dumps(ticket.table.to_dict()))
+        try:
+            return SendReport(self._send(group, ticket, ticket.table, groups))
+        except TransferTimeoutError:
+            self._group = None  # aborted: the next plan forms a new group
+            raise
+
+    def _send(
+        self, group: NcclGroup, ticket: UpdateTicket, table: TensorTable, groups: Iterable[Sequence[torch.Tensor]]
+    ) -> dict[str, str]:
         found: dict[str, str] = {}
         source = iter(groups)
-        # (work, tensors kept alive until the GPU is done with them, what)
+        # (work, tensors kept alive until the device is done with them, what)
         in_flight: deque[tuple[Any, list[torch.Tensor], str]] = deque()
-        for i, specs in enumerate(ticket.table.groups()):
+        for i, specs in enumerate(table.groups()):
             tensors = next(source, None)
             if tensors is None or len(tensors) != len(specs):
                 got = "nothing" if tensors is None else f"{len(tensors)} tensors"
                 raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
-            wire = [gpu.wire_tensor(s, t, self.device) for s, t in zip(specs, tensors, strict=True)]
+            wire_tensors = [gpu.wire_tensor(s, t, self.device) for s, t in zip(specs, tensors, strict=True)]
             while len(in_flight) >= IN_FLIGHT_GROUPS:
-                self._group.wait(in_flight[0][0], ticket.timeout_s, in_flight[0][2])
+                group.wait(in_flight[0][0], ticket.timeout_s, in_flight[0][2])
                 in_flight.popleft()
             what = f"group {i} broadcast (starting at {specs[0].name!r})"
-            in_flight.append((self._group.broadcast([t for t in wire if t.numel()]), wire, what))
+            in_flight.append((group.broadcast([t for t in wire_tensors if t.numel()]), wire_tensors, what))
             if ticket.verify:
-                group_digests = [digests.digest(t) for t in wire]
+                group_digests = [digests.digest(t) for t in wire_tensors]
                 found.update({s.name: d for s, d in zip(specs, group_digests, strict=True)})
                 words = _words(group_digests, self.device)
-                in_flight.append((self._group.broadcast([words]), [words], f"group {i} digests"))
+                in_flight.append((group.broadcast([words]), [words], f"group {i} digests"))
         for work, _, what in in_flight:
-            self._group.wait(work, ticket.timeout_s, what)
+            group.wait(work, ticket.timeout_s, what)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
         return found
 
     def close(self) -> None:
-        self._group.abort()
+        self._await()
+        if self._group is not None:
+            self._group.abort()
+            self._group = None
 
 
 class NcclReceiver(Receiver):
-    """One receiving worker (rank >= 1) on its replica's GPU."""
+    """One receiving worker (rank >= 1) on its replica's device."""
 
     channel: ClassVar[Channel] = Channel.NCCL
+    needs = ("endpoint", "group", "secret", "generation", "world_size", "rank")
 
-    def __init__(
-        self, address: str, world_size: int, rank: int, device: str | torch.device, generation: int, timeout_s: float
-    ) -> None:
-        host, _, port = address.rpartition(":")
-        self.device = gpu.cuda_device(device)
-        self._group = NcclGroup(host, int(port), rank, self.device, timeout_s)
-        self._group.connect(generation, world_size)
+    def __init__(self, rendezvous: Rendezvous, rank: int, device: str | torch.device) -> None:
+        assert rendezvous.endpoint is not None
+        self.device = _device(device)
+        store = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        self._group = NcclGroup(store, rendezvous, rank, self.device, wire.local_address_for(rendezvous.endpoint))
+        self._group.connect()
         self._staging = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(IN_FLIGHT_GROUPS)]
 
     @classmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> NcclReceiver:
-        """``init_info``: address, world_size, rank_offset (this replica's first rank), generation, timeout_s."""
-        return cls(
-            address=str(init_field(init, "address", Channel.NCCL)),
-            world_size=int(init_field(init, "world_size", Channel.NCCL)),
-            rank=int(init_field(init, "rank_offset", Channel.NCCL)) + ctx.rank,
-            device=ctx.device,
-            generation=int(init_field(init, "generation", Channel.NCCL)),
-            timeout_s=float(init.get("timeout_s", 120.0)),
-        )
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> NcclReceiver:
+        return cls(rendezvous, rendezvous.rank + ctx.rank, ctx.device)
 
     def _targets(
-        self, specs: Sequence[TensorSpec], slot: int, destinations: Mapping[str, torch.Tensor]
+        self, specs: Sequence[TensorSpec], slot: int, destinations: dict[str, torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """Where each tensor of a group lands: its destination view when it fits, else a staging slot."""
         direct = [fits_in_place(s, self.device, destinations.get(s.name)) for s in specs]
@@ -239,13 +310,18 @@ class NcclReceiver(Receiver):
             offset += align(spec.nbytes, 256)
         return targets, direct
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        self.verified = {}
-        groups = ticket.table.groups()
-        dests = destinations or {}
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        self.begin()
+        raw = wire.wait_key(
+            self._group.store, _table_key(ticket.version), ticket.timeout_s, f"v{ticket.version}'s table", Channel.NCCL
+        )
+        table = self.table = ticket.resolve_table(TensorTable.from_dict(json.loads(raw)), "nccl channel")
+        groups = table.groups()
+        dests = dict(place(table)) if place is not None else {}
 
         def post(i: int) -> tuple[list[torch.Tensor], list[bool], Any, torch.Tensor | None, Any | None]:
             targets, direct = self._targets(groups[i], i % IN_FLIGHT_GROUPS, dests)
+            self.in_place.update(s.name for s, d in zip(groups[i], direct, strict=True) if d)
             work = self._group.broadcast([t for t in targets if t.numel()])
             if not ticket.verify:
                 return targets, direct, work, None, None
@@ -261,7 +337,7 @@ class NcclReceiver(Receiver):
             group: Group = list(zip(specs, targets, strict=True))
             if words is not None and dwork is not None:
                 self._group.wait(dwork, ticket.timeout_s, f"group {i} digests")
-                self.verified.update(verify_group(group, digests.from_words(specs, words.cpu())))
+                self.check(group, digests.from_words(specs, words.cpu()))
             staged = [pair for pair, d in zip(group, direct, strict=True) if not d]
             if staged:
                 yield staged

@@ -18,15 +18,17 @@ shards), which from then on always goes through the sender's buffer. Destination
 and staging buffers are registered once on the replica's side too, and the READ
 requests of a version are built once and re-posted while the layout stays the same.
 
-Metadata is plain data, never pickled. ``init_info`` carries the trainer's TCPStore
-address, its agent's name and its NIXL agent metadata (base64 of NIXL's own bytes).
-Per version the store holds JSON under ``v<version>/meta``: the metadata epoch,
-each tensor's ``[address, device]`` in the trainer's memory, and (with verification)
-the per-tensor digests the trainer computed where the bytes lie. When the trainer's
+Metadata is plain data, never pickled. The sender's offer (and so each receiver's
+rendezvous) carries the trainer's TCPStore address, its agent's name and its NIXL
+agent metadata (NIXL's own bytes; base64 in ``init_info``). Per version the store
+holds JSON under ``v<version>/meta``, beneath the membership's secret prefix: the
+version's table (checked against the coordinator's layout digest), the metadata
+epoch, each tensor's ``[address, device]`` in the trainer's memory, and (with
+verification) the per-tensor digests the trainer computed where the bytes lie. When the trainer's
 registrations change, it bumps the epoch and publishes fresh agent metadata under
 ``md/<epoch>``; a receiver that sees a newer epoch loads it before reading. Each
-receiver acknowledges a version under ``v<version>/done/<receiver>``, which the
-trainer awaits with ``wait_consumed`` before it changes the tensors.
+receiver acknowledges a version under ``v<version>/done/<rank>``, which the
+trainer awaits with ``release`` before it changes the tensors.
 
 Every wait is bounded: the version's metadata, a fresh agent metadata, each READ
 (polled against the ticket's deadline; a stalled one is released and raises
@@ -47,24 +49,24 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
-from weightsync.channels import digests, gpu
+from weightsync.channels import digests, gpu, wire
 from weightsync.channels.base import (
-    TORCH_DTYPES,
-    Group,
+    Endpoint,
+    Offer,
+    Placement,
     Receiver,
+    Rendezvous,
     Sender,
+    SenderConfig,
+    SendReport,
     UpdateTicket,
     WorkerContext,
-    fits_in_place,
-    init_field,
-    tcp_store,
-    verify_group,
-    wait_key,
 )
+from weightsync.channels.wire import TORCH_DTYPES, Group, dist, fits_in_place, wait_key
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError
 from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
@@ -119,17 +121,20 @@ class VersionMeta:
     mem: str
     locations: tuple[Location, ...]
     digests: Mapping[str, str]
+    table: TensorTable
 
     def to_json(self) -> str:
         locs = [None if loc is None else [loc[0], loc[1]] for loc in self.locations]
         body = {"version": self.version, "epoch": self.epoch, "mem": self.mem, "locations": locs}
-        return json.dumps({**body, "digests": dict(self.digests)}, separators=(",", ":"))
+        return json.dumps({**body, "digests": dict(self.digests), "table": self.table.to_dict()}, separators=(",", ":"))
 
     @classmethod
-    def parse(cls, raw: bytes | str, table: TensorTable, version: int) -> VersionMeta:
-        """Validate the published metadata against the ticket's table; errors name the tensor."""
+    def parse(cls, raw: bytes | str, ticket: UpdateTicket) -> VersionMeta:
+        """Validate the published metadata: its table against the ticket, its locations against the table."""
+        version = ticket.version
         try:
             d = json.loads(raw)
+            table = ticket.resolve_table(TensorTable.from_dict(d["table"]), "nixl channel")
             got_version, epoch, mem, locs = int(d["version"]), int(d["epoch"]), str(d["mem"]), d["locations"]
             found = {str(k): str(v) for k, v in dict(d.get("digests", {})).items()}
         except (KeyError, TypeError, ValueError) as e:
@@ -157,7 +162,7 @@ class VersionMeta:
                     f"expected [address, device] for its {spec.nbytes} bytes"
                 )
             locations.append((loc[0], loc[1]))
-        return cls(got_version, epoch, mem, tuple(locations), found)
+        return cls(got_version, epoch, mem, tuple(locations), found, table)
 
 
 def _nixl_agent(name: str) -> Any:
@@ -222,8 +227,8 @@ class _Registry:
 class NixlSender(Sender):
     """The trainer's side: registers what travels and publishes where it lies.
 
-    Hand ``init_info(i)`` to receiver ``i`` (one per worker of each replica), ``send``
-    each version, then ``wait_consumed(version, receivers)`` before changing the tensors.
+    Its offer carries the agent's name and metadata; ``send`` each version, then
+    ``release`` before changing the tensors.
     """
 
     channel: ClassVar[Channel] = Channel.NIXL
@@ -240,8 +245,10 @@ class NixlSender(Sender):
         self.timeout_s, self.window = timeout_s, window
         self.name = f"weightsync-trainer-{uuid.uuid4().hex[:12]}"
         self._agent = _nixl_agent(self.name)
-        self._store = tcp_store(host, port, True, timeout_s)
-        self.host, self.port = host, self._store.port
+        self._base = wire.serve_store(host, port, timeout_s)
+        self.host, self.port = host, int(self._base.port)
+        self._store: Any = None
+        self._membership: Rendezvous | None = None
         self._registry = _Registry(self._agent, self.device)
         # name -> (the trainer's tensor, what travels for it, that memory's address then)
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -249,24 +256,34 @@ class NixlSender(Sender):
         self._moved: set[str] = set()
         self.epoch = 0
         self._published = -1
+
+    @classmethod
+    def create(cls, config: SenderConfig) -> Self:
+        return cls(device=config.device, host=config.host, timeout_s=config.timeout_s)
+
+    def offer(self) -> Offer:
+        return Offer(
+            Channel.NIXL,
+            Endpoint(self.host, self.port),
+            agent=self.name,
+            metadata=self._agent.get_agent_metadata(),
+            epoch=self.epoch,
+        )
+
+    def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
+        """A new membership reads under a new prefix: the agent metadata is published there again."""
+        wanted = next(iter(receivers.values()), None)
+        if wanted is None or wanted.same_membership(self._membership):
+            return
+        self._membership = wanted
+        self._store = dist.PrefixStore(wanted.prefix, self._base)
+        self._published = -1
         self._publish_metadata()
 
     @property
     def registrations(self) -> int:
         """How many storages are registered now (tests check registration happens once per buffer)."""
         return len(self._registry)
-
-    def init_info(self, receiver: int = 0) -> dict[str, Any]:
-        """What receiver ``receiver`` needs; plain JSON-able data (the agent metadata as base64)."""
-        return {
-            "address": f"{self.host}:{self.port}",
-            "agent": self.name,
-            "metadata": encode_metadata(self._agent.get_agent_metadata()),
-            "epoch": self.epoch,
-            "receiver": receiver,
-            "timeout_s": self.timeout_s,
-            "window": self.window,
-        }
 
     def _publish_metadata(self) -> None:
         if self._published != self.epoch:
@@ -291,12 +308,15 @@ class NixlSender(Sender):
             self._moved.add(spec.name)  # new memory every step: copy into one registered buffer from now on
         return self._owned_buffer(spec).copy_(t, non_blocking=True)
 
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        if ticket.table is None or self._store is None:
+            raise PermanentError("nixl channel: send needs a ticket with the table and a plan (take_plan) first")
+        table = ticket.table
         found: dict[str, str] = {}
         located: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         source = iter(groups)
         changed = False
-        for i, specs in enumerate(ticket.table.groups()):
+        for i, specs in enumerate(table.groups()):
             tensors = next(source, None)
             if tensors is None or len(tensors) != len(specs):
                 got = "nothing" if tensors is None else f"{len(tensors)} tensors"
@@ -318,24 +338,19 @@ class NixlSender(Sender):
             self.epoch += 1
             self._publish_metadata()
         dev = device_id(self.device)
-        locations = tuple(
-            (w.data_ptr(), dev) if w.numel() else None for _, w, _ in (located[s.name] for s in ticket.table)
-        )
-        meta = VersionMeta(ticket.version, self.epoch, mem_type(self.device), locations, found)
+        locations = tuple((w.data_ptr(), dev) if w.numel() else None for _, w, _ in (located[s.name] for s in table))
+        meta = VersionMeta(ticket.version, self.epoch, mem_type(self.device), locations, found, table)
         self._store.set(f"v{ticket.version}/meta", meta.to_json())
-        return found
+        return SendReport(found)
 
-    def wait_consumed(self, version: int, receivers: int = 1, timeout_s: float | None = None) -> None:
-        """Block until ``receivers`` receivers have read ``version`` (before the trainer overwrites its tensors)."""
-        for r in range(receivers):
-            wait_key(
-                self._store,
-                f"v{version}/done/{r}",
-                timeout_s or self.timeout_s,
-                f"receiver {r}'s ack of v{version}",
-                Channel.NIXL,
-            )
-        for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in range(receivers))]:
+    def release(self, version: int, timeout_s: float) -> None:
+        """Block until every planned receiving worker read ``version`` (before the trainer overwrites its tensors)."""
+        if self._membership is None:
+            return
+        ranks = range(1, self._membership.world_size)
+        for r in ranks:
+            wait_key(self._store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", Channel.NIXL)
+        for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in ranks)]:
             self._store.delete_key(key)
 
     def close(self) -> None:
@@ -371,49 +386,29 @@ class NixlReceiver(Receiver):
     """One receiving worker: pulls each layer group from the trainer's registered memory."""
 
     channel: ClassVar[Channel] = Channel.NIXL
+    needs = ("endpoint", "group", "secret", "world_size", "rank", "agent", "metadata")
 
     def __init__(
-        self,
-        address: str,
-        agent: str,
-        metadata: bytes,
-        epoch: int,
-        receiver: int,
-        device: str | torch.device,
-        timeout_s: float = 120.0,
-        window: int = DEFAULT_WINDOW,
+        self, rendezvous: Rendezvous, rank: int, device: str | torch.device, window: int = DEFAULT_WINDOW
     ) -> None:
         if window < 1:
             raise PermanentError(f"nixl channel: window must be >= 1, got {window}")
-        host, _, port = address.rpartition(":")
-        self.device, self.receiver, self.window, self.timeout_s = _device(device), receiver, window, timeout_s
-        self._agent = _nixl_agent(f"weightsync-replica-{receiver}-{uuid.uuid4().hex[:12]}")
-        self._store = tcp_store(host, int(port), False, timeout_s)
-        self._remote = agent
-        self._load_metadata(metadata, f"init_info 'metadata' (agent {agent!r})")
-        self._epoch = epoch
+        assert rendezvous.endpoint is not None
+        self.device, self.receiver, self.window = _device(device), rank, window
+        self.timeout_s = rendezvous.timeout_s
+        self._agent = _nixl_agent(f"weightsync-replica-{rank}-{uuid.uuid4().hex[:12]}")
+        self._store = dist.PrefixStore(rendezvous.prefix, wire.join_store(rendezvous.endpoint, self.timeout_s))
+        self._remote = rendezvous.agent
+        self._load_metadata(rendezvous.metadata, f"the rendezvous' agent metadata (agent {rendezvous.agent!r})")
+        self._epoch = rendezvous.epoch
         self._registry = _Registry(self._agent, self.device)
         self._staging: list[torch.Tensor] = []
         self._prepared: _Prepared | None = None
-        self.verified = {}
 
     @classmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> NixlReceiver:
-        """``init_info``: address, agent, metadata (base64), epoch, receiver, timeout_s, window.
-
-        A tensor-parallel replica's workers read as receivers ``receiver + rank``.
-        """
-        ch = Channel.NIXL
-        return cls(
-            address=str(init_field(init, "address", ch)),
-            agent=str(init_field(init, "agent", ch)),
-            metadata=decode_metadata(init_field(init, "metadata", ch), "init_info 'metadata'"),
-            epoch=int(init_field(init, "epoch", ch)),
-            receiver=int(init.get("receiver", 0)) + ctx.rank,
-            device=ctx.device,
-            timeout_s=float(init.get("timeout_s", 120.0)),
-            window=int(init.get("window", DEFAULT_WINDOW)),
-        )
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> NixlReceiver:
+        """A tensor-parallel replica's workers read as ranks ``rendezvous.rank + worker rank``."""
+        return cls(rendezvous, rendezvous.rank + ctx.rank, ctx.device)
 
     def _load_metadata(self, metadata: bytes, what: str) -> None:
         try:
@@ -424,11 +419,12 @@ class NixlReceiver(Receiver):
         if name != self._remote:
             raise PermanentError(f"nixl channel: {what} describes agent {name!r}, expected {self._remote!r}")
 
-    def _prepare(self, ticket: UpdateTicket, meta: VersionMeta, dests: Mapping[str, torch.Tensor]) -> _Prepared:
+    def _prepare(self, meta: VersionMeta, dests: Mapping[str, torch.Tensor]) -> _Prepared:
+        table = meta.table
         p = self._prepared
         if (
             p is not None
-            and p.tensors == ticket.table.tensors
+            and p.tensors == table.tensors
             and p.locations == meta.locations
             and p.epoch == meta.epoch
             and p.dests is dests
@@ -436,8 +432,8 @@ class NixlReceiver(Receiver):
         ):
             return p
         self._release()
-        groups = ticket.table.groups()
-        direct = {s.name for s in ticket.table if s.nbytes and fits_in_place(s, self.device, dests.get(s.name))}
+        groups = table.groups()
+        direct = {s.name for s in table if s.nbytes and fits_in_place(s, self.device, dests.get(s.name))}
         slots = min(self.window, len(groups))
         need = [0] * slots
         for i, specs in enumerate(groups):
@@ -458,7 +454,7 @@ class NixlReceiver(Receiver):
             if b.numel():
                 self._registry.ensure(b)
         kind, here = mem_type(self.device), device_id(self.device)
-        index = {s.name: k for k, s in enumerate(ticket.table)}
+        index = {s.name: k for k, s in enumerate(table)}
         reads: list[_GroupRead] = []
         for i, specs in enumerate(groups):
             group: Group = []
@@ -494,7 +490,7 @@ class NixlReceiver(Receiver):
                     ) from None
             staged = [(s, t) for s, t in group if s.name not in direct]
             reads.append(_GroupRead(i, what, handle, group, staged))
-        self._prepared = _Prepared(ticket.table.tensors, meta.locations, meta.epoch, dests, self.window, reads)
+        self._prepared = _Prepared(table.tensors, meta.locations, meta.epoch, dests, self.window, reads)
         return self._prepared
 
     def _post(self, read: _GroupRead) -> None:
@@ -522,34 +518,36 @@ class NixlReceiver(Receiver):
             if now - start > _SPIN_S:
                 time.sleep(_SLEEP_S)
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        """Read the version into ``destinations`` where they fit; yield the rest as staging views.
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        """Read the version into its destinations where they fit; yield the rest as staging views.
 
-        Pass the same ``destinations`` mapping every version to keep the prepared READs.
+        ``place`` should return the same mapping for the same table, so the prepared READs are kept.
         """
-        self.verified = {}
-        self.table = ticket.table
+        self.begin()
         deadline = time.monotonic() + ticket.timeout_s
         raw = wait_key(
             self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} metadata", Channel.NIXL
         )
-        meta = VersionMeta.parse(raw, ticket.table, ticket.version)
+        meta = VersionMeta.parse(raw, ticket)
+        table = self.table = meta.table
         if meta.epoch != self._epoch:
             left = max(deadline - time.monotonic(), 0.001)
             md = wait_key(self._store, f"md/{meta.epoch}", left, f"agent metadata epoch {meta.epoch}", Channel.NIXL)
             self._load_metadata(decode_metadata(md.decode(), f"md/{meta.epoch}"), f"agent metadata epoch {meta.epoch}")
             self._epoch = meta.epoch
-        if ticket.verify and meta.digests.keys() != {s.name for s in ticket.table}:
-            missing = sorted({s.name for s in ticket.table} - meta.digests.keys())
+        if ticket.verify and meta.digests.keys() != {s.name for s in table}:
+            missing = sorted({s.name for s in table} - meta.digests.keys())
             raise PermanentError(f"nixl channel: v{ticket.version} asks for verification, no digest for {missing[:3]}")
-        prepared = self._prepare(ticket, meta, destinations if destinations is not None else {})
+        dests = place(table) if place is not None else {}
+        prepared = self._prepare(meta, dests)
+        self.in_place = {s.name for s in table if s.nbytes and fits_in_place(s, self.device, dests.get(s.name))}
         reads = prepared.reads
         for read in reads[: self.window]:
             self._post(read)
         for i, read in enumerate(reads):
             self._wait(read, deadline, ticket.timeout_s)
             if ticket.verify:
-                self.verified.update(verify_group(read.group, meta.digests))
+                self.check(read.group, meta.digests)
             if read.staged:
                 yield read.staged
             if i + self.window < len(reads):

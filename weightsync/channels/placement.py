@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weightsync.channels.base import DTYPE_NAMES
+from weightsync.channels.wire import DTYPE_NAMES
 from weightsync.errors import ModelMismatchError
 from weightsync.tensors import TensorSpec
 
@@ -104,6 +104,26 @@ def direct_plan(
             plan[spec.name] = (param, start, count)
             start += count
     return plan
+
+
+def whole_modules(plan: Plan, layout: Layout) -> Plan:
+    """The plan restricted to engine modules whose every parameter it fills completely.
+
+    vLLM reloads weights module by module: a module that receives any tensor through its
+    loader is rebuilt from what the loader got and copied back over its parameters, which
+    would overwrite a parameter of it written in place. So a module is written in place
+    whole or not at all (the CPU backend, which repacks linear weights, keeps e.g. a fused
+    q/k/v bias in checkpoint layout but not the weight beside it).
+    """
+    filled: dict[str, int] = {}
+    for param, _, rows in plan.values():
+        filled[param] = filled.get(param, 0) + rows
+    complete = {param for param, rows in filled.items() if rows == (layout[param][1][0] if layout[param][1] else 1)}
+    modules: dict[str, set[str]] = {}
+    for param in layout:
+        modules.setdefault(param.rpartition(".")[0], set()).add(param)
+    whole = {m for m, params in modules.items() if params <= complete}
+    return {name: entry for name, entry in plan.items() if entry[0].rpartition(".")[0] in whole}
 
 
 def plan_to_json(plan: Plan) -> dict[str, list[Any]]:

@@ -1,16 +1,15 @@
 """The checkpoint volume: safetensors shards plus a manifest, one directory per version.
 
-Layout under the volume root::
-
-    v00000007/manifest.json           version, step, tensors (shard, dtype, shape, digest), shards (sha256)
-    v00000007/shard-00000.safetensors
-
-A version is written under a temporary name, every file and the directory are
+The layout and the manifest format are in ``manifests`` (no torch: the coordinator
+reads them). A version is written under a temporary name, every file and the directory are
 fsync'ed, and only then is it renamed to ``vNNNNNNNN`` (atomic on POSIX), so a
 reader either sees a whole version or none. Readers check every shard's size and
 sha256 against the manifest before yielding a single tensor: a truncated or
 altered shard is refused, naming the file and the first tensor it damages, while
-the engine keeps what it had. This is the channel of last resort and the source
+the engine keeps what it had; and before that, the manifest itself is refused unless
+it matches the checksum the coordinator recorded (``ticket.manifest_checksum``). The
+coordinator, not the writer, prunes old versions (it knows which one is the newest
+durable READY version). This is the channel of last resort and the source
 for late joiners and recovery, so it favours integrity over speed.
 """
 
@@ -22,11 +21,10 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from safetensors import safe_open
@@ -34,26 +32,23 @@ from safetensors.torch import save_file
 
 from weightsync.channels import digests
 from weightsync.channels.base import (
-    Group,
+    Offer,
+    Placement,
     Receiver,
+    Rendezvous,
     Sender,
+    SenderConfig,
+    SendReport,
     UpdateTicket,
     WorkerContext,
-    check_tensor,
-    verify_group,
 )
+from weightsync.channels.manifests import MANIFEST, TEMPORARY_PREFIX, Manifest, read, version_dir
+from weightsync.channels.wire import Group, check_tensor
 from weightsync.errors import IntegrityError, PermanentError
-from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
-FORMAT = "weightsync.volume/v1"
-MANIFEST = "manifest.json"
 DEFAULT_SHARD_BYTES = 512 << 20
 _HASH_BLOCK = 16 << 20
-
-
-def version_dir(root: Path, version: int) -> Path:
-    return root / f"v{version:08d}"
 
 
 def _fsync(path: Path) -> None:
@@ -78,98 +73,33 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class Manifest:
-    version: int
-    step: int
-    table: TensorTable
-    shard_of: dict[str, str]
-    shards: dict[str, tuple[int, str]]  # file -> (bytes, sha256)
-    created: float
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "version": self.version,
-                "step": self.step,
-                "created": self.created,
-                "total_bytes": self.table.total_bytes,
-                "group_starts": list(self.table.group_starts),
-                "tensors": [dict(s.to_dict(), shard=self.shard_of[s.name]) for s in self.table],
-                "shards": [{"file": f, "bytes": b, "sha256": h} for f, (b, h) in self.shards.items()],
-            },
-            indent=1,
-        )
-
-    @classmethod
-    def load(cls, directory: Path) -> Manifest:
-        path = directory / MANIFEST
-        try:
-            raw: dict[str, Any] = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise IntegrityError(f"{path}: no manifest; the version was never completed") from None
-        except json.JSONDecodeError as e:
-            raise IntegrityError(f"{path}: manifest is not valid JSON ({e})") from None
-        if raw.get("format") != FORMAT:
-            raise PermanentError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
-        table = TensorTable.from_dict({"tensors": raw["tensors"], "group_starts": raw.get("group_starts", [0])})
-        return cls(
-            version=int(raw["version"]),
-            step=int(raw["step"]),
-            table=table,
-            shard_of={t["name"]: t["shard"] for t in raw["tensors"]},
-            shards={s["file"]: (int(s["bytes"]), s["sha256"]) for s in raw["shards"]},
-            created=float(raw.get("created", 0.0)),
-        )
-
-
-def list_versions(root: Path) -> list[int]:
-    """Complete versions on the volume (those with a manifest), oldest first."""
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        if p.name.startswith("v") and p.name[1:].isdigit() and (p / MANIFEST).is_file():
-            out.append(int(p.name[1:]))
-    return sorted(out)
-
-
-def latest_version(root: Path) -> int | None:
-    versions = list_versions(root)
-    return versions[-1] if versions else None
-
-
-def prune(root: Path, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` versions (and stale temporaries); return what was deleted."""
-    if keep < 1:
-        raise PermanentError(f"retention must keep at least 1 version, got {keep}")
-    versions = list_versions(root)
-    doomed = versions[:-keep]
-    for v in doomed:
-        shutil.rmtree(version_dir(root, v), ignore_errors=True)
-    for tmp in root.glob(".tmp-*"):
-        if time.time() - tmp.stat().st_mtime > 3600:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return doomed
-
-
 class VolumeSender(Sender):
     """Writes a version to the volume. ``send`` returns once it is durable and visible."""
 
     channel: ClassVar[Channel] = Channel.VOLUME
 
-    def __init__(self, root: str | os.PathLike[str], shard_bytes: int = DEFAULT_SHARD_BYTES, keep: int = 3) -> None:
+    def __init__(self, root: str | os.PathLike[str], shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
         self.root = Path(root)
         self.shard_bytes = shard_bytes
-        self.keep = keep
 
-    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> dict[str, str]:
+    @classmethod
+    def create(cls, config: SenderConfig) -> Self:
+        if not config.root:
+            raise PermanentError("volume channel: no volume root configured (the checkpoint directory)")
+        return cls(config.root)
+
+    def offer(self) -> Offer:
+        return Offer(Channel.VOLUME)
+
+    def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
+        if ticket.table is None:
+            raise PermanentError(f"volume channel: the sender's ticket for v{ticket.version} has no table")
+        table = ticket.table
         self.root.mkdir(parents=True, exist_ok=True)
         final = version_dir(self.root, ticket.version)
         if final.exists():
             raise PermanentError(f"{final} already exists: version {ticket.version} was published before")
-        tmp = self.root / f".tmp-v{ticket.version:08d}-{os.getpid()}"
+        tmp = self.root / f"{TEMPORARY_PREFIX}v{ticket.version:08d}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         shard_of: dict[str, str] = {}
@@ -202,7 +132,7 @@ class VolumeSender(Sender):
             pending, pending_bytes = {}, 0
 
         try:
-            for specs, tensors in zip(ticket.table.groups(), groups, strict=True):
+            for specs, tensors in zip(table.groups(), groups, strict=True):
                 if len(specs) != len(tensors):
                     raise PermanentError(
                         f"group starting at {specs[0].name!r}: {len(tensors)} tensors, expected {len(specs)}"
@@ -223,7 +153,7 @@ class VolumeSender(Sender):
             manifest = Manifest(
                 ticket.version,
                 ticket.step,
-                ticket.table.with_digests(found) if found else ticket.table,
+                table.with_digests(found) if found else table,
                 shard_of,
                 shards,
                 time.time(),
@@ -245,8 +175,7 @@ class VolumeSender(Sender):
             raise
         finally:
             hashing.shutdown(wait=True)
-        prune(self.root, self.keep)
-        return found
+        return SendReport(found)
 
 
 def _name_damaged_tensor(path: Path, size: int, manifest: Manifest, file: str) -> str:
@@ -300,13 +229,14 @@ def verify_version(directory: Path, manifest: Manifest) -> None:
 
 
 class VolumeReceiver(Receiver):
-    """Reads a version from the volume after verifying all of it."""
+    """Reads a version from the volume after verifying all of it (manifest checksum, then every shard)."""
 
     channel: ClassVar[Channel] = Channel.VOLUME
+    needs = ("root",)
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root) if root else None
-        self.verified = {}
+        self.begin()
 
     def _directory(self, ticket: UpdateTicket) -> Path:
         root = ticket.params.get("root") or self.root
@@ -315,21 +245,26 @@ class VolumeReceiver(Receiver):
         return version_dir(Path(root), ticket.version)
 
     @classmethod
-    def from_init(cls, init: Mapping[str, Any], ctx: WorkerContext) -> VolumeReceiver:
-        """``init_info``: root (the volume's mount path; a ticket may name another)."""
-        return cls(root=init.get("root"))
+    def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> VolumeReceiver:
+        return cls(root=rendezvous.root)
 
-    def receive(self, ticket: UpdateTicket, destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[Group]:
-        self.verified = {}
+    def manifest(self, ticket: UpdateTicket) -> Manifest:
+        """The version's manifest, checked against the ticket's manifest checksum."""
+        return read(self._directory(ticket), ticket.version, ticket.manifest_checksum)
+
+    def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
+        self.begin()
         directory = self._directory(ticket)
-        manifest = Manifest.load(directory)
-        if manifest.version != ticket.version:
-            raise IntegrityError(f"{directory}: manifest says version {manifest.version}, expected {ticket.version}")
-        if len(ticket.table):
-            manifest.table.check_matches(ticket.table)
+        manifest = self.manifest(ticket)
+        self.table = ticket.resolve_table(manifest.table, f"{directory}")
         verify_version(directory, manifest)
-        self.table = manifest.table
         expected = manifest.table.digests()
+        if ticket.verify and len(expected) != len(manifest.table):
+            raise IntegrityError(
+                f"{directory}: version {ticket.version} must be verified, but its manifest has digests for "
+                f"{len(expected)} of {len(manifest.table)} tensors (written with verification off); "
+                "the version is refused"
+            )
         handles: dict[str, Any] = {}
         try:
             for specs in manifest.table.groups():
@@ -340,14 +275,11 @@ class VolumeReceiver(Receiver):
                         handles[file] = safe_open(str(directory / file), framework="pt").__enter__()  # type: ignore[no-untyped-call]
                     group.append((spec, handles[file].get_tensor(spec.name)))
                 if ticket.verify and expected:
-                    self.verified.update(verify_group(group, expected))
+                    self.check(group, expected)
                 yield group
         finally:
             for h in handles.values():
                 h.__exit__(None, None, None)
-
-    def manifest(self, ticket: UpdateTicket) -> Manifest:
-        return Manifest.load(self._directory(ticket))
 
 
 SENDER = VolumeSender

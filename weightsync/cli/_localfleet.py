@@ -3,7 +3,9 @@
 Each replica is what a Kubernetes pod would run: a vLLM OpenAI server on a loopback
 port in development mode (its weight-transfer routes reachable only here), the
 ``weightsync agent`` attached to it, and the ``weightsync proxy`` that exposes only the
-OpenAI routes to clients. Logs go to files under the work directory.
+OpenAI routes to clients. Every process reads the job's settings from one ``job.json``
+(``$WEIGHTSYNC_CONFIG``), as the pods of an RLJob do. Logs go to files under the work
+directory.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+
+from weightsync import jobconfig
+from weightsync.vocabulary import Channel
 
 
 def free_port() -> int:
@@ -56,6 +61,10 @@ def spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = No
         env={**os.environ, **(env or {})},
     )
     return Proc(name, popen, log)
+
+
+WORKER_EXTENSION = "weightsync_inference.worker.WorkerExtension"
+"""What the agent asks vLLM's workers through ``/collective_rpc`` (``weightsync_inference.worker``)."""
 
 
 def weightsync_cmd(*args: str) -> list[str]:
@@ -95,12 +104,25 @@ class LocalFleet:
     coordinator_port: int = field(default_factory=free_port)
     coordinator_metrics_port: int = field(default_factory=free_port)
     lease_ttl_s: float = 4.0
+    channels: tuple[Channel, ...] = (Channel.CPU, Channel.VOLUME)
     replicas: dict[str, Replica] = field(default_factory=dict)
     coordinator: Proc | None = None
 
     @property
     def volume(self) -> Path:
         return self.workdir / "volume"
+
+    @property
+    def config(self) -> jobconfig.JobConfig:
+        return jobconfig.JobConfig(self.job, self.channels, timeout_s=120.0, checkpoint_dir=str(self.volume))
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "job.json"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {jobconfig.ENV: str(self.config_path)}
 
     @property
     def logs(self) -> Path:
@@ -113,6 +135,7 @@ class LocalFleet:
     def start_coordinator(self) -> None:
         self.volume.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(json.dumps(self.config.to_json(), indent=1))
         self.coordinator = spawn(
             "coordinator",
             weightsync_cmd(
@@ -132,6 +155,7 @@ class LocalFleet:
                 str(self.lease_ttl_s),
             ),
             self.logs,
+            self.env,
         )
 
     def start_replica(self, replica_id: str) -> Replica:
@@ -157,7 +181,9 @@ class LocalFleet:
             "--seed",
             "0",
             "--weight-transfer-config",
-            json.dumps({"backend": "weightsync-cpu"}),
+            json.dumps({"backend": Channel.CPU.engine_name}),
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
         ]
         r.procs = [
             spawn(f"{replica_id}-vllm", vllm, self.logs, {"VLLM_SERVER_DEV_MODE": "1"}),
@@ -193,6 +219,7 @@ class LocalFleet:
                     str(r.metrics_port),
                 ),
                 self.logs,
+                self.env,
             ),
         ]
         self.replicas[replica_id] = r

@@ -1,10 +1,15 @@
 """Run a replica's agent: attach to a vLLM server and follow the coordinator.
 
 The agent is the only client of vLLM's development-mode routes (pause, the weight
-transfer lifecycle), which vLLM serves on localhost only; see docs/serving.md. It
-registers the replica with the coordinator, loads each version it is assigned
-(catching up from the checkpoint volume first when it joins late), acks, and serves
-its own /metrics (version, lag, sync durations).
+transfer lifecycle, ``/collective_rpc``), which vLLM serves on localhost only; see
+docs/serving.md. It asks vLLM's workers what they are (CPU or GPU engine, GPU UUIDs,
+tensor-parallel size, NIXL) and what version they serve, registers the replica with
+the job's channels it can receive, loads each version it is assigned (catching up
+from the checkpoint volume first when it joins late), acks what the engine computed
+while loading, and serves its own /metrics (version, lag, sync durations).
+
+The job's channels and NCCL domain come from the job config ($WEIGHTSYNC_CONFIG, the
+job.json the operator mounts) unless flags say otherwise; the node from $NODE_NAME.
 
 Example (one pod's sidecar, or one process on a workstation):
 
@@ -24,15 +29,37 @@ import time
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-url", default="http://127.0.0.1:8001", help="the vLLM server (loopback only)")
-    p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--job", default="default", help="job name")
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("WEIGHTSYNC_COORDINATOR"),
+        help="coordinator HOST:PORT (default $WEIGHTSYNC_COORDINATOR)",
+    )
+    p.add_argument("--job-config", default=os.environ.get("WEIGHTSYNC_CONFIG"), help="job.json ($WEIGHTSYNC_CONFIG)")
+    p.add_argument("--job", default=None, help="job name (default: the job config's)")
     p.add_argument("--replica-id", default=os.environ.get("POD_NAME") or socket.gethostname(), help="this replica's id")
     p.add_argument("--checkpoint-dir", default=None, help="the checkpoint volume's mount (catch-up and recovery)")
-    p.add_argument("--channels", default="cpu,volume", help="channels this replica can receive (default cpu,volume)")
-    p.add_argument("--host", default=socket.gethostname(), help="host name reported to the coordinator")
+    p.add_argument(
+        "--channels",
+        default=None,
+        help="the job's channels, in preference order (default: the job config's, else "
+        "cpu,volume); the replica declares those its engine can receive",
+    )
+    p.add_argument("--nccl-domain", default=None, help="NCCL domain (default: the job config's)")
+    p.add_argument("--volume-id", default=None, help="name of the shared checkpoint volume (default: the job name)")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="the node this replica runs on (default $NODE_NAME)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
-    p.add_argument("--update-timeout", type=float, default=300.0, help="seconds one update may take (default 300)")
+    p.add_argument(
+        "--update-timeout",
+        type=float,
+        default=None,
+        help="seconds one update may take, and a stalled transfer "
+        "(default: the job config's transferTimeoutSeconds, else 300)",
+    )
     p.add_argument("--wait-vllm", type=float, default=600.0, help="seconds to wait for vLLM to become healthy")
     p.add_argument("--token-file", default=None, help="bearer token file (or WEIGHTSYNC_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA that signed the coordinator's certificate")
@@ -43,29 +70,48 @@ def run(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from weightsync import metrics
-    from weightsync.coordinator import auth, models, tls
+    from weightsync import jobconfig, metrics
+    from weightsync.coordinator import auth, tls
     from weightsync.coordinator.client import CoordinatorClient
+    from weightsync.errors import WeightsyncError
     from weightsync.vocabulary import Channel
     from weightsync_inference.agent import Agent, AgentConfig
     from weightsync_inference.http_engine import HttpEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = HttpEngine(args.vllm_url, transfer_timeout_s=args.update_timeout)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call to vLLM is noise, errors are not
+    if not args.coordinator:
+        print("weightsync agent: no --coordinator and no $WEIGHTSYNC_COORDINATOR", file=sys.stderr)
+        return 2
+    try:
+        job = jobconfig.load(args.job_config) if args.job_config else None
+        channels = (
+            tuple(Channel.parse(c) for c in args.channels.split(",") if c)
+            if args.channels
+            else (job.channels if job else (Channel.CPU, Channel.VOLUME))
+        )
+    except (WeightsyncError, ValueError) as e:
+        print(f"weightsync agent: {e}", file=sys.stderr)
+        return 2
+    job_name = args.job or (job.job if job else "default")
+    update_timeout = args.update_timeout or (job.transfer_timeout_s if job else 300.0)
+    engine = HttpEngine(args.vllm_url, transfer_timeout_s=update_timeout)
     deadline = time.monotonic() + args.wait_vllm
     while not engine.healthy():
         if time.monotonic() > deadline:
             print(f"vLLM at {args.vllm_url} is not healthy after {args.wait_vllm:.0f}s", file=sys.stderr)
             return 1
         time.sleep(1.0)
-    channels = tuple(Channel.parse(c) for c in args.channels.split(",") if c)
     volume = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    caps = models.Capabilities(
-        host=args.host,
+    config = AgentConfig(
+        job=job_name,
+        replica_id=args.replica_id,
         channels=channels,
-        engine=models.EngineKind.CPU,
-        volume_id="shared" if volume else "",
-        volume_mount=str(volume or ""),
+        host=args.host,
+        volume=volume,
+        volume_id=args.volume_id or job_name,
+        nccl_domain=args.nccl_domain if args.nccl_domain is not None else (job.nccl_domain if job else ""),
+        update_timeout_s=update_timeout,
     )
     client = CoordinatorClient(
         args.coordinator,
@@ -77,10 +123,13 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         server = metrics.serve(args.metrics_port, args.metrics_host)
         print(f"metrics: {server.url}", flush=True)
-    agent = Agent(
-        engine, client, AgentConfig(args.job, args.replica_id, caps, volume, args.update_timeout), agent_metrics
-    )
+    agent = Agent(engine, client, config, agent_metrics)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
-    print(f"agent {args.replica_id}: following {args.coordinator} for job {args.job}", flush=True)
+    caps = agent.capabilities
+    print(
+        f"agent {args.replica_id}: following {args.coordinator} for job {job_name}; {caps.engine.value} engine, "
+        f"{caps.devices} worker(s), receives {','.join(c.value for c in caps.channels)}",
+        flush=True,
+    )
     agent.run()
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -45,7 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sec.add_argument("--insecure", action="store_true", help="plaintext, token optional: for local runs only")
     sec.add_argument("--max-message-bytes", type=int, default=4 << 20, help="largest request accepted (default 4 MiB)")
     job = p.add_argument_group("jobs and versions")
-    job.add_argument("--job", default="default", help="job a bare --volume PATH belongs to, and --status's job")
+    job.add_argument(
+        "--job-config",
+        default=os.environ.get("WEIGHTSYNC_CONFIG", ""),
+        help="the job's job.json (default $WEIGHTSYNC_CONFIG): its channels, ack policy, timeout and retention "
+        "become the job's policy and its name the default --job (the flags below apply without one)",
+    )
+    job.add_argument("--job", default="", help="job a bare --volume PATH belongs to, and --status's job")
     job.add_argument(
         "--volume",
         default="",
@@ -123,18 +130,34 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
             ctypes.CDLL(name).mallopt(-8, arenas)  # M_ARENA_MAX
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from weightsync.coordinator import auth, kubestore, models, server, tls
-
-    _limit_malloc_arenas()
+def _policy(args: argparse.Namespace) -> Any:
+    """The default job policy: from the job config when there is one, else from the flags."""
+    from weightsync import jobconfig
+    from weightsync.coordinator import models
     from weightsync.vocabulary import Channel
 
+    config = jobconfig.load(args.job_config) if args.job_config else None
+    if config is not None:
+        args.job = args.job or config.job
+        return models.JobPolicy(config.channels, config.ack_quorum, config.timeout_s, config.retention)
     preference = models.DEFAULT_PREFERENCE
     if args.channel_preference:
         try:
             preference = tuple(Channel.parse(c.strip()) for c in args.channel_preference.split(",") if c.strip())
         except ValueError as e:
-            return _fail(f"--channel-preference: {e}")
+            raise ValueError(f"--channel-preference: {e}") from None
+    return models.JobPolicy(preference, args.ack_quorum, args.version_timeout)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from weightsync.coordinator import auth, kubestore, server, tls
+
+    _limit_malloc_arenas()
+    try:
+        policy = _policy(args)
+    except ValueError as e:
+        return _fail(str(e))
+    args.job = args.job or "default"
     server_tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
@@ -149,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         max_workers=args.max_workers,
         lease_ttl_s=args.lease_ttl,
-        policy=models.JobPolicy(preference, args.ack_quorum, args.version_timeout),
+        policy=policy,
         volumes=_volumes(args.volume, args.job),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
@@ -190,7 +213,9 @@ def _status(args: argparse.Namespace) -> int:
     import dataclasses
 
     from weightsync.coordinator import auth, client, tls
+    from weightsync.vocabulary import ReplicaState
 
+    args.job = args.job or "default"
     target = f"{args.host}:{args.port}"
     cfg = None if args.insecure else tls.TlsConfig(ca_file=args.tls_ca)
     with client.CoordinatorClient(
@@ -216,9 +241,9 @@ def _status(args: argparse.Namespace) -> int:
             f"lease {m.lease_expires_in_s:4.1f}s  channels {','.join(c.value for c in m.capabilities.channels)}"
         )
     for v in versions:
-        acked = sum(r.status == "acked" for r in v.replicas)
+        loaded = sum(r.state is ReplicaState.LOADED for r in v.replicas)
         print(
             f"  v{v.version:<6} step {v.step:<6} {v.state.value:10} durable={'yes' if v.durable else 'no ':3} "
-            f"acked {acked}/{len(v.replicas)}  {v.reason}"
+            f"loaded {loaded}/{len(v.replicas)}  {v.reason}"
         )
     return 0

@@ -84,11 +84,9 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     import transformers
 
     from weightsync.cli._localfleet import LocalFleet
-    from weightsync.coordinator import models
     from weightsync.coordinator.client import CoordinatorClient
-    from weightsync.vocabulary import Channel
     from weightsync_trainer import grpo, tiny_models
-    from weightsync_trainer.fleet import FleetPublisher
+    from weightsync_trainer.publisher import Publisher
     from weightsync_trainer.sources import ModuleSource
 
     def log(msg: str) -> None:
@@ -100,7 +98,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     model_dir = tiny_models.generate(args.preset)
     fleet = LocalFleet(workdir, model_dir)
     log(f"work dir {workdir} (volume, logs); model {model_dir}")
-    publisher: FleetPublisher | None = None
+    publisher: Publisher | None = None
     client: CoordinatorClient | None = None
     rewards: list[float] = []
     steps: list[dict[str, Any]] = []
@@ -117,17 +115,16 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         targets = grpo.targets(model.config.vocab_size)
         client = CoordinatorClient(fleet.coordinator_address, insecure=True)
         if not args.no_sync:
-            publisher = FleetPublisher(ModuleSource(model), client, volume=fleet.volume)
-            client.register_trainer(
-                fleet.job,
-                "trainer-0",
-                models.Capabilities(
-                    host="localhost",
-                    channels=(Channel.CPU, Channel.VOLUME),
-                    volume_id="shared",
-                    volume_mount=str(fleet.volume),
-                ),
-                offers=publisher.offers,
+            publisher = Publisher(
+                ModuleSource(model),
+                CoordinatorClient(fleet.coordinator_address, insecure=True),
+                job=fleet.job,
+                channels_=fleet.config.channels,
+                node="localhost",
+                checkpoint_dir=fleet.volume,
+                config=fleet.config,
+                timeout_s=fleet.config.transfer_timeout_s,
+                version_timeout_s=fleet.config.timeout_s,
             )
         for step in range(args.steps):
             if step == kill_at and not args.no_sync:
@@ -151,6 +148,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
             record: dict[str, Any] = {"step": step, "reward": reward, "replicas_sampled": [r.replica_id for r in live]}
             if publisher is not None:
                 report = publisher.publish(step)
+                assert report is not None  # rank 0
                 record |= {
                     "version": report.version,
                     "state": report.state.value,

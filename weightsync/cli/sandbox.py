@@ -55,13 +55,16 @@ def sync_once(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import transformers
 
+    from weightsync.channels import manifests
+    from weightsync.channels.base import Rendezvous, UpdateTicket, direct_rendezvous
     from weightsync.channels.cpu import CpuSender
     from weightsync.channels.volume import VolumeSender
-    from weightsync.vocabulary import Channel
+    from weightsync.tensors import manifest_checksum
+    from weightsync.vocabulary import Channel, SyncPhase
     from weightsync_inference.lifecycle import Replica
     from weightsync_inference.offline import OfflineEngine
     from weightsync_trainer import reference, tiny_models
-    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.publisher import send
     from weightsync_trainer.sources import ModuleSource
 
     channel = (
@@ -95,41 +98,56 @@ def sync_once(args: argparse.Namespace) -> dict[str, Any]:
     _say(args, f"✓ Training step complete (loss {loss:.3f}, {time.perf_counter() - t0:.2f}s)")
 
     source = ModuleSource(trainer)
+    table = source.table()
+    sender: Any
     if channel is Channel.CPU:
-        sender: Any = CpuSender(world_size=2)
-        replica.init_transfer({"address": sender.address, "world_size": 2, "rank_offset": 1}, rendezvous=sender.connect)
+        sender = CpuSender()
+        rdv = direct_rendezvous(sender.offer())
+        sender.take_plan({"sandbox": rdv})
     else:
         sender = VolumeSender(volume)
-        replica.init_transfer({"root": str(volume)})
-    publisher = Publisher(source, [sender])
-    ticket = publisher.ticket(1, 1, channel)
+        rdv = Rendezvous(Channel.VOLUME, root=str(volume))
+    replica.init_transfer(rdv.to_dict())
+    sent = UpdateTicket(1, channel, table, table.layout_digest(), step=1)
 
     _say(args, f"[2/4] Publishing version 1 over {channel.value}...")
-    reports: list[Any] = []
+    digests: dict[str, str] = {}
+    t_publish = time.perf_counter()
+
+    def publish() -> None:
+        digests.update(send(source, sender, sent).digests)
+
     if channel is Channel.VOLUME:
-        reports.append(publisher.publish(1, 1, [ticket]))
-        _say(args, f"✓ Published ({reports[0].seconds:.3f}s)")
+        publish()
+        publish_seconds = time.perf_counter() - t_publish
+        _say(args, f"✓ Published ({publish_seconds:.3f}s)")
         _say(args, "[3/4] Updating the engine from the volume...")
-        outcome = replica.apply(ticket)
+        checksum = manifest_checksum(manifests.manifest_path(volume, 1).read_bytes())
+        outcome = replica.apply(
+            UpdateTicket(1, channel, layout_digest=table.layout_digest(), manifest_checksum=checksum, step=1)
+        )
     else:
         _say(args, "[3/4] Updating the engine while the trainer streams...")
-        outcome = replica.apply(ticket, send=lambda: reports.append(publisher.publish(1, 1, [ticket])))
-    published = reports[0]
+        outcome = replica.apply(UpdateTicket(1, channel, layout_digest=table.layout_digest(), step=1), send=publish)
+        publish_seconds = time.perf_counter() - t_publish
+    update_seconds = outcome.seconds[SyncPhase.TOTAL]
     report.update(
-        publish_seconds=published.seconds,
-        update_seconds=outcome.seconds["total"],
-        bytes=published.bytes,
-        tensors=published.tensors,
+        publish_seconds=publish_seconds,
+        update_seconds=update_seconds,
+        bytes=table.total_bytes,
+        tensors=len(table),
     )
-    total = published.seconds + outcome.seconds["total"] if channel is Channel.VOLUME else outcome.seconds["total"]
+    total = publish_seconds + update_seconds if channel is Channel.VOLUME else update_seconds
     report["total_seconds"] = total
-    report["gb_per_s"] = published.bytes / total / 1e9
-    _say(args, f"✓ Engine holds version {engine.weight_version()} ({outcome.seconds['total']:.3f}s)")
+    report["gb_per_s"] = table.total_bytes / total / 1e9
+    _say(args, f"✓ Engine holds version {engine.weight_version()} ({update_seconds:.3f}s)")
 
     _say(args, "[4/4] Verifying: digests, generation, transformers reference...")
     after = engine.greedy(PROMPTS, args.tokens)
     agreement = reference.agreement(trainer, PROMPTS, after, LOGPROB_TOLERANCE)
-    report["digests_verified"] = len(published.digests) == len(publisher.table)
+    receipt = outcome.receipt
+    report["digests_verified"] = len(digests) == len(table) and dict(receipt.digests) == digests
+    report["in_place"] = len(receipt.in_place)
     report["generation_changed"] = [a[0] for a in after] != [b[0] for b in before]
     report["tokens_match"] = agreement.tokens_match
     report["max_logprob_diff"] = agreement.max_logprob_diff

@@ -6,24 +6,26 @@ has forgotten the lease (it expired, or the coordinator restarted) the thread
 registers again with the same incarnation, which keeps the member's place in any
 staging plan. ``close()`` stops the thread and the channel.
 
-Publisher, one sync::
+Publisher, one sync (``weightsync_trainer.publisher.Publisher`` does all of this)::
 
     client = CoordinatorClient("10.0.0.5:50051", token=token, tls=TlsConfig(ca_file="ca.pem"))
-    client.register_trainer("my-job", "trainer-0", Capabilities(host=node, channels=(Channel.CPU, Channel.VOLUME)))
-    opened = client.open_version(step, models.summarize(table), offers=[SenderOffer(Channel.CPU, host, port)])
-    client.wait_receivers_ready(opened.version, timeout_s=60)   # every planned replica is ready or dropped
-    ...send over each plan's channel (rebuild a group whose id in opened.groups() changed)...
-    state = client.wait_version(opened.version, timeout_s=300)  # READY, FAILED or SUPERSEDED
-    client.mark_durable(opened.version, manifest_path, manifest_sha256)  # later, when the volume copy lands
+    client.register_trainer("my-job", "trainer-0", caps, offers=[sender.offer() for sender in senders])
+    opened = client.open_version(step, models.summarize(table))
+    ...each sender.take_plan(opened.receivers(sender.channel))...
+    client.wait_receivers_joined(opened.version, timeout_s=60)   # every live-planned replica joined or dropped
+    ...send over each channel from one gather...
+    client.report_sent(opened.version, content_digest, failed)
+    info = client.wait_version(opened.version, 300, durable_needed=True)  # or: a replica waits for the volume
+    client.mark_durable(opened.version, manifest_path, manifest_checksum)  # when the volume copy lands
 
 Agent::
 
     client.register_replica("my-job", "replica-0", caps, current_version=0)
     for a in client.watch():                       # CATCH_UP first when a durable READY version exists
         if a.kind is EventKind.ABORT: ...; continue
-        client.report_ready(a.version)
+        client.report_joined(a.version)
         ...receive, load, verify...
-        client.ack(AckReport(a.version, a.table.table_digest, ok=True, phases={SyncPhase.TOTAL: t}))
+        client.ack(AckReport(a.version, layout_digest, ok=True, content_digest=..., phases={SyncPhase.TOTAL: t}))
 
 Every call has a deadline (``timeout_s``); UNAVAILABLE (coordinator restarting,
 network blip) is retried with exponential backoff until that deadline, every
@@ -32,18 +34,20 @@ other status raises the matching ``faults`` error at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Self, TypeVar
 
 import grpc  # type: ignore[import-untyped,unused-ignore]  # types-grpcio is not a dependency yet
 
+from weightsync.channels.base import Offer
 from weightsync.coordinator import _service, auth, faults, serde
-from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.models import (
     AckReport,
     Assignment,
@@ -54,14 +58,14 @@ from weightsync.coordinator.models import (
     Lease,
     OpenedVersion,
     Progress,
-    SenderOffer,
+    Role,
     TableSummary,
     VersionInfo,
     WaitFor,
 )
 from weightsync.coordinator.tls import TlsConfig
 from weightsync.errors import PermanentError, RetryableError, WeightsyncError
-from weightsync.vocabulary import VersionState
+from weightsync.vocabulary import ReplicaState, VersionState
 
 __all__ = ["CoordinatorClient", "TlsConfig"]
 log = logging.getLogger(__name__)
@@ -76,6 +80,19 @@ def _error(e: grpc.RpcError) -> WeightsyncError:
     details = e.details() if hasattr(e, "details") else str(e)
     cls = faults.BY_CODE.get(name)
     return cls(details or name) if cls else RetryableError(f"{name}: {details}")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What this member registers with (again, after a lost lease): its latest served version included."""
+
+    job: str
+    role: Role
+    member_id: str
+    capabilities: Capabilities
+    policy: JobPolicy | None = None
+    offers: tuple[Offer, ...] = ()
+    current_version: int = 0
 
 
 class CoordinatorClient:
@@ -108,29 +125,31 @@ class CoordinatorClient:
         self._rpc: dict[str, Any] = _service.stubs(self._channel)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._register_request: pb.RegisterRequest | None = None
+        self._registration: Registration | None = None
         self._lease: Lease | None = None
         self._renewer: threading.Thread | None = None
         self._active: list[Any] = []
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
 
-    def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
-        """One unary call, retrying UNAVAILABLE with backoff until the deadline."""
+    def _call(self, method: str, request: Callable[[], Any], timeout_s: float | None = None) -> Any:
+        """One unary call, retrying UNAVAILABLE with backoff until the deadline.
+
+        ``request`` builds the message each try, so a retry after re-registering carries the new lease.
+        """
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         delay = 0.05
         renewed = False
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._rpc[method](request, timeout=max(left, 0.001), metadata=self._metadata)
+                return self._rpc[method](request(), timeout=max(left, 0.001), metadata=self._metadata)
             except grpc.RpcError as e:
                 lease_lost = e.code() is grpc.StatusCode.NOT_FOUND and (e.details() or "").startswith("lease ")
-                if lease_lost and not renewed and method != "Register" and hasattr(request, "lease_id"):
+                if lease_lost and not renewed and method not in ("Register", "Renew") and self._lease is not None:
                     # the coordinator restarted or our lease lapsed: register again (same incarnation) and retry once
                     renewed = True
-                    self._reregister(stale=request.lease_id)
-                    request.lease_id = self.lease.lease_id
+                    self._reregister(stale=self._lease.lease_id)
                     continue
                 if e.code() is not grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
                     raise _error(e) from None
@@ -151,17 +170,22 @@ class CoordinatorClient:
 
     @property
     def job(self) -> str:
-        if self._register_request is None:
+        if self._registration is None:
             raise PermanentError("not registered: call register_trainer() or register_replica() first")
-        return self._register_request.job
+        return self._registration.job
 
     # ---- registration and leases ---------------------------------------------------------------------------------
 
-    def _register(self, request: pb.RegisterRequest) -> Lease:
-        response = self._call("Register", request)
-        lease = Lease(response.lease.lease_id, response.lease.ttl_s)
+    def _register(self, r: Registration) -> Lease:
+        response = self._call(
+            "Register",
+            lambda: serde.register_request(
+                r.job, r.role, r.member_id, self.incarnation, r.capabilities, r.policy, r.offers, r.current_version
+            ),
+        )
+        lease = serde.lease(response.lease)
         with self._lock:
-            self._register_request, self._lease = request, lease
+            self._registration, self._lease = r, lease
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew_loop, name="coordinator-lease", daemon=True)
             self._renewer.start()
@@ -174,36 +198,21 @@ class CoordinatorClient:
         capabilities: Capabilities,
         *,
         policy: JobPolicy | None = None,
-        offers: Sequence[SenderOffer] = (),
+        offers: Sequence[Offer] = (),
     ) -> Lease:
-        request = pb.RegisterRequest(
-            job=job,
-            role=pb.ROLE_TRAINER,
-            member_id=trainer_id,
-            incarnation=self.incarnation,
-            capabilities=serde.capabilities_to(capabilities),
-            policy=serde.policy_to(policy) if policy else None,
-            offers=[serde.offer_to(o) for o in offers],
-        )
-        return self._register(request)
+        return self._register(Registration(job, Role.TRAINER, trainer_id, capabilities, policy, tuple(offers)))
 
     def register_replica(
         self, job: str, replica_id: str, capabilities: Capabilities, *, current_version: int = 0
     ) -> Lease:
-        request = pb.RegisterRequest(
-            job=job,
-            role=pb.ROLE_REPLICA,
-            member_id=replica_id,
-            incarnation=self.incarnation,
-            capabilities=serde.capabilities_to(capabilities),
-            current_version=current_version,
+        return self._register(
+            Registration(job, Role.REPLICA, replica_id, capabilities, current_version=current_version)
         )
-        return self._register(request)
 
     def _renew_loop(self) -> None:
         while not self._closed.wait(max(0.05, (self._lease.ttl_s if self._lease else 3.0) / 3)):
             try:
-                self._call("Renew", pb.RenewRequest(lease_id=self.lease.lease_id))
+                self._call("Renew", functools.partial(serde.renew_request, self.lease.lease_id))
             except faults.NotFound:
                 log.warning("coordinator forgot our lease (expired or restarted); registering again")
             except WeightsyncError as e:
@@ -213,56 +222,58 @@ class CoordinatorClient:
     def set_current_version(self, version: int) -> None:
         """Tell later re-registrations which version this replica serves (the agent calls it after a load)."""
         with self._lock:
-            if self._register_request is not None:
-                self._register_request.current_version = version
+            if self._registration is not None:
+                self._registration = replace(self._registration, current_version=version)
 
     # ---- publisher -------------------------------------------------------------------------------------------------
 
     def open_version(
-        self, step: int, table: TableSummary, *, offers: Sequence[SenderOffer] = (), timeout_s: float | None = None
+        self, step: int, table: TableSummary, *, offers: Sequence[Offer] = (), timeout_s: float | None = None
     ) -> OpenedVersion:
-        request = pb.OpenVersionRequest(
-            lease_id=self.lease.lease_id,
-            job=self.job,
-            incarnation=self.incarnation,
-            step=step,
-            table=serde.table_to(table),
-            offers=[serde.offer_to(o) for o in offers],
-        )
-        response = self._call("OpenVersion", request, timeout_s)
-        return OpenedVersion(response.version, tuple(serde.plan(p) for p in response.plans), response.reused)
+        def request() -> Any:
+            return serde.open_request(self.lease.lease_id, self.job, self.incarnation, step, table, offers)
 
-    def _wait(self, version: int, until: WaitFor, timeout_s: float) -> tuple[VersionInfo, bool]:
-        request = pb.WaitVersionRequest(
-            job=self.job,
-            version=version,
-            timeout_s=timeout_s,
-            until=pb.WAIT_FOR_RECEIVERS_READY if until is WaitFor.RECEIVERS_READY else pb.WAIT_FOR_SETTLED,
+        return serde.opened(self._call("OpenVersion", request, timeout_s))
+
+    def _wait(self, version: int, until: WaitFor, timeout_s: float, job: str | None = None) -> tuple[VersionInfo, bool]:
+        response = self._call(
+            "WaitVersion",
+            lambda: serde.wait_request(job or self.job, version, until, timeout_s),
+            timeout_s + self.timeout_s,
         )
-        response = self._call("WaitVersion", request, timeout_s + self.timeout_s)
         return serde.version_info(response.info), response.condition_met
 
-    def wait_receivers_ready(self, version: int, timeout_s: float) -> VersionInfo:
-        """Block until every planned live receiver reported ready (or was dropped); raise on timeout."""
-        info, met = self._wait(version, WaitFor.RECEIVERS_READY, timeout_s)
+    def wait_receivers_joined(self, version: int, timeout_s: float) -> VersionInfo:
+        """Block until every replica planned on a live channel joined (or was dropped); raise on timeout."""
+        info, met = self._wait(version, WaitFor.RECEIVERS_JOINED, timeout_s)
         if not met:
-            waiting = [r.replica_id for r in info.replicas if r.status == "planned"]
-            raise faults.DeadlineExceeded(f"version {version}: receivers {waiting} not ready after {timeout_s:g}s")
+            waiting = [r.replica_id for r in info.replicas if r.state is ReplicaState.PLANNED]
+            raise faults.DeadlineExceeded(f"version {version}: receivers {waiting} did not join in {timeout_s:g}s")
         return info
 
-    def wait_version(self, version: int, timeout_s: float) -> VersionState:
-        """The version's state once settled (READY, FAILED, SUPERSEDED), or STAGING if ``timeout_s`` passed."""
-        return self._wait(version, WaitFor.SETTLED, timeout_s)[0].state
+    def wait_version(self, version: int, timeout_s: float, *, durable_needed: bool = False) -> VersionInfo:
+        """The version once settled (READY, FAILED, SUPERSEDED), or as it stands when ``timeout_s`` passed.
 
-    def version_info(self, version: int, timeout_s: float = 0.001) -> VersionInfo:
-        return self._wait(version, WaitFor.SETTLED, timeout_s)[0]
+        With ``durable_needed`` it also returns when a planned replica waits for the volume copy
+        (``info.durable_needed``): the publisher then writes it and waits again.
+        """
+        until = WaitFor.SETTLED_OR_DURABLE_NEEDED if durable_needed else WaitFor.SETTLED
+        return self._wait(version, until, timeout_s)[0]
 
-    def mark_durable(self, version: int, manifest_path: str, manifest_sha256: str) -> VersionInfo:
+    def version_info(self, version: int, timeout_s: float = 0.001, job: str | None = None) -> VersionInfo:
+        """The version as it stands (``job``: another job than this member's, for status tools)."""
+        return self._wait(version, WaitFor.SETTLED, timeout_s, job)[0]
+
+    def report_sent(self, version: int, content_digest: str, failed: Mapping[str, str]) -> VersionInfo:
+        """Tell the coordinator what was sent (replicas' acks are checked against it) and which receivers were lost."""
         response = self._call(
-            "MarkDurable",
-            pb.MarkDurableRequest(
-                job=self.job, version=version, manifest_path=manifest_path, manifest_sha256=manifest_sha256
-            ),
+            "ReportSent", lambda: serde.report_sent_to(self.lease.lease_id, version, content_digest, failed)
+        )
+        return serde.version_info(response.info)
+
+    def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:
+        response = self._call(
+            "MarkDurable", lambda: serde.mark_durable_request(self.job, version, manifest_path, manifest_checksum)
         )
         return serde.version_info(response.info)
 
@@ -274,7 +285,7 @@ class CoordinatorClient:
         while not self._closed.is_set():
             lease_id = self.lease.lease_id
             call = self._rpc["WatchVersions"](
-                pb.WatchRequest(lease_id=lease_id), timeout=STREAM_WINDOW_S, metadata=self._metadata
+                serde.watch_request(lease_id), timeout=STREAM_WINDOW_S, metadata=self._metadata
             )
             with self._lock:
                 self._active.append(call)
@@ -299,31 +310,25 @@ class CoordinatorClient:
     def _reregister(self, stale: str | None = None) -> None:
         """Register again with the same incarnation, unless another thread already replaced lease ``stale``."""
         with self._lock:
-            request = self._register_request
+            registration = self._registration
             if stale is not None and self._lease is not None and self._lease.lease_id != stale:
                 return
-        if request is not None:
+        if registration is not None:
             try:
-                self._register(request)
+                self._register(registration)
             except RetryableError as e:
                 log.warning("re-registration failed: %s", e)
 
-    def report_ready(self, version: int) -> None:
-        self.report_progress(version, Progress.READY_TO_RECEIVE)
+    def report_joined(self, version: int) -> None:
+        """This replica's receiver is set up for ``version`` and waits for its bytes."""
+        self.report_progress(version, Progress.JOINED)
 
     def report_progress(self, version: int, progress: Progress) -> None:
-        wire = {
-            Progress.READY_TO_RECEIVE: pb.PROGRESS_READY_TO_RECEIVE,
-            Progress.RECEIVING: pb.PROGRESS_RECEIVING,
-            Progress.LOADING: pb.PROGRESS_LOADING,
-        }[progress]
-        self._call(
-            "ReportProgress", pb.ReportProgressRequest(lease_id=self.lease.lease_id, version=version, progress=wire)
-        )
+        self._call("ReportProgress", lambda: serde.progress_request(self.lease.lease_id, version, progress))
 
     def ack(self, report: AckReport) -> VersionState:
         """Report the outcome of one version; returns the version's state after this ack."""
-        response = self._call("Ack", serde.ack_to(self.lease.lease_id, report))
+        response = self._call("Ack", lambda: serde.ack_to(self.lease.lease_id, report))
         if report.ok:
             self.set_current_version(report.version)
         return serde.state(response.state)
@@ -331,10 +336,10 @@ class CoordinatorClient:
     # ---- reads -----------------------------------------------------------------------------------------------------
 
     def get_job(self, job: str | None = None) -> JobInfo:
-        return serde.job_info(self._call("GetJob", pb.GetJobRequest(job=job or self.job)).job)
+        return serde.job_info(self._call("GetJob", lambda: serde.get_job_request(job or self.job)).job)
 
     def list_versions(self, job: str | None = None, limit: int = 0) -> list[VersionInfo]:
-        response = self._call("ListVersions", pb.ListVersionsRequest(job=job or self.job, limit=limit))
+        response = self._call("ListVersions", lambda: serde.list_request(job or self.job, limit))
         return [serde.version_info(v) for v in response.versions]
 
     def close(self) -> None:

@@ -15,21 +15,24 @@ that stops renewing fails the versions its incarnation left STAGING.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import queue
 import re
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from weightsync import metrics as metrics_mod
+from weightsync.channels import manifests
+from weightsync.channels.base import Offer, Rendezvous
 from weightsync.coordinator import faults, gauges, lifecycle, negotiation
 from weightsync.coordinator.jobs import Job, Member
 from weightsync.coordinator.lifecycle import VersionRecord
 from weightsync.coordinator.models import (
+    LIVE_CHANNELS,
     SETTLED_STATES,
     AckReport,
     Assignment,
@@ -42,15 +45,14 @@ from weightsync.coordinator.models import (
     MemberInfo,
     OpenedVersion,
     Progress,
-    Rendezvous,
     Role,
-    SenderOffer,
     TableSummary,
     VersionInfo,
     WaitFor,
 )
 from weightsync.coordinator.store import MemoryStore, VersionStore
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.tensors import is_digest, manifest_checksum
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 log = logging.getLogger(__name__)
 JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
@@ -73,11 +75,15 @@ class Coordinator:
         default_policy: JobPolicy | None = None,
         store: VersionStore | None = None,
         metrics: metrics_mod.CoordinatorMetrics | None = None,
+        volumes: Mapping[str, Path] | None = None,
     ) -> None:
+        """``volumes``: each job's checkpoint volume as this process mounts it (job -> root). With one, the
+        coordinator hashes the manifests itself when versions become durable and prunes the volume."""
         if lease_ttl_s <= 0:
             raise faults.InvalidArgument(f"lease_ttl_s must be > 0, got {lease_ttl_s}")
         self.lease_ttl_s = lease_ttl_s
         self.default_policy = default_policy or JobPolicy()
+        self.volumes = {job: Path(root) for job, root in (volumes or {}).items()}
         self.store: VersionStore = store if store is not None else MemoryStore()
         self.metrics = metrics
         self._cond = threading.Condition()
@@ -123,7 +129,7 @@ class Coordinator:
         capabilities: Capabilities,
         *,
         policy: JobPolicy | None = None,
-        offers: Sequence[SenderOffer] = (),
+        offers: Sequence[Offer] = (),
         current_version: int = 0,
     ) -> Lease:
         if not JOB_NAME.match(job_name):
@@ -195,7 +201,7 @@ class Coordinator:
             if rec.state is not VersionState.STAGING:
                 continue
             if member.role is Role.REPLICA and rec.status.get(member.member_id) in lifecycle.WAITING:
-                rec.set(member.member_id, lifecycle.DROPPED)
+                rec.set(member.member_id, ReplicaState.DROPPED)
                 rec.errors[member.member_id] = reason
                 self._settle(job, rec)
                 self._cond.notify_all()
@@ -211,7 +217,7 @@ class Coordinator:
         incarnation: str,
         step: int,
         table: TableSummary,
-        offers: Sequence[SenderOffer] = (),
+        offers: Sequence[Offer] = (),
     ) -> OpenedVersion:
         with self._cond:
             job = self._job(job_name)
@@ -264,9 +270,10 @@ class Coordinator:
                 for _ in unplanned:
                     self.metrics.negotiations_total.labels(metrics_mod.NEGOTIATION_NONE).inc()
             for p in plans:
-                job.members[p.replica_id].events.put(
-                    Assignment(EventKind.ASSIGN, job_name, rec.version, step, p, table, p.reason)
-                )
+                if p.channel in LIVE_CHANNELS:  # volume plans are sent once the version is durable
+                    job.members[p.replica_id].events.put(
+                        Assignment(EventKind.ASSIGN, job_name, rec.version, step, p, table, p.reason)
+                    )
             self.store.save(rec.info(with_replicas=False))
             self._settle(job, rec)
             self._trim(job)
@@ -284,9 +291,9 @@ class Coordinator:
         with self._cond:
             member = self._member(lease_id, Role.REPLICA)
             rec = self._record(self._job(member.job), version)
-            if progress is Progress.READY_TO_RECEIVE and rec.status.get(member.member_id) == lifecycle.PLANNED:
-                rec.set(member.member_id, lifecycle.READY)
-                if rec.receivers_ready():
+            if progress is Progress.JOINED and rec.status.get(member.member_id) is ReplicaState.PLANNED:
+                rec.set(member.member_id, ReplicaState.JOINED)
+                if rec.receivers_joined():
                     self._cond.notify_all()
 
     def ack(self, lease_id: str, report: AckReport) -> VersionState:
@@ -296,38 +303,38 @@ class Coordinator:
             rec = self._record(job, report.version)
             rid = member.member_id
             ok, error = report.ok, report.error
-            if ok and report.table_digest != rec.table.table_digest:
+            if ok and report.layout_digest != rec.table.layout_digest:
                 ok, error = (
                     False,
-                    (
-                        f"table_digest {report.table_digest!r} does not match version {rec.version}'s "
-                        f"{rec.table.table_digest!r}: the replica loaded a different table"
-                    ),
+                    f"layout_digest {report.layout_digest!r} does not match version {rec.version}'s "
+                    f"{rec.table.layout_digest!r}: the replica loaded a different table",
                 )
-            if ok and report.content_digest:
-                others = {d for r, d in rec.content.items() if d and r != rid}
-                if others and report.content_digest not in others:
-                    ok, error = (
-                        False,
-                        (
-                            f"content_digest {report.content_digest} differs from other replicas' "
-                            f"{min(others)}: the bytes this replica loaded differ"
-                        ),
-                    )
+            if ok:
+                error = self._content_mismatch(rec, rid, report.content_digest)
+                ok = not error
+            planned = rec.plans.get(rid)
+            waiting = planned is not None and rec.status.get(rid) in lifecycle.WAITING
+            fell_back = (
+                planned is not None
+                and waiting
+                and not ok
+                and report.channel_failed
+                and self._fall_back(job, rec, member, planned, error)
+            )
+            if fell_back:
+                self._dirty = True
+                return rec.state
             member.last_failed = not ok
             if ok:
                 member.current_version = max(member.current_version, rec.version)
                 rec.content[rid] = report.content_digest
-            planned = rec.plans.get(rid)
-            if planned is not None and rec.status.get(rid) in lifecycle.WAITING:
-                was_planned = rec.status[rid] == lifecycle.PLANNED
-                rec.set(rid, lifecycle.ACKED if ok else lifecycle.FAILED)
-                if was_planned and rec.receivers_ready():
+            if planned is not None and waiting:
+                was_planned = rec.status[rid] is ReplicaState.PLANNED
+                rec.set(rid, ReplicaState.LOADED if ok else ReplicaState.FAILED)
+                if was_planned and rec.receivers_joined():
                     self._cond.notify_all()
                 if error:
                     rec.errors[rid] = error
-                if report.channel_failed and planned.channel is not Channel.VOLUME:
-                    member.failed_channels.add(planned.channel)
                 if self.metrics:
                     for phase, seconds in report.phases.items():
                         self.metrics.sync_seconds.labels(phase.value, planned.channel.value).observe(seconds)
@@ -340,6 +347,76 @@ class Coordinator:
                 )
             self._dirty = True
             return rec.state
+
+    def _content_mismatch(self, rec: VersionRecord, rid: str, digest: str) -> str:
+        """Why a replica's content digest is wrong: not what the trainer sent, or (before the trainer's report
+        arrived) not what other replicas loaded; empty when it agrees or there is nothing to compare."""
+        if not digest:
+            return ""
+        if rec.content_digest:
+            if digest != rec.content_digest:
+                return (
+                    f"content_digest {digest} is not the {rec.content_digest} the trainer sent: the bytes this "
+                    "replica's engine loaded differ from the trainer's"
+                )
+            return ""
+        others = {d for r, d in rec.content.items() if d and r != rid}
+        if others and digest not in others:
+            return f"content_digest {digest} differs from other replicas' {min(others)}: the bytes it loaded differ"
+        return ""
+
+    def _fall_back(self, job: Job, rec: VersionRecord, member: Member, planned: ChannelPlan, error: str) -> bool:
+        """A live channel failed for this replica: plan it on the volume for this version (and skip the channel
+        from now on). False when it cannot take the volume (no shared volume, or it was the volume)."""
+        trainer = job.trainer()
+        if planned.channel is Channel.VOLUME:
+            return False
+        member.failed_channels.add(planned.channel)
+        reason = negotiation.why_not(
+            Channel.VOLUME,
+            trainer.capabilities if trainer else Capabilities(),
+            trainer.offers.get(Channel.VOLUME) if trainer else None,
+            negotiation.Candidate(member.member_id, member.incarnation, member.capabilities),
+        )
+        if reason:
+            return False
+        plan = ChannelPlan(
+            member.member_id,
+            Channel.VOLUME,
+            Rendezvous(Channel.VOLUME, root=member.capabilities.volume_mount),
+            f"volume: {planned.channel.value} failed ({error[:200]})",
+            rec.manifest_checksum,
+        )
+        rec.replan(plan)
+        rec.errors[member.member_id] = f"{planned.channel.value} failed, loading from the volume: {error}"
+        log.warning("job %s v%d: %s", job.name, rec.version, rec.errors[member.member_id])
+        if rec.durable:
+            member.events.put(
+                Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, plan, rec.table, plan.reason)
+            )
+        self._cond.notify_all()
+        return True
+
+    def report_sent(self, lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]) -> VersionInfo:
+        """The publisher sent ``version``: record what it sent, and fail replicas that loaded something else."""
+        with self._cond:
+            trainer = self._member(lease_id, Role.TRAINER)
+            job = self._job(trainer.job)
+            rec = self._record(job, version)
+            if rec.incarnation != trainer.incarnation:
+                raise faults.PermissionDenied(f"version {version} was opened by another trainer incarnation")
+            rec.content_digest, rec.sent = content_digest, True
+            for rid, why in failed.items():
+                if rec.status.get(rid) in lifecycle.WAITING:
+                    rec.errors.setdefault(rid, f"the trainer's sender lost it: {why}")
+            for rid, digest in list(rec.content.items()):
+                mismatch = self._content_mismatch(rec, rid, digest)
+                if mismatch and rec.status.get(rid) is ReplicaState.LOADED and rec.state is VersionState.STAGING:
+                    rec.set(rid, ReplicaState.FAILED)
+                    rec.errors[rid] = mismatch
+            self._settle(job, rec)
+            self._dirty = True
+            return rec.info()
 
     def _settle(self, job: Job, rec: VersionRecord) -> None:
         verdict = rec.settle()
@@ -378,9 +455,11 @@ class Coordinator:
             rec = self._record(job, version)
 
             def met() -> bool:
-                if until is WaitFor.RECEIVERS_READY:
-                    return rec.receivers_ready() or rec.state in SETTLED_STATES
-                return rec.state in SETTLED_STATES
+                if rec.state in SETTLED_STATES:
+                    return True
+                if until is WaitFor.RECEIVERS_JOINED:
+                    return rec.receivers_joined()
+                return until is WaitFor.SETTLED_OR_DURABLE_NEEDED and rec.durable_needed
 
             while not met():
                 left = deadline - time.monotonic()
@@ -389,28 +468,72 @@ class Coordinator:
                 self._cond.wait(left)
             return rec.info(), met()
 
-    def mark_durable(self, job_name: str, version: int, manifest_path: str, manifest_sha256: str) -> VersionInfo:
-        _require(manifest_path, "manifest_path", "send the path of the version's manifest.json on the volume")
-        if not re.fullmatch(r"[0-9a-f]{64}", manifest_sha256):
+    def mark_durable(self, job_name: str, version: int, manifest_path: str, checksum: str) -> VersionInfo:
+        """The version's volume copy landed. A coordinator that mounts the job's volume reads the manifest itself
+        (from its own mount, never from the client's path) and records its checksum; otherwise it records the
+        publisher's. Replicas planned on the volume for this version are sent it now."""
+        if not is_digest(checksum):
             raise faults.InvalidArgument(
-                f"manifest_sha256 {manifest_sha256[:80]!r} is not 64 lowercase hex digits; "
-                "send hashlib.sha256(manifest_bytes).hexdigest()"
+                f"manifest_checksum {checksum[:80]!r} is not sha256:<64 hex>; send tensors.manifest_checksum(bytes)"
             )
-        local = Path(manifest_path)
-        if local.is_file():  # the coordinator mounts the volume at the same path: check the claim
-            actual = hashlib.sha256(local.read_bytes()).hexdigest()
-            if actual != manifest_sha256:
+        with self._cond:
+            self._record(self._job(job_name), version)  # NotFound before any file is read
+        root = self.volumes.get(job_name)
+        if root is not None:
+            path = manifests.manifest_path(root, version)
+            try:
+                actual = manifest_checksum(path.read_bytes())
+            except OSError as e:
+                raise faults.FailedPrecondition(
+                    f"version {version} of job {job_name!r} has no manifest on the coordinator's volume ({e}); "
+                    "mark it durable once its copy landed"
+                ) from None
+            if actual != checksum:
                 raise faults.InvalidArgument(
-                    f"manifest_sha256 {manifest_sha256} does not match {manifest_path} (sha256 {actual}); "
-                    "hash the manifest after its final write"
+                    f"manifest_checksum {checksum} does not match version {version}'s manifest on the volume "
+                    f"({actual}); hash the manifest after its final write"
                 )
+            manifest_path = str(path)
         with self._cond:
             job = self._job(job_name)
             rec = self._record(job, version)
-            rec.durable, rec.manifest_path, rec.manifest_sha256 = True, manifest_path, manifest_sha256
+            rec.durable, rec.manifest_path, rec.manifest_checksum = True, manifest_path, checksum
+            for rid in rec.volume_waiting():
+                member = job.members.get(rid)
+                if member is not None:
+                    plan = rec.plans[rid] = dataclasses.replace(rec.plans[rid], manifest_checksum=checksum)
+                    member.events.put(
+                        Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, plan, rec.table, plan.reason)
+                    )
             self.store.save(rec.info(with_replicas=False))
+            doomed = self._retire(job)
             self._cond.notify_all()
-            return rec.info()
+            info = rec.info()
+        if root is not None and doomed:
+            manifests.delete(root, doomed)
+        return info
+
+    def _retire(self, job: Job) -> list[int]:
+        """Durable versions beyond the job's retention, forgotten as durable; the caller deletes them off the lock.
+
+        Kept: the newest ``retention`` durable READY/SUPERSEDED versions (so always the newest durable READY one),
+        and anything still STAGING. FAILED versions do not count toward what is kept.
+        """
+        if job.name not in self.volumes:
+            return []
+        good = [
+            v
+            for v in sorted(job.versions, reverse=True)
+            if job.versions[v].durable and job.versions[v].state in (VersionState.READY, VersionState.SUPERSEDED)
+        ]
+        keep = set(good[: job.policy.retention])  # the newest durable READY version is good[0]
+        doomed = []
+        for v, rec in job.versions.items():
+            if rec.durable and v not in keep and rec.state is not VersionState.STAGING:
+                rec.durable, rec.manifest_path, rec.manifest_checksum = False, "", ""
+                self.store.save(rec.info(with_replicas=False))
+                doomed.append(v)
+        return sorted(doomed)
 
     def subscribe(self, lease_id: str) -> queue.SimpleQueue[Assignment | None]:
         """A fresh event queue for the member's new stream (ending any previous one), primed with a catch-up
@@ -429,8 +552,9 @@ class Coordinator:
                 plan = ChannelPlan(
                     member.member_id,
                     Channel.VOLUME,
-                    Rendezvous(volume_path=member.capabilities.volume_mount),
+                    Rendezvous(Channel.VOLUME, root=member.capabilities.volume_mount),
                     "catch up from the newest durable READY version",
+                    newest.manifest_checksum,
                 )
                 member.events.put(
                     Assignment(
@@ -442,6 +566,8 @@ class Coordinator:
             for rec in job.versions.values():
                 if rec.state is VersionState.STAGING and rec.status.get(member.member_id) in lifecycle.WAITING:
                     p = rec.plans[member.member_id]
+                    if p.channel is Channel.VOLUME and not rec.durable:
+                        continue  # sent when the version becomes durable
                     member.events.put(
                         Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, p, rec.table, p.reason)
                     )

@@ -14,9 +14,10 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from weightsync.channels.base import Offer
 from weightsync.coordinator import negotiation
 from weightsync.coordinator.lifecycle import VersionRecord
-from weightsync.coordinator.models import Assignment, Capabilities, JobPolicy, Role, SenderOffer
+from weightsync.coordinator.models import Assignment, Capabilities, JobPolicy, Role
 from weightsync.vocabulary import Channel, VersionState
 
 
@@ -30,7 +31,7 @@ class Member:
     lease_id: str
     expires_at: float
     current_version: int = 0
-    offers: dict[Channel, SenderOffer] = field(default_factory=dict)
+    offers: dict[Channel, Offer] = field(default_factory=dict)
     failed_channels: set[Channel] = field(default_factory=set)
     last_failed: bool = False
     streams: int = 0

@@ -45,8 +45,16 @@ from weightsync.coordinator.models import TableSummary, VersionInfo
 from weightsync.coordinator.store import MemoryStore, VersionStore, VolumeStore
 from weightsync.errors import PermanentError
 from weightsync.resources import GROUP, JOB_LABEL, VERSION, WeightVersion, WeightVersionSpec, WeightVersionStatus
-from weightsync.resources.weightversion import MAX_LISTED_REPLICAS, ChannelShare, PhaseSeconds, version_name
-from weightsync.vocabulary import VersionState
+from weightsync.resources.weightversion import (
+    MAX_LISTED_REPLICAS,
+    MAX_REPLICA_ENTRIES,
+    ChannelShare,
+    PhaseSeconds,
+    ReplicaEntry,
+    replica_states,
+    version_name,
+)
+from weightsync.vocabulary import ReplicaState, VersionState
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,8 @@ RLJOBS = "rljobs"
 TENSOR_COUNT = f"{GROUP}/tensor-count"
 INCARNATION = f"{GROUP}/incarnation"
 OPENED_AT = f"{GROUP}/opened-at"
-ACKED, FAILED = "acked", "failed"
+REPLICA_FIELDS = ("replicasLoaded", "replicasFailed", "failedReplicas", "laggingReplicas", "replicas", "replicaStates")
+"""Status fields written only with the replicas' details (a merge patch without them keeps the last ones)."""
 REQUEST_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 10.0
 RESTARTED = "the coordinator restarted while this version was staging"
@@ -162,9 +171,7 @@ class KubeStore:
             self._created.add(key)
             known = local.get(info.version)
             if known is not None and known.manifest_path:
-                info = dataclasses.replace(
-                    info, manifest_path=known.manifest_path, manifest_sha256=known.manifest_sha256
-                )
+                info = dataclasses.replace(info, manifest_path=known.manifest_path)
             if info.state is VersionState.STAGING:
                 info = dataclasses.replace(info, state=VersionState.FAILED, reason=RESTARTED, settled_at=0.0)
                 self._queue(info)
@@ -266,13 +273,12 @@ class KubeStore:
     def _create(self, name: str, info: VersionInfo) -> None:
         table = info.table
         shares = collections.Counter(r.channel for r in info.replicas if r.channel is not None)
-        checksum = table.table_digest if table and _is_sha256(table.table_digest) else ""
         spec = WeightVersionSpec(
             job=info.job,
             version=info.version,
             step=info.step,
             bytes=table.total_bytes if table else 0,
-            manifest_checksum=checksum,
+            layout_digest=table.layout_digest if table else "",
             channel_plan=[ChannelShare(channel=c, replicas=n) for c, n in sorted(shares.items())],
         )
         metadata: dict[str, object] = {
@@ -334,11 +340,6 @@ class KubeStore:
         return items
 
 
-def _is_sha256(digest: str) -> bool:
-    hexpart = digest.removeprefix("sha256:")
-    return digest.startswith("sha256:") and len(hexpart) == 64 and all(c in "0123456789abcdef" for c in hexpart)
-
-
 def _status(info: VersionInfo, with_replicas: bool) -> dict[str, Any]:
     """The status to merge-patch. Without the replicas the counts and names are left out, so a merge patch
     keeps what an earlier write said; a superseded version keeps its own sync time."""
@@ -347,19 +348,27 @@ def _status(info: VersionInfo, with_replicas: bool) -> dict[str, Any]:
     status = WeightVersionStatus(
         phase=info.state.phase,
         durable=info.durable,
+        manifest_checksum=info.manifest_checksum,
+        content_digest=info.content_digest,
         phase_seconds=seconds,
         message=info.reason[:4096] if info.state is VersionState.FAILED else "",
     )
     if with_replicas:
-        failed = sorted(r.replica_id for r in info.replicas if r.status == FAILED)
-        lagging = sorted(r.replica_id for r in info.replicas if r.status not in (ACKED, FAILED))
-        status.replicas_loaded = sum(r.status == ACKED for r in info.replicas)
+        failed = sorted(r.replica_id for r in info.replicas if r.state is ReplicaState.FAILED)
+        done = (ReplicaState.LOADED, ReplicaState.FAILED)
+        lagging = sorted(r.replica_id for r in info.replicas if r.state not in done)
+        status.replicas_loaded = sum(r.state is ReplicaState.LOADED for r in info.replicas)
         status.replicas_failed = len(failed)
         status.failed_replicas = failed[:MAX_LISTED_REPLICAS]
         status.lagging_replicas = lagging[:MAX_LISTED_REPLICAS]
+        status.replicas = [
+            ReplicaEntry(name=r.replica_id, channel=r.channel, state=r.state)
+            for r in info.replicas[:MAX_REPLICA_ENTRIES]
+        ]
+        status.replica_states = replica_states(status.replicas)
     wire = status.to_wire()
     if not with_replicas:
-        for field in ("replicasLoaded", "replicasFailed", "failedReplicas", "laggingReplicas"):
+        for field in REPLICA_FIELDS:
             wire.pop(field, None)
     return wire
 
@@ -385,7 +394,7 @@ def _from_object(job: str, item: Mapping[str, Any]) -> VersionInfo | None:
     if not opened and meta.get("creationTimestamp"):
         opened = datetime.fromisoformat(str(meta["creationTimestamp"]).replace("Z", "+00:00")).timestamp()
     total = status.phase_seconds.total
-    table = TableSummary(tensors, spec.bytes, spec.manifest_checksum) if tensors and spec.manifest_checksum else None
+    table = TableSummary(tensors, spec.bytes, spec.layout_digest) if tensors and spec.layout_digest else None
     return VersionInfo(
         job=job,
         version=spec.version,
@@ -393,6 +402,8 @@ def _from_object(job: str, item: Mapping[str, Any]) -> VersionInfo | None:
         incarnation=str(notes.get(INCARNATION, "")),
         state=state,
         durable=status.durable,
+        manifest_checksum=status.manifest_checksum,
+        content_digest=status.content_digest,
         table=table,
         reason=status.message or "recovered from its WeightVersion",
         opened_at=opened,

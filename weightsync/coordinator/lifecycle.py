@@ -5,12 +5,20 @@ reported; ``settle`` decides, from those facts alone, whether the job's ack poli
 is met (READY), can no longer be met (FAILED), or not yet. It holds no lock and
 does no I/O: the coordinator core calls it under its own lock.
 
+A version is READY only after its publisher reported what it sent (``sent``, with the
+content digest every replica's ack is checked against): a replica that loaded fast
+cannot make a version READY before the trainer's digest is there to check it by.
+
 The ack policy counts only replicas that are still alive: a replica whose lease
 expired is *dropped* and neither helps nor blocks the version, so one replica
 dying mid-transfer does not fail the version for the others. With every planned
 replica dropped and none acked, the version FAILED (nobody holds it). A version
-planned for no replica at all is READY at once: nothing is waiting for it, and
-late joiners take it from the volume once it is durable.
+planned for no replica at all is READY once its publisher reported it sent: nothing
+else is waiting for it, and late joiners take it from the volume once it is durable.
+
+A replica planned on the volume (no live channel, or its live channel failed for
+this version) can load the version only once it is durable: until then the record
+says ``durable_needed`` and the publisher, which waits for that, writes the copy.
 """
 
 from __future__ import annotations
@@ -18,11 +26,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from weightsync.coordinator.models import ChannelPlan, ReplicaStatus, TableSummary, VersionInfo
-from weightsync.vocabulary import VersionState
+from weightsync.coordinator.models import LIVE_CHANNELS, ChannelPlan, ReplicaStatus, TableSummary, VersionInfo
+from weightsync.tensors import DIGEST_PREFIX
+from weightsync.vocabulary import Channel, ReplicaState, VersionState
 
-PLANNED, READY, ACKED, FAILED, DROPPED = "planned", "ready", "acked", "failed", "dropped"
-WAITING = frozenset({PLANNED, READY})
+WAITING = frozenset({ReplicaState.PLANNED, ReplicaState.JOINED})
 
 
 @dataclass
@@ -38,31 +46,51 @@ class VersionRecord:
     reason: str = ""
     durable: bool = False
     manifest_path: str = ""
-    manifest_sha256: str = ""
+    manifest_checksum: str = ""
+    content_digest: str = ""
+    """What the trainer sent (its publisher's report)."""
+    sent: bool = False
+    """The publisher reported the version sent (``ReportSent``)."""
     opened_at: float = field(default_factory=time.time)
     opened_mono: float = field(default_factory=time.monotonic)
     settled_at: float = 0.0
-    status: dict[str, str] = field(default_factory=dict)
+    status: dict[str, ReplicaState] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     content: dict[str, str] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[ReplicaState, int] = field(default_factory=dict)
+    live_planned: int = 0
+    """Replicas planned on a live channel that have not joined yet (the publisher waits for none left)."""
 
     def __post_init__(self) -> None:
         for rid in self.plans:
-            self.status.setdefault(rid, PLANNED)
-        for s in self.status.values():
+            self.status.setdefault(rid, ReplicaState.PLANNED)
+        for rid, s in self.status.items():
             self.counts[s] = self.counts.get(s, 0) + 1
+            if s is ReplicaState.PLANNED and self._live(rid):
+                self.live_planned += 1
 
-    def set(self, replica_id: str, status: str) -> None:
+    def _live(self, replica_id: str) -> bool:
+        plan = self.plans.get(replica_id)
+        return plan is not None and plan.channel in LIVE_CHANNELS
+
+    def replan(self, plan: ChannelPlan) -> None:
+        """Plan a waiting replica anew for this version (its live channel failed: the volume now)."""
+        self.set(plan.replica_id, ReplicaState.DROPPED)  # leaves the live count consistently
+        self.plans[plan.replica_id] = plan
+        self.set(plan.replica_id, ReplicaState.PLANNED)
+
+    def set(self, replica_id: str, status: ReplicaState) -> None:
         """Change one replica's status, keeping the per-status counts (acks are O(1), not O(fleet))."""
         old = self.status[replica_id]
         self.counts[old] -= 1
         self.counts[status] = self.counts.get(status, 0) + 1
         self.status[replica_id] = status
+        if self._live(replica_id):
+            self.live_planned += (status is ReplicaState.PLANNED) - (old is ReplicaState.PLANNED)
 
     @classmethod
     def from_info(cls, info: VersionInfo) -> VersionRecord:
-        table = info.table or TableSummary(1, 0, "unknown")
+        table = info.table or TableSummary(1, 0, DIGEST_PREFIX + "0" * 64)
         return cls(
             info.job,
             info.version,
@@ -74,30 +102,46 @@ class VersionRecord:
             reason=info.reason,
             durable=info.durable,
             manifest_path=info.manifest_path,
-            manifest_sha256=info.manifest_sha256,
+            manifest_checksum=info.manifest_checksum,
+            content_digest=info.content_digest,
             opened_at=info.opened_at,
             opened_mono=0.0,
             settled_at=info.settled_at,
         )
 
-    def count(self, status: str) -> int:
+    def count(self, status: ReplicaState) -> int:
         return self.counts.get(status, 0)
 
     def waiting(self) -> list[str]:
         return sorted(r for r, s in self.status.items() if s in WAITING)
 
-    def receivers_ready(self) -> bool:
-        """Every planned receiver that is still alive reported ready (or already finished)."""
-        return self.count(PLANNED) == 0
+    def receivers_joined(self) -> bool:
+        """Every replica planned on a live channel that is still alive joined (or already finished)."""
+        return self.live_planned == 0
+
+    def volume_waiting(self) -> list[str]:
+        """Replicas that wait to load this version from the volume."""
+        return [r for r in self.waiting() if self.plans[r].channel is Channel.VOLUME]
+
+    @property
+    def durable_needed(self) -> bool:
+        return not self.durable and self.state is VersionState.STAGING and bool(self.volume_waiting())
 
     def settle(self) -> tuple[VersionState, str] | None:
         """The state the ack policy now dictates, with its reason; None while it is undecided."""
         if self.state is not VersionState.STAGING:
             return None
+        verdict = self._verdict()
+        if verdict is not None and verdict[0] is VersionState.READY and not self.sent:
+            return None  # READY waits for the publisher's report of what it sent
+        return verdict
+
+    def _verdict(self) -> tuple[VersionState, str] | None:
         if not self.plans:
             return VersionState.READY, "no live replica was planned"
-        acked, failed, dropped = self.count(ACKED), self.count(FAILED), self.count(DROPPED)
-        waiting = self.count(PLANNED) + self.count(READY)
+        acked, failed = self.count(ReplicaState.LOADED), self.count(ReplicaState.FAILED)
+        dropped = self.count(ReplicaState.DROPPED)
+        waiting = self.count(ReplicaState.PLANNED) + self.count(ReplicaState.JOINED)
         if self.quorum:
             if acked >= self.quorum:
                 return VersionState.READY, f"quorum met: {acked} of {self.quorum} acks"
@@ -117,7 +161,7 @@ class VersionRecord:
 
     def _first_error(self) -> str:
         for rid in sorted(self.errors):
-            if self.status.get(rid) == FAILED:
+            if self.status.get(rid) is ReplicaState.FAILED:
                 return f"; {rid}: {self.errors[rid]}"
         return ""
 
@@ -144,10 +188,12 @@ class VersionRecord:
             state=self.state,
             durable=self.durable,
             manifest_path=self.manifest_path,
-            manifest_sha256=self.manifest_sha256,
+            manifest_checksum=self.manifest_checksum,
             table=self.table,
             reason=self.reason,
             opened_at=self.opened_at,
             settled_at=self.settled_at,
             replicas=replicas,
+            content_digest=self.content_digest,
+            durable_needed=self.durable_needed,
         )

@@ -9,19 +9,21 @@ it enters, naming the field.
 from __future__ import annotations
 
 import enum
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
-from weightsync.tensors import TensorTable
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.tensors import TensorTable, is_digest
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 DEFAULT_PREFERENCE: tuple[Channel, ...] = (Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU, Channel.VOLUME)
 """Colocated same GPU -> ipc; same NCCL domain -> nccl; both NIXL -> nixl; CPU engine -> cpu; else volume."""
 
-GROUP_CHANNELS = frozenset({Channel.NCCL, Channel.CPU})
-"""Channels that form one collective group per membership (the sender is rank 0)."""
+LIVE_CHANNELS = frozenset({Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU})
+"""Channels a sender streams while the publisher waits: each has memberships (the sender is rank 0, each
+replica takes ``devices`` consecutive ranks) under a store prefix only planned members learn. The volume is
+not live: a replica planned on it loads a version once it is durable."""
 
 
 class Role(enum.StrEnum):
@@ -44,14 +46,19 @@ class EventKind(enum.StrEnum):
 
 
 class Progress(enum.StrEnum):
-    READY_TO_RECEIVE = "ready_to_receive"
+    JOINED = "joined"
+    """The replica's receiver is set up (its group joined) and waits for bytes."""
     RECEIVING = "receiving"
     LOADING = "loading"
 
 
 class WaitFor(enum.StrEnum):
-    RECEIVERS_READY = "receivers_ready"
+    RECEIVERS_JOINED = "receivers_joined"
+    """Every replica planned on a live channel joined, or was dropped."""
     SETTLED = "settled"
+    """READY, FAILED or SUPERSEDED."""
+    SETTLED_OR_DURABLE_NEEDED = "settled_or_durable_needed"
+    """Settled, or a planned replica waits for the volume copy that has not landed (the publisher writes it)."""
 
 
 SETTLED_STATES = frozenset({VersionState.READY, VersionState.FAILED, VersionState.SUPERSEDED})
@@ -77,23 +84,14 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
-class SenderOffer:
-    """Sender-side rendezvous for one channel: where the group's store listens, IPC handles, NIXL metadata."""
-
-    channel: Channel
-    host: str = ""
-    port: int = 0
-    ipc_handles: Mapping[str, bytes] = field(default_factory=dict)
-    nixl_metadata: bytes = b""
-
-
-@dataclass(frozen=True)
 class JobPolicy:
     """Per-job knobs; ``ack_quorum`` 0 means every live planned replica must ack."""
 
     channel_preference: tuple[Channel, ...] = DEFAULT_PREFERENCE
     ack_quorum: int = 0
     version_timeout_s: float = 600.0
+    retention: int = 3
+    """Durable versions kept on the volume (never fewer than the newest durable READY one)."""
 
     def __post_init__(self) -> None:
         if not self.channel_preference:
@@ -105,6 +103,8 @@ class JobPolicy:
             raise PermanentError(f"policy.ack_quorum must be >= 0, got {self.ack_quorum}")
         if self.version_timeout_s <= 0:
             raise PermanentError(f"policy.version_timeout_s must be > 0, got {self.version_timeout_s}")
+        if self.retention < 1:
+            raise PermanentError(f"policy.retention must be >= 1, got {self.retention}")
 
 
 @dataclass(frozen=True)
@@ -119,38 +119,25 @@ class TableSummary:
 
     tensor_count: int
     total_bytes: int
-    table_digest: str
+    layout_digest: str
 
     def __post_init__(self) -> None:
         if self.tensor_count < 1:
             raise PermanentError(f"table.tensor_count must be >= 1, got {self.tensor_count}")
-        if not self.table_digest:
-            raise PermanentError("table.table_digest is empty; send the digest of the tensor table")
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    host: str = ""
-    port: int = 0
-    rank_offset: int = 0
-    world_size: int = 0
-    group_id: str = ""
-    ipc_handles: Mapping[str, bytes] = field(default_factory=dict)
-    nixl_metadata: bytes = b""
-    volume_path: str = ""
-
-    @property
-    def address(self) -> str:
-        """``host:port``, the form ``weightsync.channels.cpu`` takes."""
-        return f"{self.host}:{self.port}"
+        if not is_digest(self.layout_digest):
+            raise PermanentError(
+                f"table.layout_digest {self.layout_digest[:80]!r} is not sha256:<64 hex>; send table.layout_digest()"
+            )
 
 
 @dataclass(frozen=True)
 class ChannelPlan:
     replica_id: str
     channel: Channel
-    rendezvous: Rendezvous = field(default_factory=Rendezvous)
+    rendezvous: Rendezvous
     reason: str = ""
+    manifest_checksum: str = ""
+    """Volume plans, once the version is durable: the manifest checksum the replica must find."""
 
 
 @dataclass(frozen=True)
@@ -159,10 +146,9 @@ class OpenedVersion:
     plans: tuple[ChannelPlan, ...]
     reused: bool = False
 
-    def groups(self) -> dict[str, tuple[Channel, int]]:
-        """Each group of this version: id -> (channel, world size). Form the ones the sender lacks."""
-        groups = (p for p in self.plans if p.channel in GROUP_CHANNELS)
-        return {p.rendezvous.group_id: (p.channel, p.rendezvous.world_size) for p in groups}
+    def receivers(self, channel: Channel) -> dict[str, Rendezvous]:
+        """The replicas planned on ``channel`` and their rendezvous: what that channel's sender takes as its plan."""
+        return {p.replica_id: p.rendezvous for p in self.plans if p.channel is channel}
 
 
 @dataclass(frozen=True)
@@ -182,7 +168,7 @@ class Assignment:
 class ReplicaStatus:
     replica_id: str
     channel: Channel | None
-    status: str  # planned, ready, acked, failed, dropped
+    state: ReplicaState
     error: str = ""
     content_digest: str = ""
 
@@ -196,12 +182,16 @@ class VersionInfo:
     state: VersionState
     durable: bool = False
     manifest_path: str = ""
-    manifest_sha256: str = ""
+    manifest_checksum: str = ""
     table: TableSummary | None = None
     reason: str = ""
     opened_at: float = 0.0
     settled_at: float = 0.0
     replicas: tuple[ReplicaStatus, ...] = ()
+    content_digest: str = ""
+    """What the trainer sent (reported by its publisher; empty with verification off)."""
+    durable_needed: bool = False
+    """A planned replica waits for the volume copy, which has not landed yet."""
 
 
 @dataclass(frozen=True)
@@ -225,33 +215,18 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class AckReport:
-    """A replica's verdict on one version."""
+    """A replica's verdict on one version: what its engine loaded and computed, never what it was handed."""
 
     version: int
-    table_digest: str
+    layout_digest: str
     ok: bool = True
     phases: Mapping[SyncPhase, float] = field(default_factory=dict)
     error: str = ""
     channel_failed: bool = False
     content_digest: str = ""
+    torn: bool = False
 
 
 def summarize(table: TensorTable) -> TableSummary:
-    """The summary a publisher sends and an agent repeats in its ack.
-
-    The digest covers the layout (name, dtype, shape, offset of every tensor, in
-    order), which both ends know before any byte moves; content is checked by the
-    channels and compared across replicas through ``AckReport.content_digest``.
-    """
-    h = hashlib.sha256()
-    for s in table:
-        h.update(f"{s.name}\0{s.dtype}\0{','.join(map(str, s.shape))}\0{s.offset}\n".encode())
-    return TableSummary(tensor_count=len(table), total_bytes=table.total_bytes, table_digest="sha256:" + h.hexdigest())
-
-
-def content_digest(digests: Mapping[str, str]) -> str:
-    """One digest over per-tensor digests (name order), for ``AckReport.content_digest``."""
-    h = hashlib.sha256()
-    for name in sorted(digests):
-        h.update(f"{name}\0{digests[name]}\n".encode())
-    return "sha256:" + h.hexdigest()
+    """What the coordinator knows of a version's tensors: count, bytes and the layout digest."""
+    return TableSummary(len(table), table.total_bytes, table.layout_digest())

@@ -11,10 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from weightsync.channels.base import Endpoint, Offer, Rendezvous
 from weightsync.coordinator import faults, models
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.errors import PermanentError
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.tensors import is_digest
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 
 def _enum_maps(prefix: str, values: Iterable[str], wire: object) -> tuple[dict[int, str], dict[str, Any]]:
@@ -31,6 +33,7 @@ _EN_IN, _EN_OUT = _enum_maps("ENGINE_KIND_", [e.value for e in models.EngineKind
 _EV_IN, _EV_OUT = _enum_maps("EVENT_KIND_", [e.value for e in models.EventKind], pb)
 _PR_IN, _PR_OUT = _enum_maps("PROGRESS_", [p.value for p in models.Progress], pb)
 _WF_IN, _WF_OUT = _enum_maps("WAIT_FOR_", [w.value for w in models.WaitFor], pb)
+_RS_IN, _RS_OUT = _enum_maps("REPLICA_STATE_", [r.value for r in ReplicaState], pb)
 
 
 def _parse(table: Mapping[int, str], value: int, field: str) -> str:
@@ -63,6 +66,14 @@ def progress(value: int, field: str = "progress") -> models.Progress:
 
 def wait_for(value: int, field: str = "until") -> models.WaitFor:
     return models.WaitFor(_parse(_WF_IN, value, field))
+
+
+def wait_for_to(value: models.WaitFor) -> Any:
+    return _WF_OUT[value.value]
+
+
+def progress_to(value: models.Progress) -> Any:
+    return _PR_OUT[value.value]
 
 
 def state_to(value: VersionState) -> Any:
@@ -101,21 +112,35 @@ def capabilities_to(c: models.Capabilities) -> pb.Capabilities:
     )
 
 
-def offer(m: pb.SenderOffer, field: str) -> models.SenderOffer:
-    if m.port > 65535:
-        raise faults.InvalidArgument(f"{field}.port is {m.port}; a TCP port is 1-65535 (0: none)")
-    return models.SenderOffer(
-        channel(m.channel, f"{field}.channel"), m.host, m.port, dict(m.ipc_handles), m.nixl_metadata
+def _endpoint(host: str, port: int, field: str) -> Endpoint | None:
+    if not host and not port:
+        return None
+    try:
+        return Endpoint(host, port)
+    except PermanentError as e:
+        raise faults.InvalidArgument(f"{field}: {e}") from None
+
+
+def offer(m: pb.SenderOffer, field: str) -> Offer:
+    return Offer(
+        channel(m.channel, f"{field}.channel"),
+        _endpoint(m.host, m.port, field),
+        tuple(m.devices),
+        m.agent,
+        m.metadata,
+        m.epoch,
     )
 
 
-def offer_to(o: models.SenderOffer) -> pb.SenderOffer:
+def offer_to(o: Offer) -> pb.SenderOffer:
     return pb.SenderOffer(
         channel=channel_to(o.channel),
-        host=o.host,
-        port=o.port,
-        ipc_handles=dict(o.ipc_handles),
-        nixl_metadata=o.nixl_metadata,
+        host=o.endpoint.host if o.endpoint else "",
+        port=o.endpoint.port if o.endpoint else 0,
+        devices=list(o.devices),
+        agent=o.agent,
+        metadata=o.metadata,
+        epoch=o.epoch,
     )
 
 
@@ -126,6 +151,7 @@ def policy(m: pb.JobPolicy, default: models.JobPolicy, field: str = "policy") ->
             channel_preference=pref or default.channel_preference,
             ack_quorum=m.ack_quorum or default.ack_quorum,
             version_timeout_s=m.version_timeout_s or default.version_timeout_s,
+            retention=m.retention or default.retention,
         )
     except PermanentError as e:
         raise faults.InvalidArgument(str(e)) from None
@@ -136,6 +162,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
         channel_preference=[channel_to(c) for c in p.channel_preference],
         ack_quorum=p.ack_quorum,
         version_timeout_s=p.version_timeout_s,
+        retention=p.retention,
     )
 
 
@@ -144,7 +171,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
 
 def table(m: pb.TableSummary, field: str = "table") -> models.TableSummary:
     try:
-        return models.TableSummary(m.tensor_count, m.total_bytes, m.table_digest)
+        return models.TableSummary(m.tensor_count, m.total_bytes, m.layout_digest)
     except PermanentError as e:
         raise faults.InvalidArgument(f"{field}: {e}") from None
 
@@ -153,37 +180,67 @@ def table_to(t: models.TableSummary | None) -> pb.TableSummary | None:
     return (
         None
         if t is None
-        else pb.TableSummary(tensor_count=t.tensor_count, total_bytes=t.total_bytes, table_digest=t.table_digest)
+        else pb.TableSummary(tensor_count=t.tensor_count, total_bytes=t.total_bytes, layout_digest=t.layout_digest)
     )
 
 
-def rendezvous(m: pb.Rendezvous) -> models.Rendezvous:
-    return models.Rendezvous(
-        m.host, m.port, m.rank_offset, m.world_size, m.group_id, dict(m.ipc_handles), m.nixl_metadata, m.volume_path
-    )
+def rendezvous(m: pb.Rendezvous, ch: Channel, field: str) -> Rendezvous:
+    try:
+        return Rendezvous(
+            ch,
+            endpoint=_endpoint(m.host, m.port, f"{field}.rendezvous"),
+            group=m.group,
+            secret=m.secret,
+            generation=m.generation,
+            rank=m.rank,
+            world_size=m.world_size,
+            agent=m.agent,
+            metadata=m.metadata,
+            epoch=m.epoch,
+            root=m.root,
+        )
+    except PermanentError as e:
+        raise faults.InvalidArgument(f"{field}.rendezvous: {e}") from None
 
 
-def rendezvous_to(r: models.Rendezvous) -> pb.Rendezvous:
+def rendezvous_to(r: Rendezvous) -> pb.Rendezvous:
     return pb.Rendezvous(
-        host=r.host,
-        port=r.port,
-        rank_offset=r.rank_offset,
+        host=r.endpoint.host if r.endpoint else "",
+        port=r.endpoint.port if r.endpoint else 0,
+        group=r.group,
+        secret=r.secret,
+        generation=r.generation,
+        rank=r.rank,
         world_size=r.world_size,
-        group_id=r.group_id,
-        ipc_handles=dict(r.ipc_handles),
-        nixl_metadata=r.nixl_metadata,
-        volume_path=r.volume_path,
+        agent=r.agent,
+        metadata=r.metadata,
+        epoch=r.epoch,
+        root=r.root,
     )
 
 
 def plan(m: pb.ChannelPlan, field: str = "plan") -> models.ChannelPlan:
-    return models.ChannelPlan(m.replica_id, channel(m.channel, f"{field}.channel"), rendezvous(m.rendezvous), m.reason)
+    ch = channel(m.channel, f"{field}.channel")
+    return models.ChannelPlan(
+        m.replica_id, ch, rendezvous(m.rendezvous, ch, field), m.reason, _digest(m.manifest_checksum, field)
+    )
 
 
 def plan_to(p: models.ChannelPlan) -> pb.ChannelPlan:
     return pb.ChannelPlan(
-        replica_id=p.replica_id, channel=channel_to(p.channel), rendezvous=rendezvous_to(p.rendezvous), reason=p.reason
+        replica_id=p.replica_id,
+        channel=channel_to(p.channel),
+        rendezvous=rendezvous_to(p.rendezvous),
+        reason=p.reason,
+        manifest_checksum=p.manifest_checksum,
     )
+
+
+def _digest(value: str, field: str) -> str:
+    """An optional digest field: empty, or ``sha256:<64 hex>``."""
+    if value and not is_digest(value):
+        raise faults.InvalidArgument(f"{field} {value[:80]!r} is not sha256:<64 lowercase hex digits>")
+    return value
 
 
 def event(m: pb.WatchEvent) -> models.Assignment:
@@ -221,19 +278,50 @@ def ack(m: pb.AckRequest) -> models.AckReport:
         raise faults.InvalidArgument("version is 0; ack the version number from the assignment")
     if not m.ok and not m.error:
         raise faults.InvalidArgument("error is empty on a failed ack; say what went wrong")
-    return models.AckReport(m.version, m.table_digest, m.ok, phases, m.error, m.channel_failed, m.content_digest)
+    if m.ok and m.torn:
+        raise faults.InvalidArgument("torn is set on a successful ack; a torn replica did not load the version")
+    return models.AckReport(
+        m.version,
+        m.layout_digest,
+        m.ok,
+        phases,
+        m.error,
+        m.channel_failed,
+        _digest(m.content_digest, "content_digest"),
+        m.torn,
+    )
 
 
 def ack_to(lease_id: str, r: models.AckReport) -> pb.AckRequest:
     return pb.AckRequest(
         lease_id=lease_id,
         version=r.version,
-        table_digest=r.table_digest,
+        layout_digest=r.layout_digest,
         ok=r.ok,
         error=r.error,
         channel_failed=r.channel_failed,
         content_digest=r.content_digest,
+        torn=r.torn,
         phases=[pb.PhaseSeconds(phase=_PH_OUT[k.value], seconds=v) for k, v in r.phases.items()],
+    )
+
+
+def report_sent(m: pb.ReportSentRequest) -> tuple[str, dict[str, str]]:
+    """The publisher's content digest and the receivers its channels lost (replica id -> error)."""
+    failed = {}
+    for i, f in enumerate(m.failed):
+        if not f.replica_id or not f.error:
+            raise faults.InvalidArgument(f"failed[{i}] needs a replica_id and an error")
+        failed[f.replica_id] = f.error
+    return _digest(m.content_digest, "content_digest"), failed
+
+
+def report_sent_to(lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]) -> pb.ReportSentRequest:
+    return pb.ReportSentRequest(
+        lease_id=lease_id,
+        version=version,
+        content_digest=content_digest,
+        failed=[pb.FailedReceiver(replica_id=r, error=e) for r, e in sorted(failed.items())],
     )
 
 
@@ -246,17 +334,23 @@ def version_info(m: pb.VersionInfo) -> models.VersionInfo:
         state=state(m.state),
         durable=m.durable,
         manifest_path=m.manifest_path,
-        manifest_sha256=m.manifest_sha256,
+        manifest_checksum=m.manifest_checksum,
         table=table(m.table) if m.HasField("table") else None,
         reason=m.reason,
         opened_at=m.opened_at,
         settled_at=m.settled_at,
         replicas=tuple(
             models.ReplicaStatus(
-                r.replica_id, channel(r.channel, "channel") if r.channel else None, r.status, r.error, r.content_digest
+                r.replica_id,
+                channel(r.channel, "channel") if r.channel else None,
+                ReplicaState(_parse(_RS_IN, r.state, "replicas.state")),
+                r.error,
+                r.content_digest,
             )
             for r in m.replicas
         ),
+        content_digest=m.content_digest,
+        durable_needed=m.durable_needed,
     )
 
 
@@ -269,7 +363,7 @@ def version_info_to(v: models.VersionInfo) -> pb.VersionInfo:
         state=state_to(v.state),
         durable=v.durable,
         manifest_path=v.manifest_path,
-        manifest_sha256=v.manifest_sha256,
+        manifest_checksum=v.manifest_checksum,
         table=table_to(v.table),
         reason=v.reason,
         opened_at=v.opened_at,
@@ -278,12 +372,14 @@ def version_info_to(v: models.VersionInfo) -> pb.VersionInfo:
             pb.ReplicaStatus(
                 replica_id=r.replica_id,
                 channel=channel_to(r.channel) if r.channel else None,
-                status=r.status,
+                state=_RS_OUT[r.state.value],
                 error=r.error,
                 content_digest=r.content_digest,
             )
             for r in v.replicas
         ],
+        content_digest=v.content_digest,
+        durable_needed=v.durable_needed,
     )
 
 
@@ -325,3 +421,117 @@ def job_info_to(j: models.JobInfo) -> pb.JobInfo:
             for x in j.members
         ],
     )
+
+
+# ---- requests and responses: the only place the client and the servicer get wire messages from ------------------
+
+
+def register_request(
+    job: str,
+    role_: models.Role,
+    member_id: str,
+    incarnation: str,
+    caps: models.Capabilities,
+    policy_: models.JobPolicy | None,
+    offers: Iterable[Offer],
+    current_version: int,
+) -> pb.RegisterRequest:
+    return pb.RegisterRequest(
+        job=job,
+        role=_RO_OUT[role_.value],
+        member_id=member_id,
+        incarnation=incarnation,
+        capabilities=capabilities_to(caps),
+        policy=policy_to(policy_) if policy_ else None,
+        offers=[offer_to(o) for o in offers],
+        current_version=current_version,
+    )
+
+
+def lease(m: pb.Lease) -> models.Lease:
+    return models.Lease(m.lease_id, m.ttl_s)
+
+
+def register_response(x: models.Lease) -> pb.RegisterResponse:
+    return pb.RegisterResponse(lease=pb.Lease(lease_id=x.lease_id, ttl_s=x.ttl_s))
+
+
+def renew_request(lease_id: str) -> pb.RenewRequest:
+    return pb.RenewRequest(lease_id=lease_id)
+
+
+def renew_response(x: models.Lease) -> pb.RenewResponse:
+    return pb.RenewResponse(lease=pb.Lease(lease_id=x.lease_id, ttl_s=x.ttl_s))
+
+
+def open_request(
+    lease_id: str, job: str, incarnation: str, step: int, summary: models.TableSummary, offers: Iterable[Offer]
+) -> pb.OpenVersionRequest:
+    return pb.OpenVersionRequest(
+        lease_id=lease_id,
+        job=job,
+        incarnation=incarnation,
+        step=step,
+        table=table_to(summary),
+        offers=[offer_to(o) for o in offers],
+    )
+
+
+def opened(m: pb.OpenVersionResponse) -> models.OpenedVersion:
+    return models.OpenedVersion(m.version, tuple(plan(p, f"plans[{i}]") for i, p in enumerate(m.plans)), m.reused)
+
+
+def opened_to(o: models.OpenedVersion) -> pb.OpenVersionResponse:
+    return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p) for p in o.plans], reused=o.reused)
+
+
+def watch_request(lease_id: str) -> pb.WatchRequest:
+    return pb.WatchRequest(lease_id=lease_id)
+
+
+def progress_request(lease_id: str, version: int, value: models.Progress) -> pb.ReportProgressRequest:
+    return pb.ReportProgressRequest(lease_id=lease_id, version=version, progress=progress_to(value))
+
+
+def progress_response() -> pb.ReportProgressResponse:
+    return pb.ReportProgressResponse()
+
+
+def ack_response(value: VersionState) -> pb.AckResponse:
+    return pb.AckResponse(state=state_to(value))
+
+
+def wait_request(job: str, version: int, until: models.WaitFor, timeout_s: float) -> pb.WaitVersionRequest:
+    return pb.WaitVersionRequest(job=job, version=version, until=wait_for_to(until), timeout_s=timeout_s)
+
+
+def wait_response(info: models.VersionInfo, met: bool) -> pb.WaitVersionResponse:
+    return pb.WaitVersionResponse(info=version_info_to(info), condition_met=met)
+
+
+def report_sent_response(info: models.VersionInfo) -> pb.ReportSentResponse:
+    return pb.ReportSentResponse(info=version_info_to(info))
+
+
+def mark_durable_request(job: str, version: int, manifest_path: str, checksum: str) -> pb.MarkDurableRequest:
+    return pb.MarkDurableRequest(job=job, version=version, manifest_path=manifest_path, manifest_checksum=checksum)
+
+
+def mark_durable_response(info: models.VersionInfo) -> pb.MarkDurableResponse:
+    return pb.MarkDurableResponse(info=version_info_to(info))
+
+
+def get_job_request(job: str) -> pb.GetJobRequest:
+    return pb.GetJobRequest(job=job)
+
+
+def get_job_response(info: models.JobInfo) -> pb.GetJobResponse:
+    return pb.GetJobResponse(job=job_info_to(info))
+
+
+def list_request(job: str, limit: int) -> pb.ListVersionsRequest:
+    return pb.ListVersionsRequest(job=job, limit=limit)
+
+
+def list_response(infos: Iterable[models.VersionInfo]) -> pb.ListVersionsResponse:
+    return pb.ListVersionsResponse(versions=[version_info_to(i) for i in infos])

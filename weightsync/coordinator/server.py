@@ -45,7 +45,7 @@ class ServerConfig:
     lease_ttl_s: float = 10.0
     policy: JobPolicy = field(default_factory=JobPolicy)
     volumes: dict[str, Path] = field(default_factory=dict)
-    """Job name -> checkpoint volume root, for recovery and the version journal."""
+    """Job name -> checkpoint volume root: recovery, the version journal, manifest checksums and retention."""
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
@@ -92,7 +92,11 @@ class CoordinatorServer:
         if store is None:
             store = VolumeStore(config.volumes) if config.volumes else MemoryStore()
         self.core = Coordinator(
-            lease_ttl_s=config.lease_ttl_s, default_policy=config.policy, store=store, metrics=self.metrics
+            lease_ttl_s=config.lease_ttl_s,
+            default_policy=config.policy,
+            store=store,
+            metrics=self.metrics,
+            volumes=config.volumes,
         )
         refresher.core = self.core
         interceptors: list[grpc.ServerInterceptor] = [limits.SizeLimitInterceptor(config.max_message_bytes)]

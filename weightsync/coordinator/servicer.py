@@ -83,6 +83,7 @@ class Servicer:
                 "ReportProgress",
                 "Ack",
                 "WaitVersion",
+                "ReportSent",
                 "MarkDurable",
                 "GetJob",
                 "ListVersions",
@@ -111,12 +112,12 @@ class Servicer:
             offers=offers,
             current_version=request.current_version,
         )
-        return pb.RegisterResponse(lease=pb.Lease(lease_id=lease.lease_id, ttl_s=lease.ttl_s))
+        return serde.register_response(lease)
 
     @_guard
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewResponse:
         lease = self.core.renew(_nonempty(request.lease_id, "lease_id", "send the lease id Register returned"))
-        return pb.RenewResponse(lease=pb.Lease(lease_id=lease.lease_id, ttl_s=lease.ttl_s))
+        return serde.renew_response(lease)
 
     @_guard
     def OpenVersion(self, request: pb.OpenVersionRequest, context: grpc.ServicerContext) -> pb.OpenVersionResponse:
@@ -131,9 +132,7 @@ class Servicer:
             serde.table(request.table),
             [serde.offer(o, f"offers[{i}]") for i, o in enumerate(request.offers)],
         )
-        return pb.OpenVersionResponse(
-            version=opened.version, plans=[serde.plan_to(p) for p in opened.plans], reused=opened.reused
-        )
+        return serde.opened_to(opened)
 
     @_guard
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
@@ -167,12 +166,12 @@ class Servicer:
             request.version,
             serde.progress(request.progress),
         )
-        return pb.ReportProgressResponse()
+        return serde.progress_response()
 
     @_guard
     def Ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckResponse:
         state = self.core.ack(_nonempty(request.lease_id, "lease_id", "register the replica first"), serde.ack(request))
-        return pb.AckResponse(state=serde.state_to(state))
+        return serde.ack_response(state)
 
     @_guard
     def WaitVersion(self, request: pb.WaitVersionRequest, context: grpc.ServicerContext) -> pb.WaitVersionResponse:
@@ -181,18 +180,23 @@ class Servicer:
         remaining = context.time_remaining()
         timeout = min(request.timeout_s, remaining if remaining is not None else MAX_WAIT_S)
         info, met = self.core.wait_version(request.job, request.version, serde.wait_for(request.until), timeout)
-        return pb.WaitVersionResponse(info=serde.version_info_to(info), condition_met=met)
+        return serde.wait_response(info, met)
+
+    @_guard
+    def ReportSent(self, request: pb.ReportSentRequest, context: grpc.ServicerContext) -> pb.ReportSentResponse:
+        digest, failed = serde.report_sent(request)
+        lease_id = _nonempty(request.lease_id, "lease_id", "register the trainer first")
+        return serde.report_sent_response(self.core.report_sent(lease_id, request.version, digest, failed))
 
     @_guard
     def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:
-        info = self.core.mark_durable(request.job, request.version, request.manifest_path, request.manifest_sha256)
-        return pb.MarkDurableResponse(info=serde.version_info_to(info))
+        info = self.core.mark_durable(request.job, request.version, request.manifest_path, request.manifest_checksum)
+        return serde.mark_durable_response(info)
 
     @_guard
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:
-        return pb.GetJobResponse(job=serde.job_info_to(self.core.get_job(request.job)))
+        return serde.get_job_response(self.core.get_job(request.job))
 
     @_guard
     def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsResponse:
-        infos = self.core.list_versions(request.job, request.limit)
-        return pb.ListVersionsResponse(versions=[serde.version_info_to(i) for i in infos])
+        return serde.list_response(self.core.list_versions(request.job, request.limit))

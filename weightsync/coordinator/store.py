@@ -20,7 +20,6 @@ its plans and watchers died with the old process.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -28,7 +27,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from weightsync.coordinator.models import TableSummary, VersionInfo
+from weightsync.channels import manifests
+from weightsync.coordinator.models import TableSummary, VersionInfo, summarize
+from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import VersionState
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,12 @@ def from_json(d: Mapping[str, Any]) -> VersionInfo:
         state=VersionState(d["state"]),
         durable=bool(d.get("durable", False)),
         manifest_path=str(d.get("manifest_path", "")),
-        manifest_sha256=str(d.get("manifest_sha256", "")),
+        manifest_checksum=str(d.get("manifest_checksum", "")),
         table=TableSummary(**table) if table else None,
         reason=str(d.get("reason", "")),
         opened_at=float(d.get("opened_at", 0.0)),
         settled_at=float(d.get("settled_at", 0.0)),
+        content_digest=str(d.get("content_digest", "")),
     )
 
 
@@ -89,10 +91,6 @@ class MemoryStore:
 
     def jobs(self) -> list[str]:
         return sorted(self._by_job)
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class VolumeStore(MemoryStore):
@@ -126,7 +124,7 @@ class VolumeStore(MemoryStore):
                 found[info.version] = info
             elif not known.durable:
                 found[info.version] = dataclasses.replace(
-                    known, durable=True, manifest_path=info.manifest_path, manifest_sha256=info.manifest_sha256
+                    known, durable=True, manifest_path=info.manifest_path, manifest_checksum=info.manifest_checksum
                 )
         on_volume = {v.version for v in self._from_manifests(job)}
         for v, info in list(found.items()):
@@ -135,25 +133,21 @@ class VolumeStore(MemoryStore):
                     info, state=VersionState.FAILED, reason="the coordinator restarted while this version was staging"
                 )
             if info.durable and v not in on_volume:
-                found[v] = dataclasses.replace(found[v], durable=False, manifest_path="", manifest_sha256="")
+                found[v] = dataclasses.replace(found[v], durable=False, manifest_path="", manifest_checksum="")
         self._by_job[job] = found
         return [found[v] for v in sorted(found)]
 
     def _from_manifests(self, job: str) -> list[VersionInfo]:
-        # the manifest reader lives with the volume channel, which imports torch and safetensors
-        from weightsync.channels import volume
-        from weightsync.coordinator.models import summarize
-
         root = self.roots[job]
         out = []
-        for v in volume.list_versions(root):
-            directory = volume.version_dir(root, v)
+        for v in manifests.list_versions(root):
+            path = manifests.manifest_path(root, v)
             try:
-                manifest = volume.Manifest.load(directory)
+                data = path.read_bytes()
+                manifest = manifests.Manifest.parse(data, path)
             except Exception as e:  # noqa: BLE001 - one bad manifest must not stop recovery of the rest
-                log.warning("skipping %s during recovery: %s", directory, e)
+                log.warning("skipping %s during recovery: %s", path, e)
                 continue
-            path = directory / volume.MANIFEST
             out.append(
                 VersionInfo(
                     job=job,
@@ -163,7 +157,7 @@ class VolumeStore(MemoryStore):
                     state=VersionState.READY,
                     durable=True,
                     manifest_path=str(path),
-                    manifest_sha256=sha256_file(path),
+                    manifest_checksum=manifest_checksum(data),
                     table=summarize(manifest.table),
                     reason="recovered from the volume manifest",
                     opened_at=manifest.created,

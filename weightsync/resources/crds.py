@@ -76,6 +76,7 @@ WEIGHTVERSION = Resource(
         ("Step", "integer", ".spec.step", "Training step.", 0),
         ("Phase", "string", ".status.phase", "Staging, Ready, Failed or Superseded.", 0),
         ("Loaded", "integer", ".status.replicasLoaded", "Replicas that loaded it.", 0),
+        ("Replicas", "string", ".status.replicaStates", "Each replica's state and channel.", 0),
         ("Age", "date", ".metadata.creationTimestamp", "", 0),
         ("Durable", "boolean", ".status.durable", "On the checkpoint volume.", 1),
         ("Failed", "integer", ".status.replicasFailed", "Replicas that failed it.", 1),

@@ -101,6 +101,15 @@ class CheckpointVolume(Model):
 _IMMUTABLE_VOLUME = rules(("self == oldSelf", "is immutable; delete and re-create the RLJob to change it"))
 
 
+class Rdma(Model):
+    """An extended resource that gives a pod RDMA devices (named by the cluster's RDMA device plugin)."""
+
+    resource: str = Field(
+        min_length=1, max_length=DNS_NAME, description="Resource name, e.g. rdma/ib or nvidia.com/hostdev."
+    )
+    count: int = Field(default=1, ge=1, le=64, description="Devices per pod.")
+
+
 class Sync(Model):
     """How and how often weights move from the trainer to the replicas."""
 
@@ -117,7 +126,19 @@ class Sync(Model):
     )
     quorum: int | None = Field(default=None, ge=1, description="Replicas that must ack when ackPolicy is Quorum.")
     timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
+    transfer_timeout_seconds: int = Field(
+        default=120,
+        ge=1,
+        le=3600,
+        description="A transfer stalled this long (a peer died or is unreachable) is abandoned and the replica "
+        "loads the version from the checkpoint volume.",
+    )
     retention: int = Field(default=3, ge=1, le=100, description="WeightVersion objects (and volume copies) kept.")
+    rdma: Rdma | None = Field(
+        default=None,
+        description="RDMA devices for NCCL over InfiniBand/RoCE and NIXL: requested by the trainer and vLLM "
+        "pods, which also get IPC_LOCK to pin the memory they register.",
+    )
     checkpoint_volume: CheckpointVolume = Field(
         default_factory=CheckpointVolume,
         description="The checkpoint volume; immutable.",

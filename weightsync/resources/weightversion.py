@@ -16,11 +16,15 @@ from __future__ import annotations
 from pydantic import Field, JsonValue
 
 from weightsync.resources._base import DNS_NAME, Model, ReplicaName, rules
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 JOB_LABEL = "weightsync.io/job"
 MAX_LISTED_REPLICAS = 16
 """Failed and lagging replica names are capped here: the counts stay exact, the names are examples."""
+MAX_REPLICA_ENTRIES = 64
+"""Per-replica entries (name, channel, state) are capped here, so a status stays small in a large fleet."""
+MAX_SUMMARY = 512
+DIGEST_PATTERN = r"^(sha256:[0-9a-f]{64})?$"
 
 PHASES: list[JsonValue] = [state.phase for state in VersionState]
 
@@ -42,11 +46,11 @@ class WeightVersionSpec(Model):
     version: int = Field(ge=1, description="Version number, monotonic per job.")
     step: int = Field(ge=0, description="Training step the weights come from.")
     bytes: int = Field(ge=0, description="Bytes of one full copy of the weights.")
-    manifest_checksum: str = Field(
+    layout_digest: str = Field(
         default="",
         max_length=80,
-        pattern=r"^(sha256:[0-9a-f]{64})?$",
-        description="sha256 of the tensor manifest (sha256:<hex>).",
+        pattern=DIGEST_PATTERN,
+        description="Digest of the tensor table's layout: names, dtypes, shapes, offsets (sha256:<hex>).",
     )
     channel_plan: list[ChannelShare] = Field(
         default_factory=list,
@@ -69,6 +73,14 @@ class PhaseSeconds(Model):
 assert set(PhaseSeconds.model_fields) == {p.value for p in SyncPhase}, "PhaseSeconds must follow SyncPhase"
 
 
+class ReplicaEntry(Model):
+    """One replica's part in this version."""
+
+    name: ReplicaName = Field(description="Replica id (its pod name).")
+    channel: Channel | None = Field(default=None, description="Channel it was planned on.")
+    state: ReplicaState = Field(description="planned, joined, loaded, failed or dropped.")
+
+
 class WeightVersionStatus(Model):
     phase: str = Field(
         default=VersionState.STAGING.phase,
@@ -84,8 +96,32 @@ class WeightVersionStatus(Model):
     lagging_replicas: list[ReplicaName] = Field(
         default_factory=list, max_length=MAX_LISTED_REPLICAS, description="Some replicas not yet on it (capped)."
     )
+    replicas: list[ReplicaEntry] = Field(
+        default_factory=list, max_length=MAX_REPLICA_ENTRIES, description="Each replica's channel and state (capped)."
+    )
+    replica_states: str = Field(
+        default="", max_length=MAX_SUMMARY, description="The replicas' states in one line, for kubectl get."
+    )
+    manifest_checksum: str = Field(
+        default="",
+        max_length=80,
+        pattern=DIGEST_PATTERN,
+        description="Checksum of the volume copy's manifest.json, once durable (sha256:<hex>).",
+    )
+    content_digest: str = Field(
+        default="",
+        max_length=80,
+        pattern=DIGEST_PATTERN,
+        description="Digest over the per-tensor digests the trainer sent; replicas' engines must match it.",
+    )
     phase_seconds: PhaseSeconds = Field(default_factory=PhaseSeconds, description="Seconds per sync phase.")
     message: str = Field(default="", max_length=4096, description="Why it failed, if it did.")
+
+
+def replica_states(entries: list[ReplicaEntry]) -> str:
+    """``name=state/channel`` for each replica, in one line capped for a printer column."""
+    text = " ".join(f"{e.name}={e.state.value}/{e.channel.value if e.channel else '-'}" for e in entries)
+    return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 3] + "..."
 
 
 WEIGHTVERSION_SPEC_RULES = rules(("self == oldSelf", "is immutable: a version describes bytes already published"))

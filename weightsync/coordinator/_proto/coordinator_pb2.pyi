@@ -35,6 +35,15 @@ class SyncPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_PHASE_VERIFY: _ClassVar[SyncPhase]
     SYNC_PHASE_TOTAL: _ClassVar[SyncPhase]
 
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_PLANNED: _ClassVar[ReplicaState]
+    REPLICA_STATE_JOINED: _ClassVar[ReplicaState]
+    REPLICA_STATE_LOADED: _ClassVar[ReplicaState]
+    REPLICA_STATE_FAILED: _ClassVar[ReplicaState]
+    REPLICA_STATE_DROPPED: _ClassVar[ReplicaState]
+
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ROLE_UNSPECIFIED: _ClassVar[Role]
@@ -57,15 +66,16 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 class Progress(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROGRESS_UNSPECIFIED: _ClassVar[Progress]
-    PROGRESS_READY_TO_RECEIVE: _ClassVar[Progress]
+    PROGRESS_JOINED: _ClassVar[Progress]
     PROGRESS_RECEIVING: _ClassVar[Progress]
     PROGRESS_LOADING: _ClassVar[Progress]
 
 class WaitFor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WAIT_FOR_UNSPECIFIED: _ClassVar[WaitFor]
-    WAIT_FOR_RECEIVERS_READY: _ClassVar[WaitFor]
+    WAIT_FOR_RECEIVERS_JOINED: _ClassVar[WaitFor]
     WAIT_FOR_SETTLED: _ClassVar[WaitFor]
+    WAIT_FOR_SETTLED_OR_DURABLE_NEEDED: _ClassVar[WaitFor]
 CHANNEL_UNSPECIFIED: Channel
 CHANNEL_IPC: Channel
 CHANNEL_NCCL: Channel
@@ -83,6 +93,12 @@ SYNC_PHASE_TRANSFER: SyncPhase
 SYNC_PHASE_LOAD: SyncPhase
 SYNC_PHASE_VERIFY: SyncPhase
 SYNC_PHASE_TOTAL: SyncPhase
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_PLANNED: ReplicaState
+REPLICA_STATE_JOINED: ReplicaState
+REPLICA_STATE_LOADED: ReplicaState
+REPLICA_STATE_FAILED: ReplicaState
+REPLICA_STATE_DROPPED: ReplicaState
 ROLE_UNSPECIFIED: Role
 ROLE_TRAINER: Role
 ROLE_REPLICA: Role
@@ -94,12 +110,13 @@ EVENT_KIND_ASSIGN: EventKind
 EVENT_KIND_CATCH_UP: EventKind
 EVENT_KIND_ABORT: EventKind
 PROGRESS_UNSPECIFIED: Progress
-PROGRESS_READY_TO_RECEIVE: Progress
+PROGRESS_JOINED: Progress
 PROGRESS_RECEIVING: Progress
 PROGRESS_LOADING: Progress
 WAIT_FOR_UNSPECIFIED: WaitFor
-WAIT_FOR_RECEIVERS_READY: WaitFor
+WAIT_FOR_RECEIVERS_JOINED: WaitFor
 WAIT_FOR_SETTLED: WaitFor
+WAIT_FOR_SETTLED_OR_DURABLE_NEEDED: WaitFor
 
 class Capabilities(_message.Message):
     __slots__ = ("host", "gpu_uuids", "devices", "channels", "nccl_domain", "nixl", "volume_id", "volume_mount", "engine")
@@ -124,35 +141,34 @@ class Capabilities(_message.Message):
     def __init__(self, host: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., devices: _Optional[int] = ..., channels: _Optional[_Iterable[_Union[Channel, str]]] = ..., nccl_domain: _Optional[str] = ..., nixl: _Optional[bool] = ..., volume_id: _Optional[str] = ..., volume_mount: _Optional[str] = ..., engine: _Optional[_Union[EngineKind, str]] = ...) -> None: ...
 
 class SenderOffer(_message.Message):
-    __slots__ = ("channel", "host", "port", "ipc_handles", "nixl_metadata")
-    class IpcHandlesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: bytes
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    __slots__ = ("channel", "host", "port", "devices", "agent", "metadata", "epoch")
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
-    IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
-    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     channel: Channel
     host: str
     port: int
-    ipc_handles: _containers.ScalarMap[str, bytes]
-    nixl_metadata: bytes
-    def __init__(self, channel: _Optional[_Union[Channel, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., ipc_handles: _Optional[_Mapping[str, bytes]] = ..., nixl_metadata: _Optional[bytes] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[str]
+    agent: str
+    metadata: bytes
+    epoch: int
+    def __init__(self, channel: _Optional[_Union[Channel, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
-    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s")
+    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention")
     CHANNEL_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     ACK_QUORUM_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     channel_preference: _containers.RepeatedScalarFieldContainer[Channel]
     ack_quorum: int
     version_timeout_s: float
-    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ...) -> None: ...
+    retention: int
+    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version")
@@ -201,53 +217,54 @@ class RenewResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class TableSummary(_message.Message):
-    __slots__ = ("tensor_count", "total_bytes", "table_digest")
+    __slots__ = ("tensor_count", "total_bytes", "layout_digest")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
-    TABLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     total_bytes: int
-    table_digest: str
-    def __init__(self, tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., table_digest: _Optional[str] = ...) -> None: ...
+    layout_digest: str
+    def __init__(self, tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layout_digest: _Optional[str] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("host", "port", "rank_offset", "world_size", "group_id", "ipc_handles", "nixl_metadata", "volume_path")
-    class IpcHandlesEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: bytes
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    __slots__ = ("host", "port", "group", "secret", "generation", "rank", "world_size", "agent", "metadata", "epoch", "root")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
-    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
-    NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
-    VOLUME_PATH_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
-    rank_offset: int
+    group: str
+    secret: str
+    generation: int
+    rank: int
     world_size: int
-    group_id: str
-    ipc_handles: _containers.ScalarMap[str, bytes]
-    nixl_metadata: bytes
-    volume_path: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_id: _Optional[str] = ..., ipc_handles: _Optional[_Mapping[str, bytes]] = ..., nixl_metadata: _Optional[bytes] = ..., volume_path: _Optional[str] = ...) -> None: ...
+    agent: str
+    metadata: bytes
+    epoch: int
+    root: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., secret: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ..., root: _Optional[str] = ...) -> None: ...
 
 class ChannelPlan(_message.Message):
-    __slots__ = ("replica_id", "channel", "rendezvous", "reason")
+    __slots__ = ("replica_id", "channel", "rendezvous", "reason", "manifest_checksum")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     channel: Channel
     rendezvous: Rendezvous
     reason: str
-    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    manifest_checksum: str
+    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., reason: _Optional[str] = ..., manifest_checksum: _Optional[str] = ...) -> None: ...
 
 class OpenVersionRequest(_message.Message):
     __slots__ = ("lease_id", "job", "incarnation", "step", "table", "offers")
@@ -322,24 +339,26 @@ class PhaseSeconds(_message.Message):
     def __init__(self, phase: _Optional[_Union[SyncPhase, str]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("lease_id", "version", "table_digest", "phases", "ok", "error", "channel_failed", "content_digest")
+    __slots__ = ("lease_id", "version", "layout_digest", "phases", "ok", "error", "channel_failed", "content_digest", "torn")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    TABLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FAILED_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TORN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
-    table_digest: str
+    layout_digest: str
     phases: _containers.RepeatedCompositeFieldContainer[PhaseSeconds]
     ok: bool
     error: str
     channel_failed: bool
     content_digest: str
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., table_digest: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel_failed: _Optional[bool] = ..., content_digest: _Optional[str] = ...) -> None: ...
+    torn: bool
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., layout_digest: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel_failed: _Optional[bool] = ..., content_digest: _Optional[str] = ..., torn: _Optional[bool] = ...) -> None: ...
 
 class AckResponse(_message.Message):
     __slots__ = ("state",)
@@ -360,21 +379,21 @@ class WaitVersionRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., until: _Optional[_Union[WaitFor, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "channel", "status", "error", "content_digest")
+    __slots__ = ("replica_id", "channel", "state", "error", "content_digest")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     channel: Channel
-    status: str
+    state: ReplicaState
     error: str
     content_digest: str
-    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., status: _Optional[str] = ..., error: _Optional[str] = ..., content_digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., error: _Optional[str] = ..., content_digest: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("job", "version", "step", "incarnation", "state", "durable", "manifest_path", "manifest_sha256", "table", "reason", "opened_at", "settled_at", "replicas")
+    __slots__ = ("job", "version", "step", "incarnation", "state", "durable", "manifest_path", "manifest_checksum", "table", "reason", "opened_at", "settled_at", "replicas", "content_digest", "durable_needed")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -382,12 +401,14 @@ class VersionInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
     SETTLED_AT_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_NEEDED_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     step: int
@@ -395,13 +416,15 @@ class VersionInfo(_message.Message):
     state: VersionState
     durable: bool
     manifest_path: str
-    manifest_sha256: str
+    manifest_checksum: str
     table: TableSummary
     reason: str
     opened_at: float
     settled_at: float
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., incarnation: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., durable: _Optional[bool] = ..., manifest_path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., reason: _Optional[str] = ..., opened_at: _Optional[float] = ..., settled_at: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    content_digest: str
+    durable_needed: bool
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., incarnation: _Optional[str] = ..., state: _Optional[_Union[VersionState, str]] = ..., durable: _Optional[bool] = ..., manifest_path: _Optional[str] = ..., manifest_checksum: _Optional[str] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., reason: _Optional[str] = ..., opened_at: _Optional[float] = ..., settled_at: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., content_digest: _Optional[str] = ..., durable_needed: _Optional[bool] = ...) -> None: ...
 
 class WaitVersionResponse(_message.Message):
     __slots__ = ("info", "condition_met")
@@ -412,16 +435,42 @@ class WaitVersionResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., condition_met: _Optional[bool] = ...) -> None: ...
 
 class MarkDurableRequest(_message.Message):
-    __slots__ = ("job", "version", "manifest_path", "manifest_sha256")
+    __slots__ = ("job", "version", "manifest_path", "manifest_checksum")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     manifest_path: str
-    manifest_sha256: str
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_path: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    manifest_checksum: str
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_path: _Optional[str] = ..., manifest_checksum: _Optional[str] = ...) -> None: ...
+
+class FailedReceiver(_message.Message):
+    __slots__ = ("replica_id", "error")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    error: str
+    def __init__(self, replica_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportSentRequest(_message.Message):
+    __slots__ = ("lease_id", "version", "content_digest", "failed")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    version: int
+    content_digest: str
+    failed: _containers.RepeatedCompositeFieldContainer[FailedReceiver]
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ...) -> None: ...
+
+class ReportSentResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: VersionInfo
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
 
 class MarkDurableResponse(_message.Message):
     __slots__ = ("info",)

@@ -1,0 +1,63 @@
+"""A trainer process written the way the README says: ``Publisher.from_env`` and one ``publish`` per step.
+
+The fleet tests start it on its own host and drive it over stdin, one JSON command per line,
+so they can inject faults between versions; it answers each with one JSON line on stdout:
+
+    {"seed": 3, "step": 7}               load the weights of ``support.hf_trainer(model, seed=3)`` and publish step 7
+    {"seed": 4, "step": 8, "lie": true}  the same, but report another content digest than it sent
+                                         (a trainer bug the coordinator must catch; fault injection)
+
+Everything else comes from the environment, as in a pod (docs/kubernetes.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    from tests import support
+    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.sources import ModuleSource
+
+    folder = Path(os.environ["TEST_MODEL"])
+    model = support.hf_trainer(folder, seed=0, steps=0)
+    publisher = Publisher.from_env(ModuleSource(model))
+    assert publisher.client is not None
+    honest = publisher.client.report_sent
+
+    def lying(version: int, content_digest: str, failed: Any) -> Any:
+        return honest(version, "sha256:" + "0" * 64, failed)
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        trained = support.hf_trainer(folder, seed=command["seed"])
+        with torch.no_grad():
+            for mine, theirs in zip(model.parameters(), trained.parameters(), strict=True):
+                mine.copy_(theirs)
+        publisher.client.report_sent = lying if command.get("lie") else honest  # type: ignore[method-assign]
+        report = publisher.publish(command["step"])
+        assert report is not None
+        publisher.wait_durable()
+        out = {
+            "version": report.version,
+            "state": report.state.value,
+            "channels": report.channels,
+            "failed": report.failed,
+            "seconds": report.seconds,
+            "content_digest": report.content_digest,
+            "durable_errors": publisher.durable_errors,
+        }
+        print(json.dumps(out), flush=True)
+    publisher.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""What every torch-based channel shares: dtypes on the wire, byte views, rendezvous stores, group checks.
+
+The contract (``base``) imports no torch, so the coordinator can speak it; the code
+that moves tensors lives here and in the channel modules.
+
+A channel's rendezvous store listens on exactly one address: the one its sender
+offered (the pod's IP, or 127.0.0.1 for a local run), never every interface. torch's
+``TCPStore`` binds all interfaces by itself, so the sender binds the socket and hands
+the store its descriptor. A process joining a peer's group binds its own side of the
+group to the local address that reaches that peer (``local_address_for``), not to a
+name that resolves to the peer's address.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed
+
+from weightsync.channels.base import Endpoint
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
+from weightsync.tensors import TensorSpec
+from weightsync.vocabulary import Channel
+
+# The process-group and store classes the channels use (TCPStore, PrefixStore, the gloo and
+# NCCL backends) are public in practice but missing from torch's type stubs; one Any-typed
+# handle keeps every channel module strictly checked otherwise.
+dist: Any = torch.distributed
+
+TORCH_DTYPES: Mapping[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+Group = list[tuple[TensorSpec, torch.Tensor]]
+
+
+def serve_store(host: str, port: int, timeout_s: float) -> Any:
+    """A channel's own rendezvous store, listening on ``host`` only (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            None,
+            True,
+            datetime.timedelta(seconds=timeout_s),
+            False,
+            False,
+            sock.detach(),
+        )
+    except OSError as e:
+        sock.close()
+        raise PermanentError(
+            f"cannot listen on {host}:{port} for the channel's rendezvous ({e}); "
+            "offer an address of this host (the pod's IP, or 127.0.0.1 for a local run)"
+        ) from e
+    return store
+
+
+def join_store(endpoint: Endpoint, timeout_s: float) -> Any:
+    """A client of a peer's rendezvous store; raises ``TransferTimeoutError`` when it cannot be reached in time."""
+    try:
+        return dist.TCPStore(endpoint.host, endpoint.port, None, False, datetime.timedelta(seconds=timeout_s), False)
+    except (RuntimeError, OSError) as e:
+        raise TransferTimeoutError(f"rendezvous store at {endpoint} unreachable within {timeout_s:.0f}s: {e}") from e
+
+
+def local_address_for(peer: Endpoint) -> str:
+    """The address of this host on the route to ``peer`` (no packet is sent)."""
+    infos = socket.getaddrinfo(peer.host, peer.port, type=socket.SOCK_DGRAM)
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
+
+
+def wait_key(store: Any, key: str, timeout_s: float, what: str, channel: Channel) -> bytes:
+    """A store key's value, or ``TransferTimeoutError`` naming what did not arrive."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TransferTimeoutError(
+            f"{channel.value} channel: {what} did not arrive within {timeout_s:.1f}s: {e}"
+        ) from e
+    return bytes(store.get(key))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise PermanentError(f"dtype {dtype} cannot travel; supported: {', '.join(TORCH_DTYPES)}") from None
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def view_from_bytes(buffer: torch.Tensor, spec: TensorSpec, base: int = 0) -> torch.Tensor:
+    """The tensor ``spec`` viewed in place inside ``buffer`` (which starts at stream offset ``base``)."""
+    start = spec.offset - base
+    raw = buffer[start : start + spec.nbytes]
+    return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
+
+
+def fits_in_place(spec: TensorSpec, device: torch.device, view: torch.Tensor | None) -> bool:
+    """True when ``spec``'s bytes can be received straight into ``view`` (a destination parameter)."""
+    return (
+        view is not None
+        and view.device == device
+        and view.dtype == TORCH_DTYPES[spec.dtype]
+        and tuple(view.shape) == spec.shape
+        and view.is_contiguous()
+    )
+
+
+def check_tensor(spec: TensorSpec, tensor: torch.Tensor) -> None:
+    """Raise naming the tensor when the sender's tensor does not match its spec."""
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != TORCH_DTYPES[spec.dtype]:
+        raise PermanentError(
+            f"tensor {spec.name!r}: got dtype {dtype_name(tensor.dtype)} shape {list(tensor.shape)}, "
+            f"the table says dtype {spec.dtype} shape {list(spec.shape)}"
+        )
+
+
+def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
+    """Digest each received tensor and compare with the trainer's; raise naming the first mismatch."""
+    from weightsync.channels import digests
+
+    got: dict[str, str] = {}
+    for spec, tensor in group:
+        digest = digests.digest(tensor)
+        want = expected.get(spec.name) or spec.digest
+        if want and digest != want:
+            raise IntegrityError(
+                f"tensor {spec.name!r}: received digest {digest}, the trainer sent {want}; "
+                "the bytes were altered in transit, the update is refused"
+            )
+        got[spec.name] = digest
+    return got

@@ -1,0 +1,89 @@
+"""A job's sync settings as every process of the job reads them: ``$WEIGHTSYNC_CONFIG`` (``job.json``).
+
+On Kubernetes the operator writes ``job.json`` into the job's ConfigMap from the
+RLJob's spec and mounts it into every pod; the coordinator takes its policy from it
+(channels, ack policy, timeout, retention), each agent the channels it may receive
+and the job's NCCL domain, the publisher the channels it offers and the checkpoint
+directory. The embedded default writes the same file. Parsed once, here, into a
+typed ``JobConfig``; a malformed file fails naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsync.errors import PermanentError
+from weightsync.vocabulary import Channel
+
+ENV = "WEIGHTSYNC_CONFIG"
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job: str
+    channels: tuple[Channel, ...]
+    """The channels the job may use, in preference order."""
+    ack_quorum: int = 0
+    """0: every live planned replica must ack (ackPolicy All)."""
+    timeout_s: float = 600.0
+    """A version not acked within this is FAILED."""
+    transfer_timeout_s: float = 120.0
+    """A transfer stalled this long (a peer died or is unreachable) is abandoned: the replica takes the volume."""
+    retention: int = 3
+    checkpoint_dir: str = ""
+    nccl_domain: str = ""
+    """Processes of the job that may reach each other over NCCL share this name (empty: NCCL is not used)."""
+    every_steps: int = 1
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
+        try:
+            sync = dict(data.get("sync", {}))
+            quorum = int(sync.get("quorum") or 0) if sync.get("ackPolicy", "All") == "Quorum" else 0
+            return cls(
+                job=str(data["job"]),
+                channels=tuple(Channel.parse(str(c)) for c in sync.get("channels", ["volume"])),
+                ack_quorum=quorum,
+                timeout_s=float(sync.get("timeoutSeconds", 600)),
+                transfer_timeout_s=float(sync.get("transferTimeoutSeconds", 120)),
+                retention=int(sync.get("retention", 3)),
+                checkpoint_dir=str(data.get("checkpointDir", "")),
+                nccl_domain=str(data.get("ncclDomain", "")),
+                every_steps=int(sync.get("everySteps", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``job.json`` form (what the operator writes), for the embedded default and tests."""
+        return {
+            "job": self.job,
+            "sync": {
+                "channels": [c.value for c in self.channels],
+                "ackPolicy": "Quorum" if self.ack_quorum else "All",
+                **({"quorum": self.ack_quorum} if self.ack_quorum else {}),
+                "timeoutSeconds": self.timeout_s,
+                "transferTimeoutSeconds": self.transfer_timeout_s,
+                "retention": self.retention,
+                "everySteps": self.every_steps,
+            },
+            "checkpointDir": self.checkpoint_dir,
+            "ncclDomain": self.nccl_domain,
+        }
+
+
+def load(path: str | os.PathLike[str] | None = None) -> JobConfig | None:
+    """The job config at ``path`` (default ``$WEIGHTSYNC_CONFIG``); None when neither names a file."""
+    where = path or os.environ.get(ENV)
+    if not where:
+        return None
+    try:
+        data = json.loads(Path(where).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PermanentError(f"job config {where}: cannot read it ({e})") from None
+    return JobConfig.parse(data, str(where))
