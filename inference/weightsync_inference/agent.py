@@ -194,8 +194,10 @@ class Agent:
                 self.client.report_joined(a.version)
             outcome = self.replica.apply(self._ticket(a.version, plan, layout_digest, a.step))
         except (UpdateFailed, WeightsyncError) as e:
+            log.warning("replica %s: v%d over %s failed: %s", self.config.replica_id, a.version, plan.channel.value, e)
             self._failed(a.version, plan, layout_digest, e)
             return
+        log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
         self._loaded(a.version, plan.channel, outcome, "assign")
 
     def _failed(self, version: int, plan: models.ChannelPlan, layout_digest: str, e: Exception) -> None:
@@ -229,6 +231,7 @@ class Agent:
         except (UpdateFailed, WeightsyncError) as e:
             self.events.append((why, version, f"failed: {e}"))
             raise
+        log.info("replica %s: loaded v%d from the volume (%s)", self.config.replica_id, version, why)
         # an ack for a version this replica was not planned for tells the coordinator what it serves
         self._loaded(version, Channel.VOLUME, outcome, why)
 

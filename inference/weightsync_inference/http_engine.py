@@ -34,6 +34,9 @@ from weightsync.errors import PermanentError, RetryableError, TransferTimeoutErr
 from weightsync_inference import receipts
 
 LOOPBACK_NAMES = ("localhost",)
+ENGINE_GRACE_S = 30.0
+"""How much longer the agent waits for a call than the engine's own bounded waits take (the rendezvous and the
+ticket carry them): the engine's error, which says whether bytes landed, then arrives before the HTTP timeout."""
 
 
 class EngineHttpError(WeightsyncError):
@@ -158,15 +161,14 @@ class HttpEngine:
         return bool(self._call("GET", "/is_paused")["is_paused"])
 
     def init_transfer(self, init_info: dict[str, Any]) -> None:
-        self._call(
-            "POST", "/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=self.transfer_timeout_s
-        )
+        timeout = float(init_info.get("timeout_s", self.transfer_timeout_s)) + ENGINE_GRACE_S
+        self._call("POST", "/init_weight_transfer_engine", body={"init_info": init_info}, timeout_s=timeout)
 
     def start(self) -> None:
         self._call("POST", "/start_weight_update")
 
     def update(self, update_info: dict[str, Any]) -> None:
-        timeout = float(update_info.get("timeout_s", self.transfer_timeout_s))
+        timeout = float(update_info.get("timeout_s", self.transfer_timeout_s)) + ENGINE_GRACE_S
         self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=timeout)
 
     def finish(self, version: str) -> None:

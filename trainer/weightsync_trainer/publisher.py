@@ -102,7 +102,7 @@ def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int =
     return sender.send(ticket, source.groups())
 
 
-def _feasible(channel: Channel, device: torch.device, config: jobconfig.JobConfig | None, volume: Path | None) -> str:
+def _feasible(channel: Channel, device: torch.device, nccl_domain: str, volume: Path | None) -> str:
     """Why this process cannot send ``channel`` (empty when it can)."""
     cuda = device.type == "cuda"
     if channel is Channel.VOLUME and volume is None:
@@ -114,7 +114,7 @@ def _feasible(channel: Channel, device: torch.device, config: jobconfig.JobConfi
     if channel is Channel.NCCL:
         from weightsync.channels import nccl
 
-        if not (config and config.nccl_domain):
+        if not nccl_domain:
             return "the job has no NCCL domain"
         if not cuda and nccl.transport() == "nccl":
             return "the trainer's weights are not on a GPU"
@@ -215,7 +215,7 @@ class Publisher:
         domain = nccl_domain or (config.nccl_domain if config else "")
         sender_config = SenderConfig(host=host, device=device, timeout_s=timeout_s, root=str(volume or ""))
         for ch in channels_:
-            why = _feasible(ch, dev, config or jobconfig.JobConfig(job, tuple(channels_), nccl_domain=domain), volume)
+            why = _feasible(ch, dev, domain, volume)
             if why:
                 log.warning("not offering %s: %s", ch.value, why)
                 continue

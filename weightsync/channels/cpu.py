@@ -99,7 +99,12 @@ class _Group:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
         store = dist.PrefixStore(self.rdv.prefix, self.store)
         try:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.rdv.world_size, opts)
+            self.pg = wire.bounded(
+                lambda: dist.ProcessGroupGloo(store, self.rank, self.rdv.world_size, opts),
+                self.rdv.timeout_s,
+                f"forming group {self.rdv.group!r}",
+                Channel.CPU,
+            )
         except RuntimeError as e:
             raise TransferTimeoutError(
                 f"cpu channel: group {self.rdv.group!r} of {self.rdv.world_size} at {self.rdv.endpoint} did not form "

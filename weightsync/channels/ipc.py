@@ -333,7 +333,8 @@ class IpcReceiver(Receiver):
             if staged:
                 yield staged
         torch.cuda.current_stream(self.device).synchronize()
-        self._store.set(f"v{ticket.version}/done/{self.rank}", "1")
+        done = f"v{ticket.version}/done/{self.rank}"
+        wire.set_key(self._store, done, "1", ticket.timeout_s, f"the ack of v{ticket.version}", Channel.IPC)
 
     def close(self) -> None:
         self._mapped, self._prepared = {}, None

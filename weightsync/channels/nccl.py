@@ -112,25 +112,32 @@ class NcclGroup:
         fails the others within the timeout instead of leaving them inside NCCL's init.
         """
         world_size = self.rdv.world_size
-        self.store.set(f"joined/{self.rank}", "1")
-        try:
-            self.store.wait([f"joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            raise TransferTimeoutError(
-                f"nccl channel: not all {world_size} members of group {self.rdv.group!r} at {self.rdv.endpoint} "
-                f"joined within {self.timeout_s:.0f}s: {e}"
-            ) from e
+
+        def meet() -> None:
+            self.store.set(f"joined/{self.rank}", "1")
+            try:
+                self.store.wait([f"joined/{r}" for r in range(world_size)], datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise TransferTimeoutError(
+                    f"nccl channel: not all {world_size} members of group {self.rdv.group!r} at {self.rdv.endpoint} "
+                    f"joined within {self.timeout_s:.0f}s: {e}"
+                ) from e
+
+        wire.bounded(meet, self.timeout_s, f"joining group {self.rdv.group!r}", Channel.NCCL)
+        self._pg = wire.bounded(self._form, self.timeout_s, f"forming group {self.rdv.group!r}", Channel.NCCL)
+
+    def _form(self) -> Any:
+        world_size = self.rdv.world_size
         if transport() == "gloo":
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = datetime.timedelta(seconds=self.timeout_s)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
-            self._pg = dist.ProcessGroupGloo(self.store, self.rank, world_size, opts)
-            return
+            return dist.ProcessGroupGloo(self.store, self.rank, world_size, opts)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=self.timeout_s * _WATCHDOG_FACTOR)
         pg = dist.ProcessGroupNCCL(self.store, self.rank, world_size, opts)
         pg.eager_connect_single_device(self.device)
-        self._pg = pg
+        return pg
 
     @property
     def connected(self) -> bool:

@@ -553,7 +553,8 @@ class NixlReceiver(Receiver):
             if i + self.window < len(reads):
                 self._post(reads[i + self.window])
         _sync(self.device)
-        self._store.set(f"v{ticket.version}/done/{self.receiver}", "1")
+        done = f"v{ticket.version}/done/{self.receiver}"
+        wire.set_key(self._store, done, "1", ticket.timeout_s, f"the ack of v{ticket.version}", Channel.NIXL)
 
     def _release(self) -> None:
         if self._prepared is not None:

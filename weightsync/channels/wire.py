@@ -9,14 +9,21 @@ offered (the pod's IP, or 127.0.0.1 for a local run), never every interface. tor
 the store its descriptor. A process joining a peer's group binds its own side of the
 group to the local address that reaches that peer (``local_address_for``), not to a
 name that resolves to the peer's address.
+
+Every blocking rendezvous operation is bounded by a deadline of our own (``bounded``):
+torch's store client honours its timeout only while the peer answers; on a partitioned
+network, after a wait times out it blocks on the socket until TCP gives up (minutes), and
+inside a vLLM worker that would hang every later call, the volume load that should
+replace the failed version included.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed
@@ -48,6 +55,38 @@ TORCH_DTYPES: Mapping[str, torch.dtype] = {
 DTYPE_NAMES: Mapping[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 Group = list[tuple[TensorSpec, torch.Tensor]]
+T = TypeVar("T")
+GRACE_S = 5.0
+"""How much longer than its own timeout a store operation may take before it is abandoned."""
+
+
+def bounded(fn: Callable[[], T], timeout_s: float, what: str, channel: Channel) -> T:
+    """``fn()``, or ``TransferTimeoutError`` once ``timeout_s`` (plus a grace) passed.
+
+    ``fn`` runs on a daemon thread; when it does not return in time the thread is abandoned
+    (it is stuck on a dead peer's socket and ends when TCP gives up), and the caller's
+    connection must be rebuilt: the channel's receiver is started again for the next version.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name=f"weightsync-{channel.value}-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s + GRACE_S)
+    if thread.is_alive():
+        raise TransferTimeoutError(
+            f"{channel.value} channel: {what} did not complete within {timeout_s:.1f}s "
+            "(the peer is unreachable); the connection is abandoned and must be rebuilt"
+        )
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def serve_store(host: str, port: int, timeout_s: float) -> Any:
@@ -95,14 +134,23 @@ def local_address_for(peer: Endpoint) -> str:
 
 
 def wait_key(store: Any, key: str, timeout_s: float, what: str, channel: Channel) -> bytes:
-    """A store key's value, or ``TransferTimeoutError`` naming what did not arrive."""
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TransferTimeoutError(
-            f"{channel.value} channel: {what} did not arrive within {timeout_s:.1f}s: {e}"
-        ) from e
-    return bytes(store.get(key))
+    """A store key's value, or ``TransferTimeoutError`` naming what did not arrive (bounded even when partitioned)."""
+
+    def get() -> bytes:
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise TransferTimeoutError(
+                f"{channel.value} channel: {what} did not arrive within {timeout_s:.1f}s: {e}"
+            ) from e
+        return bytes(store.get(key))
+
+    return bounded(get, timeout_s, what, channel)
+
+
+def set_key(store: Any, key: str, value: str, timeout_s: float, what: str, channel: Channel) -> None:
+    """Set a key on a peer's store, bounded like ``wait_key``."""
+    bounded(lambda: store.set(key, value), timeout_s, what, channel)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -120,7 +120,10 @@ class WeightVersionStatus(Model):
 
 def replica_states(entries: list[ReplicaEntry]) -> str:
     """``name=state/channel`` for each replica, in one line capped for a printer column."""
-    text = " ".join(f"{e.name}={e.state.value}/{e.channel.value if e.channel else '-'}" for e in entries)
+    # the models keep enum values (use_enum_values): state and channel are plain strings here
+    text = " ".join(
+        f"{e.name}={ReplicaState(e.state).value}/{Channel(e.channel).value if e.channel else '-'}" for e in entries
+    )
     return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 3] + "..."
 
 
