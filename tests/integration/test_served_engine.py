@@ -24,12 +24,15 @@ import pytest
 import torch
 
 from tests import support
-from weightsync.channels.base import UpdateTicket
+from weightsync.channels import manifests
+from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.channels.volume import VolumeSender
-from weightsync.vocabulary import Channel
+from weightsync.tensors import manifest_checksum
+from weightsync.vocabulary import Channel, EngineState
+from weightsync_inference import worker
 from weightsync_inference.http_engine import HttpEngine
-from weightsync_inference.lifecycle import UNTOUCHED, Replica, ReplicaState, UpdateFailed
-from weightsync_trainer.publisher import Publisher
+from weightsync_inference.lifecycle import Replica, UpdateFailed
+from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -97,12 +100,18 @@ class Served:
     version: int = 0
     serving: torch.nn.Module | None = None
 
-    def publish(self, seed: int) -> tuple[Publisher, torch.nn.Module]:
+    def publish(self, seed: int) -> tuple[UpdateTicket, torch.nn.Module]:
+        """Write a new version to the volume; the ticket a replica gets for it (layout digest, manifest checksum)."""
         self.version += 1
         trainer = support.hf_trainer(self.folder, seed=seed)
-        pub = Publisher(ModuleSource(trainer), [VolumeSender(self.root)])
-        pub.publish(self.version, step=self.version)
-        return pub, trainer
+        source = ModuleSource(trainer)
+        table = source.table()
+        send(source, VolumeSender(self.root), UpdateTicket(self.version, Channel.VOLUME, table, step=self.version))
+        checksum = manifest_checksum(manifests.manifest_path(self.root, self.version).read_bytes())
+        ticket = UpdateTicket(
+            self.version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum
+        )
+        return ticket, trainer
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +126,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         "--host", "127.0.0.1", "--port", str(port), "--model", str(folder),
         "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": Channel.VOLUME.engine_name}),
+        "--worker-extension-cls", worker.QUALNAME,
     ]  # fmt: skip
     # the proxy command module alone (its add_arguments/run, as `weightsync proxy` calls them), so a
     # half-added command elsewhere in the shared CLI cannot break this module's fixture
@@ -134,7 +144,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         engine = HttpEngine(url)
         replica = Replica(engine)
         root = work / "volume"
-        replica.init_transfer({"channel": Channel.VOLUME.value, "root": str(root)})
+        replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
         yield Served(root, folder, url, proxy_url, engine, replica)
         engine.close()
     finally:
@@ -145,11 +155,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
     assert served.engine.healthy()
     before = served.engine.greedy(support.PROMPTS, support.TOKENS)
-    pub, trainer = served.publish(seed=1)
+    ticket, trainer = served.publish(seed=1)
     t0 = time.perf_counter()
-    outcome = served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+    outcome = served.replica.apply(ticket)
     print(f"served update: {time.perf_counter() - t0:.3f}s {outcome.seconds}")
-    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
+    assert served.replica.state is EngineState.SERVING and not served.engine.is_paused()
+    # the agent acks what the server's engine computed, read back over /collective_rpc
+    assert outcome.receipt == served.engine.receipt() and outcome.receipt.version == served.version
+    assert [i.device for i in served.engine.identity()] == ["cpu"]
     info = httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).json()
     assert info == {"weight_version": str(served.version)} and served.engine.weight_version() == str(served.version)
     assert served.engine.greedy(support.PROMPTS, support.TOKENS) != before
@@ -160,18 +173,19 @@ def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
 def test_corrupt_shard_is_refused_and_previous_version_keeps_serving(served: Served) -> None:
     assert served.serving is not None, "needs the version loaded by the previous test"
     serving_version = served.engine.weight_version()
-    pub, _ = served.publish(seed=2)
+    ticket, _ = served.publish(seed=2)
     shard = served.root / f"v{served.version:08d}" / "shard-00000.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    # vLLM's 500 body carries the worker's exception text (file paths sanitised to <path>),
-    # so the engine's UNTOUCHED marker reaches the lifecycle through HTTP.
-    refused = r"/update_weights answered 500: .*IntegrityError: .* tensor '.*' has changed"
+    # vLLM's 500 body carries the worker's exception text (file paths sanitised to <path>); whether any
+    # parameter changed comes from the engine's receipt, a field read back over /collective_rpc
+    refused = r"/update_weights answered 500: .*shard-00000.safetensors of version \d+: sha256 .* has changed"
     with pytest.raises(UpdateFailed, match=refused) as err:
-        served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
-    assert UNTOUCHED in str(err.value.__cause__) and err.value.state is ReplicaState.SERVING
-    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
+        served.replica.apply(ticket)
+    receipt = served.engine.receipt()
+    assert not receipt.ok and not receipt.torn and err.value.state is EngineState.SERVING
+    assert served.replica.state is EngineState.SERVING and not served.engine.is_paused()
     assert served.engine.weight_version() == serving_version
     support.assert_generates_like(served.engine, served.serving)
 
@@ -219,11 +233,11 @@ def test_a_request_in_flight_survives_an_update(served: Served) -> None:
     tokens = 1500
     body = {"prompt": support.PROMPTS[0], "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}  # fmt: skip
-    pub, trainer = served.publish(seed=3)
+    ticket, trainer = served.publish(seed=3)
     with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
+        served.replica.apply(ticket)
         events = [first] + [line for line in lines if line.startswith("data: ")]
     chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-1]]
     assert events[-1] == "data: [DONE]" and chunks[-1]["finish_reason"] == "length"
@@ -234,33 +248,37 @@ def test_a_request_in_flight_survives_an_update(served: Served) -> None:
 
 
 def test_trainer_killed_mid_stream_leaves_the_server_paused_until_a_whole_version(served: Served) -> None:
-    """A torn update over HTTP: no UNTOUCHED marker in vLLM's 500, so the replica stays paused.
+    """A torn update over HTTP: the engine's receipt says torn, so the replica stays paused.
 
-    The same served engine (started for the volume) builds a CPU-stream receiver on
-    request (``init_info["channel"]``); the trainer process dies after two groups.
+    The same served engine (started for the volume) builds a CPU-stream receiver from the
+    trainer's rendezvous; the trainer process dies after two groups.
     """
-    port = _free_port()
     served.version += 1
+    out = served.root.parent / "rendezvous.json"
     cmd = [sys.executable, "-m", "tests.integration.procs", "stream", "--model", str(served.folder),
-           "--port", str(port), "--version", str(served.version), "--seed", "12", "--die-after", "2"]  # fmt: skip
+           "--rendezvous-out", str(out), "--version", str(served.version), "--seed", "12", "--die-after", "2",
+           "--bucket-bytes", str(256 << 10)]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=support.env_without_proxies())
     try:
-        info = {"channel": Channel.CPU.value, "address": f"127.0.0.1:{port}", "world_size": 2, "rank_offset": 1,
-                "timeout_s": 60, "bucket_bytes": 256 << 10}  # fmt: skip
-        served.replica.init_transfer(info)
+        deadline = time.monotonic() + 120
+        while not out.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the trainer never planned its replica"
+            time.sleep(0.1)
+        served.replica.init_transfer(json.loads(out.read_text()))
         table = ModuleSource(support.hf_trainer(served.folder, seed=12)).table()
-        ticket = UpdateTicket(served.version, Channel.CPU, table, step=served.version, timeout_s=60)
+        ticket = UpdateTicket(served.version, Channel.CPU, layout_digest=table.layout_digest(), timeout_s=60)
         with pytest.raises(UpdateFailed, match=r"failed after bytes reached the parameters: vLLM /update_weights"):
             served.replica.apply(ticket)
-        assert (served.replica.state, served.engine.is_paused()) == (ReplicaState.TORN, True)
+        assert (served.replica.state, served.engine.is_paused()) == (EngineState.TORN, True)
+        assert served.engine.receipt().torn
         assert proc.wait(timeout=60) == 17
     finally:
         proc.kill()
         proc.wait(10)
 
-    pub, trainer = served.publish(seed=13)
-    served.replica.apply(pub.ticket(served.version, served.version, Channel.VOLUME))
-    assert served.replica.state is ReplicaState.SERVING and not served.engine.is_paused()
+    recovery, trainer = served.publish(seed=13)
+    served.replica.apply(recovery)
+    assert served.replica.state is EngineState.SERVING and not served.engine.is_paused()
     assert served.engine.weight_version() == str(served.version)
     support.assert_generates_like(served.engine, trainer)
     served.serving = trainer
