@@ -1,9 +1,14 @@
-"""Version lifecycle and leases on the core (no gRPC): ack policies, drops, failures, idempotency, the volume."""
+"""Version lifecycle and leases on the core (no gRPC): ack policies, drops, failures, idempotency, the volume.
+
+Time is a ``ManualClock``: a lease or a version timeout runs out when a test advances the clock and calls
+``core.tick()`` (the reaper's step), never by sleeping. The durations used are exact in binary floating point
+(30 = 15 + 15 = 29.5 + 0.5), so "at the TTL" means exactly at it.
+"""
 
 from __future__ import annotations
 
 import queue
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from weightsync import metrics
 from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator import faults
+from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import (
     AckReport,
@@ -49,12 +55,15 @@ def fleet(
     registry: CollectorRegistry | None = None,
     volume: Path | None = None,
     offers: tuple[Offer, ...] = OFFERS,
+    clock: ManualClock | None = None,
 ) -> tuple[Coordinator, str, list[str]]:
+    """A trainer and ``n`` replicas registered at the same instant of ``clock`` (a fresh one when None)."""
     core = Coordinator(
         lease_ttl_s=ttl,
         store=MemoryStore(),
         metrics=metrics.CoordinatorMetrics.create(registry) if registry else None,
         volumes={"job": volume} if volume is not None else None,
+        clock=clock if clock is not None else ManualClock(),
     )
     trainer = core.register("job", Role.TRAINER, "trainer", "t1", CPU, policy=policy, offers=offers).lease_id
     replicas = [core.register("job", Role.REPLICA, f"r{i}", f"i{i}", CPU).lease_id for i in range(n)]
@@ -141,30 +150,33 @@ def test_wrong_layout_digest_is_a_failed_ack() -> None:
 
 
 def test_dead_replica_is_dropped_and_does_not_fail_the_others() -> None:
-    core, t, (r0, r1) = fleet(2, ttl=0.2)
+    clock = ManualClock()
+    core, t, (r0, r1) = fleet(2, ttl=30.0, clock=clock)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     core.report_progress(r0, v, Progress.JOINED)
     core.report_progress(r1, v, Progress.JOINED)
     sent(core, t, v)
     core.ack(r0, ok(v))
-    deadline = time.monotonic() + 5
-    while latest(core).state is VersionState.STAGING and time.monotonic() < deadline:
-        core.renew(t)
-        core.renew(r0)  # r1 stops renewing: only time passing expires its lease
-        time.sleep(0.05)
-        core.tick()
+    clock.advance(15.0)
+    core.renew(t)
+    core.renew(r0)  # r1 stops renewing: only time passing expires its lease
+    core.tick()
+    assert latest(core).state is VersionState.STAGING  # r1's lease has 15 s left
+    clock.advance(15.0)
+    core.tick()
     info = latest(core)
     assert info.state is VersionState.READY and "1 dropped" in info.reason
     assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.DROPPED}
 
 
 def test_trainer_lost_mid_publish_fails_the_version_and_aborts_replicas() -> None:
-    core, t, (r0,) = fleet(1, ttl=0.2)
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, ttl=30.0, clock=clock)
     events = core.subscribe(r0)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     assert next_event(events).kind is EventKind.ASSIGN
-    for _ in range(6):  # the replica renews, the trainer does not
-        time.sleep(0.06)
+    for _ in range(2):  # the replica renews, the trainer does not
+        clock.advance(15.0)
         core.renew(r0)
         core.tick()
     info = latest(core)
@@ -185,12 +197,96 @@ def test_abort_event_when_a_version_fails() -> None:
 
 
 def test_version_timeout() -> None:
-    core, t, _ = fleet(1, JobPolicy(version_timeout_s=0.05))
+    clock = ManualClock()
+    core, t, _ = fleet(1, JobPolicy(version_timeout_s=0.05), clock=clock)
     core.open_version(t, "job", "t1", 1, TABLE)
-    time.sleep(0.1)  # the timeout is the thing under test: time must pass
+    clock.advance(0.1)
     core.tick()
     info = latest(core)
     assert info.state is VersionState.FAILED and "timed out after 0.05s waiting for r0" in info.reason
+
+
+# ---- time: leases, version timeouts, waits -----------------------------------------------------------------------
+
+
+def test_a_lease_expires_exactly_at_its_ttl() -> None:
+    registry = CollectorRegistry()
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, ttl=30.0, registry=registry, clock=clock)
+    clock.advance(29.5)
+    core.renew(t)
+    core.tick()
+    (replica,) = [m for m in core.get_job("job").members if m.member_id == "r0"]
+    assert replica.lease_expires_in_s == 0.5  # not before: still a member, half a second left
+    clock.advance(0.5)  # exactly 30 s after its registration
+    core.tick()
+    assert [m.member_id for m in core.get_job("job").members] == ["trainer"]
+    with pytest.raises(faults.NotFound, match="unknown or expired; register again"):
+        core.renew(r0)
+    assert registry.get_sample_value("weightsync_leases_expired_total", {"role": "replica"}) == 1
+
+
+def test_a_renewed_lease_runs_a_full_ttl_from_the_renewal() -> None:
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, ttl=30.0, clock=clock)
+    clock.advance(20.0)
+    assert core.renew(r0).ttl_s == 30.0
+    clock.advance(29.5)  # 49.5 s after registration, 29.5 s after the renewal
+    core.renew(t)
+    core.tick()
+    assert {m.member_id for m in core.get_job("job").members} == {"trainer", "r0"}
+    clock.advance(0.5)
+    core.tick()
+    assert {m.member_id for m in core.get_job("job").members} == {"trainer"}
+
+
+def test_a_staging_version_times_out_exactly_at_the_policy_timeout() -> None:
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, JobPolicy(version_timeout_s=10.0), clock=clock)
+    events = core.subscribe(r0)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert next_event(events).kind is EventKind.ASSIGN
+    clock.advance(9.75)
+    core.tick()
+    assert latest(core).state is VersionState.STAGING  # not before
+    clock.advance(0.25)  # exactly 10 s after it was opened
+    core.tick()
+    info = latest(core)
+    assert info.version == v and info.state is VersionState.FAILED
+    assert info.reason == "timed out after 10s waiting for r0"
+    assert info.settled_at == clock.time() and info.opened_at == clock.time() - 10.0  # wall time from the clock too
+    abort = next_event(events)
+    assert abort.kind is EventKind.ABORT and abort.version == v
+
+
+def test_wait_version_wakes_on_a_notification_whatever_the_clock_says() -> None:
+    core, t, (r0,) = fleet(1)  # a ManualClock that never moves: only the join can end the wait
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    result: list[tuple[VersionInfo, bool]] = []
+    waiter = threading.Thread(target=lambda: result.append(core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 60)))
+    waiter.start()
+    core.report_progress(r0, v, Progress.JOINED)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    ((info, met),) = result
+    assert met and statuses(info) == {"r0": ReplicaState.JOINED}
+
+
+def test_wait_version_times_out_by_the_clock() -> None:
+    clock = ManualClock()
+    core, t, _ = fleet(1, clock=clock)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    result: list[tuple[VersionInfo, bool]] = []
+    waiter = threading.Thread(target=lambda: result.append(core.wait_version("job", v, WaitFor.SETTLED, 0.05)))
+    waiter.start()
+    for _ in range(600):  # each real wait is bounded by the 0.05 s the clock says are left: it sees the advance
+        clock.advance(1.0)
+        waiter.join(timeout=0.05)
+        if not waiter.is_alive():
+            break
+    assert not waiter.is_alive()
+    ((info, met),) = result
+    assert not met and info.state is VersionState.STAGING
 
 
 def test_open_is_idempotent_and_steps_never_go_backwards() -> None:
@@ -245,17 +341,17 @@ def test_late_joiner_catches_up_from_newest_durable_ready() -> None:
 def test_wait_receivers_joined_and_settled() -> None:
     core, t, (r0,) = fleet(1)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is False
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)[1] is False
     core.report_progress(r0, v, Progress.JOINED)
-    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)
     assert met and statuses(info) == {"r0": ReplicaState.JOINED}
     sent(core, t, v)  # streamed to everyone who joined
-    assert core.wait_version("job", v, WaitFor.SETTLED, 0.01)[1] is False
+    assert core.wait_version("job", v, WaitFor.SETTLED, 0)[1] is False
     # nobody waits for the volume: the publisher need not write it before the version settles
-    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0)
     assert not met and not info.durable_needed
     core.ack(r0, ok(v))
-    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0)
     assert met and info.state is VersionState.READY and statuses(info) == {"r0": ReplicaState.LOADED}
 
 
@@ -301,14 +397,17 @@ def test_a_new_stream_ends_the_old_one_and_gets_the_missed_assignment() -> None:
 
 
 def test_a_replica_that_stops_watching_is_not_planned() -> None:
-    core, t, (r0, r1) = fleet(2, ttl=0.3)
+    clock = ManualClock()
+    core, t, (r0, r1) = fleet(2, ttl=30.0, clock=clock)
     core.subscribe(r0)
     core.subscribe(r1)
     core.stream_ended(r1)  # r1's agent stopped reading its stream but keeps renewing
-    time.sleep(0.35)  # "not watching for a lease TTL" is the rule under test: time must pass
-    core.renew(t)
-    core.renew(r0)
-    core.renew(r1)
+    for _ in range(2):  # "not watching for a lease TTL" is the rule under test: one TTL passes, every lease renewed
+        clock.advance(15.0)
+        core.renew(t)
+        core.renew(r0)
+        core.renew(r1)
+        core.tick()
     opened = core.open_version(t, "job", "t1", 1, TABLE)
     assert [p.replica_id for p in opened.plans] == ["r0"]
 
@@ -353,12 +452,12 @@ def test_a_volume_planned_replica_is_assigned_only_once_the_version_is_durable(t
     info = latest(core)
     assert info.durable_needed and not info.durable
     # the publisher's wait returns as soon as someone waits for the volume copy
-    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0)
     assert met and info.durable_needed and info.state is VersionState.STAGING
     # receivers_joined counts only replicas planned on a live channel
-    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is False
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)[1] is False
     core.report_progress(r0, v, Progress.JOINED)
-    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)
     assert met and statuses(info) == {"r0": ReplicaState.JOINED, "vol": ReplicaState.PLANNED}
     # streamed to r0: the report says the volume copy is needed, so the publisher writes it
     info = sent(core, t, v)
@@ -389,7 +488,7 @@ def test_a_version_for_volume_replicas_only_needs_no_live_receiver(tmp_path: Pat
     vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
     events = core.subscribe(vol)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
-    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)
     assert met and info.durable_needed and events.empty()
     assert sent(core, t, v).durable_needed  # nothing to stream: the publisher reports at once
     path, checksum = write_manifest(tmp_path, v)
@@ -413,8 +512,8 @@ def test_a_failed_live_channel_falls_back_to_the_volume_for_the_same_version(tmp
     assert "cpu failed, loading from the volume: gloo: connection reset" in replica.error
     assert info.durable_needed and info.state is VersionState.STAGING
     sent(core, t, v)
-    assert core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0.01)[1] is True
-    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0.01)[1] is True
+    assert core.wait_version("job", v, WaitFor.SETTLED_OR_DURABLE_NEEDED, 0)[1] is True
+    assert core.wait_version("job", v, WaitFor.RECEIVERS_JOINED, 0)[1] is True
     assert events.empty()  # not durable yet: nothing to load
 
     path, checksum = write_manifest(tmp_path, v)
@@ -485,7 +584,7 @@ def test_a_version_is_ready_only_once_the_publisher_reported_what_it_sent(policy
     # the replicas load fast: every planned one acks before the publisher's report arrives
     assert core.ack(r0, ok(v, content_digest=SENT)) is VersionState.STAGING
     assert core.ack(r1, ok(v, content_digest=SENT)) is VersionState.STAGING
-    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0.01)
+    info, met = core.wait_version("job", v, WaitFor.SETTLED, 0)
     assert not met and info.state is VersionState.STAGING and not info.content_digest
     assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
     assert core.get_job("job").newest_ready == 0
@@ -493,7 +592,7 @@ def test_a_version_is_ready_only_once_the_publisher_reported_what_it_sent(policy
     info = sent(core, t, v, SENT)
     assert info.state is VersionState.READY and info.content_digest == SENT
     assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
-    assert core.wait_version("job", v, WaitFor.SETTLED, 0.01)[1] is True
+    assert core.wait_version("job", v, WaitFor.SETTLED, 0)[1] is True
     assert core.get_job("job").newest_ready == v
 
 

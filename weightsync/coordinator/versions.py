@@ -1,0 +1,279 @@
+"""A version's staging: opening it with a plan per replica, then what replicas and the publisher report.
+
+``open_version`` is idempotent per ``(incarnation, step)``: a retried open gets
+the same version and plans back (``reused``). Steps never go backwards within an
+incarnation; a new incarnation (a restarted trainer) may publish from an older
+step, and the version number still grows. Only replicas that are watching
+(``streams.listening``) are negotiated; each one planned on a live channel gets
+its ASSIGN now, one planned on the volume once the version is durable.
+
+Replica reports:
+
+- ``report_progress(JOINED)`` moves a planned replica to JOINED; the publisher's
+  ``wait_version(RECEIVERS_JOINED)`` is woken only when the last live receiver
+  joined (``reached``);
+- ``ack`` records LOADED or FAILED. An ok ack is still a failure when its layout
+  digest is not the version's table's, or its content digest disagrees with what
+  the trainer sent (or, before the trainer's report arrived, with what other
+  replicas loaded). A replica whose live channel failed (``channel_failed``) is
+  re-planned on the volume for the same version when it and the trainer share
+  one (``_fall_back``), and skips that channel from then on; the ASSIGN goes out
+  at once if the version is already durable, else when it becomes durable.
+
+The publisher's ``report_sent`` records the content digest it sent, which the
+ack policy needs before any version is READY, and fails replicas that already
+acked different bytes. Every report ends in ``verdicts.settle``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from weightsync import metrics as metrics_mod
+from weightsync.channels.base import Offer, Rendezvous
+from weightsync.coordinator import faults, lifecycle, negotiation, streams, verdicts
+from weightsync.coordinator.jobs import Job, Member
+from weightsync.coordinator.lifecycle import VersionRecord
+from weightsync.coordinator.models import (
+    LIVE_CHANNELS,
+    SETTLED_STATES,
+    AckReport,
+    Capabilities,
+    ChannelPlan,
+    OpenedVersion,
+    Progress,
+    Role,
+    TableSummary,
+    VersionInfo,
+    WaitFor,
+)
+from weightsync.coordinator.state import CoreState
+from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
+
+log = logging.getLogger(__name__)
+RETAIN_IN_MEMORY = 256
+"""Versions a job keeps in memory (the store keeps its own): older settled ones are forgotten on open."""
+
+
+def open_version(
+    state: CoreState,
+    lease_id: str,
+    job_name: str,
+    incarnation: str,
+    step: int,
+    table: TableSummary,
+    offers: Sequence[Offer],
+) -> OpenedVersion:
+    job = state.job(job_name)
+    trainer = state.member(lease_id, Role.TRAINER)
+    if trainer.job != job_name:
+        raise faults.PermissionDenied(f"lease belongs to job {trainer.job!r}, not {job_name!r}")
+    if incarnation != trainer.incarnation:
+        raise faults.InvalidArgument(
+            f"incarnation {incarnation!r} differs from the registered {trainer.incarnation!r}; "
+            "register again after a restart"
+        )
+    key = (incarnation, step)
+    if key in job.keys and job.keys[key] in job.versions:
+        rec = job.versions[job.keys[key]]
+        return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), reused=True)
+    last = job.last_step.get(incarnation)
+    if last is not None and step < last:
+        raise faults.FailedPrecondition(
+            f"step {step} goes backwards: incarnation {incarnation!r} already published step {last}; "
+            "versions never go backwards (register a new incarnation to publish from an older step)"
+        )
+    all_offers = {**trainer.offers, **{o.channel: o for o in offers}}
+    now = state.clock.monotonic()
+    candidates = [
+        negotiation.Candidate(m.member_id, m.incarnation, m.capabilities, frozenset(m.failed_channels))
+        for m in job.members.values()
+        if m.role is Role.REPLICA and streams.listening(state, m, now)
+    ]
+    plans, unplanned, job.groups = negotiation.negotiate(
+        trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups
+    )
+    rec = VersionRecord(
+        job_name,
+        job.next_version,
+        step,
+        incarnation,
+        table,
+        {p.replica_id: p for p in plans},
+        quorum=job.policy.ack_quorum,
+        opened_at=state.clock.time(),
+        opened_mono=now,
+    )
+    job.next_version += 1
+    job.versions[rec.version] = rec
+    job.keys[key] = rec.version
+    job.last_step[incarnation] = step
+    for rid, reason in unplanned:
+        log.warning("job %s v%d: replica %s left out: %s", job_name, rec.version, rid, reason)
+    if state.metrics:
+        for p in plans:
+            state.metrics.negotiations_total.labels(p.channel.value).inc()
+        for _ in unplanned:
+            state.metrics.negotiations_total.labels(metrics_mod.NEGOTIATION_NONE).inc()
+    for p in plans:
+        if p.channel in LIVE_CHANNELS:  # volume plans are sent once the version is durable
+            streams.assign(job.members[p.replica_id], job, rec, p)
+    state.store.save(rec.info(with_replicas=False))
+    verdicts.settle(state, job, rec)
+    _trim(job)
+    state.dirty = True
+    return OpenedVersion(rec.version, tuple(plans))
+
+
+def _trim(job: Job) -> None:
+    """Forget the oldest settled versions beyond ``RETAIN_IN_MEMORY`` (never STAGING, never the newest durable)."""
+    if len(job.versions) <= RETAIN_IN_MEMORY:
+        return
+    durable = job.newest(durable=True)
+    for v in sorted(job.versions)[:-RETAIN_IN_MEMORY]:
+        if job.versions[v].state is not VersionState.STAGING and (durable is None or v != durable.version):
+            rec = job.versions.pop(v)
+            job.keys.pop((rec.incarnation, rec.step), None)
+
+
+def report_progress(state: CoreState, lease_id: str, version: int, progress: Progress) -> None:
+    member = state.member(lease_id, Role.REPLICA)
+    rec = state.record(state.job(member.job), version)
+    if progress is Progress.JOINED and rec.status.get(member.member_id) is ReplicaState.PLANNED:
+        rec.set(member.member_id, ReplicaState.JOINED)
+        if rec.receivers_joined():
+            state.wake()
+
+
+def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
+    member = state.member(lease_id, Role.REPLICA)
+    job = state.job(member.job)
+    rec = state.record(job, report.version)
+    rid = member.member_id
+    ok, error = report.ok, report.error
+    if ok and report.layout_digest != rec.table.layout_digest:
+        ok, error = (
+            False,
+            f"layout_digest {report.layout_digest!r} does not match version {rec.version}'s "
+            f"{rec.table.layout_digest!r}: the replica loaded a different table",
+        )
+    if ok:
+        error = _content_mismatch(rec, rid, report.content_digest)
+        ok = not error
+    planned = rec.plans.get(rid)
+    waiting = planned is not None and rec.status.get(rid) in lifecycle.WAITING
+    fell_back = (
+        planned is not None
+        and waiting
+        and not ok
+        and report.channel_failed
+        and _fall_back(state, job, rec, member, planned, error)
+    )
+    if fell_back:
+        state.dirty = True
+        return rec.state
+    member.last_failed = not ok
+    if ok:
+        member.current_version = max(member.current_version, rec.version)
+        rec.content[rid] = report.content_digest
+    metrics = state.metrics
+    if planned is not None and waiting:
+        was_planned = rec.status[rid] is ReplicaState.PLANNED
+        rec.set(rid, ReplicaState.LOADED if ok else ReplicaState.FAILED)
+        if was_planned and rec.receivers_joined():
+            state.wake()
+        if error:
+            rec.errors[rid] = error
+        if metrics:
+            for phase, seconds in report.phases.items():
+                metrics.sync_seconds.labels(phase.value, planned.channel.value).observe(seconds)
+            if ok:
+                metrics.bytes_total.labels(planned.channel.value).inc(rec.table.total_bytes)
+        verdicts.settle(state, job, rec)
+    elif metrics and ok and SyncPhase.TOTAL in report.phases:  # a catch-up from the volume
+        metrics.sync_seconds.labels(SyncPhase.TOTAL.value, Channel.VOLUME.value).observe(report.phases[SyncPhase.TOTAL])
+    state.dirty = True
+    return rec.state
+
+
+def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
+    """Why a replica's content digest is wrong: not what the trainer sent, or (before the trainer's report
+    arrived) not what other replicas loaded; empty when it agrees or there is nothing to compare."""
+    if not digest:
+        return ""
+    if rec.content_digest:
+        if digest != rec.content_digest:
+            return (
+                f"content_digest {digest} is not the {rec.content_digest} the trainer sent: the bytes this "
+                "replica's engine loaded differ from the trainer's"
+            )
+        return ""
+    others = {d for r, d in rec.content.items() if d and r != rid}
+    if others and digest not in others:
+        return f"content_digest {digest} differs from other replicas' {min(others)}: the bytes it loaded differ"
+    return ""
+
+
+def _fall_back(
+    state: CoreState, job: Job, rec: VersionRecord, member: Member, planned: ChannelPlan, error: str
+) -> bool:
+    """A live channel failed for this replica: plan it on the volume for this version (and skip the channel
+    from now on). False when it cannot take the volume (no shared volume, or it was the volume)."""
+    trainer = job.trainer()
+    if planned.channel is Channel.VOLUME:
+        return False
+    member.failed_channels.add(planned.channel)
+    reason = negotiation.why_not(
+        Channel.VOLUME,
+        trainer.capabilities if trainer else Capabilities(),
+        trainer.offers.get(Channel.VOLUME) if trainer else None,
+        negotiation.Candidate(member.member_id, member.incarnation, member.capabilities),
+    )
+    if reason:
+        return False
+    plan = ChannelPlan(
+        member.member_id,
+        Channel.VOLUME,
+        Rendezvous(Channel.VOLUME, root=member.capabilities.volume_mount),
+        f"volume: {planned.channel.value} failed ({error[:200]})",
+        rec.manifest_checksum,
+    )
+    rec.replan(plan)
+    rec.errors[member.member_id] = f"{planned.channel.value} failed, loading from the volume: {error}"
+    log.warning("job %s v%d: %s", job.name, rec.version, rec.errors[member.member_id])
+    if rec.durable:
+        streams.assign(member, job, rec, plan)
+    state.wake()
+    return True
+
+
+def report_sent(
+    state: CoreState, lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]
+) -> VersionInfo:
+    trainer = state.member(lease_id, Role.TRAINER)
+    job = state.job(trainer.job)
+    rec = state.record(job, version)
+    if rec.incarnation != trainer.incarnation:
+        raise faults.PermissionDenied(f"version {version} was opened by another trainer incarnation")
+    rec.content_digest, rec.sent = content_digest, True
+    for rid, why in failed.items():
+        if rec.status.get(rid) in lifecycle.WAITING:
+            rec.errors.setdefault(rid, f"the trainer's sender lost it: {why}")
+    for rid, digest in list(rec.content.items()):
+        mismatch = _content_mismatch(rec, rid, digest)
+        if mismatch and rec.status.get(rid) is ReplicaState.LOADED and rec.state is VersionState.STAGING:
+            rec.set(rid, ReplicaState.FAILED)
+            rec.errors[rid] = mismatch
+    verdicts.settle(state, job, rec)
+    state.dirty = True
+    return rec.info()
+
+
+def reached(rec: VersionRecord, until: WaitFor) -> bool:
+    """Whether a ``wait_version(until)`` on ``rec`` may return: it settled, or reached what was asked."""
+    if rec.state in SETTLED_STATES:
+        return True
+    if until is WaitFor.RECEIVERS_JOINED:
+        return rec.receivers_joined()
+    return until is WaitFor.SETTLED_OR_DURABLE_NEEDED and rec.durable_needed
