@@ -11,34 +11,47 @@ vLLM's packed scheme (two 1 GiB buffers, pack/broadcast/unpack, serial) into the
 engine parameters; verification timed on its own. ``ipc`` (GPU 0, two processes):
 one flat same-GPU copy of the same bytes, and our IPC channel into the engine's
 parameters (receive alone, and send + receive). Median of ``--reps`` after a warm-up.
+
+The channels run as the publisher and the engine drive them, without a coordinator:
+the trainer builds its sender from a ``SenderConfig``, plans the engines on it
+(``direct_rendezvous``; several engines share one NCCL membership with consecutive
+ranks, as the coordinator's negotiation plans them) and hands each engine its
+``Rendezvous`` as JSON. Every run is a new version. The engines' tickets carry no
+table: the channel carries it (a store key for NCCL, the version's metadata for IPC)
+and the receiver checks it against the layout digest, so the channel rows include
+that per-version step. Destinations come from a ``place`` callable that returns the
+same mapping every version, as the engine's does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gpu_models
+import gpu_models  # type: ignore[import-not-found,unused-ignore]
 
 from weightsync.channels import ipc, nccl, placement
-from weightsync.channels.base import TORCH_DTYPES, UpdateTicket
+from weightsync.channels.base import Rendezvous, SenderConfig, UpdateTicket, WorkerContext, direct_rendezvous
+from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
 PACKED_BUFFER = 1 << 30
 
 
-def median_time(fn: Callable[[], None], reps: int, device: torch.device) -> float:
+def median_time(fn: Callable[[], object], reps: int, device: torch.device) -> float:
     """Median wall time of ``fn`` across all ranks (barriers around each run)."""
     fn()
     torch.cuda.synchronize(device)
@@ -63,6 +76,16 @@ def trainer_tensors(table: TensorTable, device: torch.device, dtype: torch.dtype
 def engine_params(layout: dict[str, tuple[str, tuple[int, ...]]], device: torch.device) -> dict[str, torch.Tensor]:
     """One allocation per parameter, as the engine holds them."""
     return {n: torch.empty(shape, dtype=TORCH_DTYPES[d], device=device) for n, (d, shape) in layout.items()}
+
+
+def sender_ticket(table: TensorTable, layout_digest: str, version: int, channel: Channel, verify: bool) -> UpdateTicket:
+    """The trainer's ticket: the table, and its layout digest (computed once, as the publisher does)."""
+    return UpdateTicket(version, channel, table, layout_digest, verify=verify, timeout_s=60)
+
+
+def engine_ticket(layout_digest: str, version: int, channel: Channel, verify: bool) -> UpdateTicket:
+    """An engine's ticket: no table (the channel carries it), the layout digest to check it against."""
+    return UpdateTicket(version, channel, layout_digest=layout_digest, verify=verify, timeout_s=60)
 
 
 def grouped(table: TensorTable, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -131,29 +154,31 @@ def nccl_worker(rank: int, world: int, model: str, reps: int, port: int, out: st
     res["packed_1GiB_x2_serial"] = packed_broadcast(views, rank, reps, dev)
     torch.cuda.empty_cache()
 
-    # our channel: its own store and NCCL group beside the default one
-    members = [f"engine-{r}" for r in range(1, world)]
+    # our channel: its own store and NCCL group beside the default one. Each engine GPU is one replica of one
+    # worker; all of them share one membership (its group, secret, generation), each at its own rank.
     box: list[str] = [""]
     if rank == 0:
-        sender = nccl.NcclSender(members, dev, timeout_s=60)
-        box[0] = json.dumps(sender.init_info(members[0]))
+        sender = nccl.NcclSender.create(SenderConfig(device=str(dev), timeout_s=60))
+        first = direct_rendezvous(sender.offer(), devices=world - 1, group="bench").with_timeout(60)
+        members = {f"engine-{r}": dataclasses.replace(first, rank=r) for r in range(1, world)}
+        sender.take_plan(members)  # forms the group in the background while the engines join
+        box[0] = json.dumps({rid: rdv.to_dict() for rid, rdv in members.items()})
     dist.broadcast_object_list(box, 0)
-    if rank == 0:
-        sender.connect()
-    else:
-        info = json.loads(box[0])
-        info["rank_offset"] = rank
-        receiver = nccl.NcclReceiver.from_init(info, nccl.WorkerContext(0, 1, str(dev)))
+    if rank > 0:
+        rdv = Rendezvous.from_dict(json.loads(box[0])[f"engine-{rank}"])
+        receiver = nccl.NcclReceiver.start(rdv, WorkerContext(0, 1, str(dev)))
+    layout_digest = table.layout_digest()
+    version = [0]
 
     def channel(tensors: list[list[torch.Tensor]] | None, verify: bool) -> Callable[[], None]:
-        ticket = UpdateTicket(version=1, channel=Channel.NCCL, table=table, verify=verify, timeout_s=60)
-
         def run() -> None:
+            version[0] += 1
             if rank == 0:
                 assert tensors is not None
-                sender.send(ticket, tensors)
+                sender.send(sender_ticket(table, layout_digest, version[0], Channel.NCCL, verify), tensors)
             else:
-                for _ in receiver.receive(ticket, dests):
+                ticket = engine_ticket(layout_digest, version[0], Channel.NCCL, verify)
+                for _ in receiver.receive(ticket, lambda _table: dests):
                     raise AssertionError("every tensor should land in place")
 
         return run
@@ -193,49 +218,62 @@ def ipc_worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
         dests = placement.resolve(plan, params)
     box: list[str] = [""]
     if rank == 0:
-        sender = ipc.IpcSender(dev, timeout_s=60)
-        box[0] = json.dumps(sender.init_info())
+        sender = ipc.IpcSender.create(SenderConfig(device=str(dev), timeout_s=60))
+        rdv = direct_rendezvous(sender.offer(), group="bench").with_timeout(60)
+        sender.take_plan({"engine": rdv})
+        box[0] = json.dumps(rdv.to_dict())
     dist.broadcast_object_list(box, 0)
     if rank == 1:
-        receiver = ipc.IpcReceiver.from_init(json.loads(box[0]), ipc.WorkerContext(0, 1, str(dev)))
-    version = [0]
+        receiver = ipc.IpcReceiver.start(Rendezvous.from_dict(json.loads(box[0])), WorkerContext(0, 1, str(dev)))
+    layout_digest = table.layout_digest()
+    version, released = [0], [0]
+
+    def receive(ticket: UpdateTicket) -> None:
+        for _ in receiver.receive(ticket, lambda _table: dests):
+            raise AssertionError("every tensor should land in place")
+
+    def release() -> None:
+        """The trainer's wait for the engine's copies of every version so far (outside the timed windows)."""
+        if rank == 0:
+            while released[0] < version[0]:
+                released[0] += 1
+                sender.release(released[0], 60)
 
     def one(src: list[list[torch.Tensor]] | None, verify: bool, timed_side: str) -> Callable[[], None]:
         def run() -> None:
             version[0] += 1
-            ticket = UpdateTicket(version=version[0], channel=Channel.IPC, table=table, verify=verify, timeout_s=60)
             if rank == 0 and timed_side == "both":
                 assert src is not None
-                sender.send(ticket, src)
+                sender.send(sender_ticket(table, layout_digest, version[0], Channel.IPC, verify), src)
             if rank == 1:
-                for _ in receiver.receive(ticket, dests):
-                    raise AssertionError("every tensor should land in place")
+                receive(engine_ticket(layout_digest, version[0], Channel.IPC, verify))
 
         return run
 
     for label, dtype in (("bf16", None), ("fp32_cast", torch.float32)):
         src = grouped(table, trainer_tensors(table, dev, dtype)) if rank == 0 else None
         res[f"channel_send_receive_{label}"] = median_time(one(src, False, "both"), reps, dev)
+        release()
         # receive alone: the trainer publishes each version before the timed window
         times = []
         for _ in range(reps + 1):
             version[0] += 1
-            ticket = UpdateTicket(version=version[0], channel=Channel.IPC, table=table, verify=False, timeout_s=60)
             if rank == 0:
                 assert src is not None
-                sender.send(ticket, src)
+                sender.send(sender_ticket(table, layout_digest, version[0], Channel.IPC, False), src)
             dist.barrier()
             if rank == 1:
                 torch.cuda.synchronize(dev)
                 t = time.perf_counter()
-                for _ in receiver.receive(ticket, dests):
-                    raise AssertionError("every tensor should land in place")
+                receive(engine_ticket(layout_digest, version[0], Channel.IPC, False))
                 torch.cuda.synchronize(dev)
                 times.append(time.perf_counter() - t)
             dist.barrier()
+            release()
         if rank == 1:
             res[f"channel_receive_{label}"] = sorted(times[1:])[len(times[1:]) // 2]
         res[f"channel_send_receive_{label}_verify"] = median_time(one(src, True, "both"), 3, dev)
+        release()
         del src
         torch.cuda.empty_cache()
     res["card"] = torch.cuda.get_device_name(dev)
@@ -255,11 +293,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--json", default="gpu_channels.json")
     args = ap.parse_args()
+    spawner: Any = mp  # torch's stubs lack spawn
     if args.part == "nccl":
         world = args.receivers + 1
-        mp.spawn(nccl_worker, args=(world, args.model, args.reps, args.port, args.json), nprocs=world)
+        spawner.spawn(nccl_worker, args=(world, args.model, args.reps, args.port, args.json), nprocs=world)
     else:
-        mp.spawn(ipc_worker, args=(args.model, args.reps, args.port, args.json), nprocs=2)
+        spawner.spawn(ipc_worker, args=(args.model, args.reps, args.port, args.json), nprocs=2)
     res = json.loads(Path(args.json).read_text())
     gb = res["bytes"] / 1e9
     base = res.get("raw_flat_broadcast") or res["raw_flat_copy"]

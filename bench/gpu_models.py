@@ -4,7 +4,8 @@ Shapes are the real ones (Qwen3-1.7B, Qwen3-8B); values are random. The trainer
 holds Hugging Face names (q/k/v, gate/up apart), grouped one decoder layer per
 group. The engine layout is what vLLM's Qwen3ForCausalLM holds at tensor-parallel
 size 1 (fused qkv_proj and gate_up_proj, everything else one to one); the direct plan
-is ``weightsync.channels.placement.direct_plan`` over the two, written to
+is ``weightsync.channels.placement.direct_plan`` over the two, kept to whole modules
+(``placement.whole_modules``) as the engine keeps it, written to
 ``bench/data/<model>.plan.json`` where vLLM runs (``python bench/gpu_models.py``)
 and read on the GPU host, which has no vLLM.
 """
@@ -28,7 +29,7 @@ DATA = Path(__file__).parent / "data"
 
 def trainer_table(model: str, dtype: str = "bfloat16") -> TensorTable:
     h, inter, layers, vocab, hd, nh, nkv, tied = MODELS[model]
-    groups = [[("model.embed_tokens.weight", dtype, (vocab, h))]]
+    groups: list[list[tuple[str, str, tuple[int, ...]]]] = [[("model.embed_tokens.weight", dtype, (vocab, h))]]
     for i in range(layers):
         p = f"model.layers.{i}."
         groups.append(
@@ -77,7 +78,8 @@ def main() -> None:
     DATA.mkdir(exist_ok=True)
     for model in MODELS:
         layout = engine_layout(model)
-        plan = placement.direct_plan(trainer_table(model), layout)
+        # what the engine writes in place: the direct plan, whole modules only
+        plan = placement.whole_modules(placement.direct_plan(trainer_table(model), layout), layout)
         out = {
             "model": model,
             "layout": {k: [d, list(s)] for k, (d, s) in layout.items()},

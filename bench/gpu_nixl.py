@@ -8,10 +8,16 @@ bytes), ``raw_nixl_flat_read`` (one NIXL READ of one registered flat buffer of t
 same bytes into another, timed on the engine), and our channel end to end: the
 trainer's bf16 tensors (registered as they are, once) to engine-layout parameters
 (fused qkv/gate_up, each parameter its own allocation, through the direct plan),
-``send`` + ``receive`` + the engine's ack awaited by the trainer, at the default READ
-window and with every group's READ in flight at once; the engine's ``receive`` alone
-(version published before the timed window); the same from fp32 trainer tensors
-(cast into the sender's registered buffers included); verification timed on its own.
+``send`` + ``receive`` + the trainer's ``release`` (it awaits the engine's ack), at the
+default READ window and with every group's READ in flight at once; the engine's
+``receive`` alone (version published before the timed window); the same from fp32
+trainer tensors (cast into the sender's registered buffers included); verification
+timed on its own.
+
+As in bench/gpu_channels.py, the trainer plans the engine without a coordinator
+(``direct_rendezvous`` over its offer, which carries the NIXL agent's name and
+metadata) and hands it the ``Rendezvous`` as JSON; the engine's tickets carry no
+table (the version's metadata does, checked against the layout digest).
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gpu_channels  # type: ignore[import-not-found]
-import gpu_models  # type: ignore[import-not-found]
+import gpu_channels  # type: ignore[import-not-found,unused-ignore]
+import gpu_models  # type: ignore[import-not-found,unused-ignore]
 
 from weightsync.channels import nixl, placement
-from weightsync.channels.base import UpdateTicket, WorkerContext
+from weightsync.channels.base import Rendezvous, SenderConfig, WorkerContext, direct_rendezvous
 from weightsync.vocabulary import Channel
 
 
@@ -85,28 +91,36 @@ def worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
 
     box: list[str] = [""]
     if rank == 0:
-        sender = nixl.NixlSender(dev, timeout_s=60)
-        box[0] = json.dumps(sender.init_info(0))
+        sender = nixl.NixlSender.create(SenderConfig(device=str(dev), timeout_s=60))
+        rdv = direct_rendezvous(sender.offer(), group="bench").with_timeout(60)
+        sender.take_plan({"engine": rdv})
+        box[0] = json.dumps(rdv.to_dict())
         srcs = gpu_channels.grouped(table, gpu_channels.trainer_tensors(table, dev))
     else:
         params = gpu_channels.engine_params(layout, dev)
         dests = placement.resolve(plan, params)
     dist.broadcast_object_list(box, 0)
     if rank == 1:
-        receiver = nixl.NixlReceiver.from_init(json.loads(box[0]), WorkerContext(0, 1, str(dev)))
+        started = nixl.NixlReceiver.start(Rendezvous.from_dict(json.loads(box[0])), WorkerContext(0, 1, str(dev)))
+        assert isinstance(started, nixl.NixlReceiver)
+        receiver = started
+    layout_digest = table.layout_digest()
     version = [0]
+
+    def receive(verify: bool) -> None:
+        ticket = gpu_channels.engine_ticket(layout_digest, version[0], Channel.NIXL, verify)
+        for _ in receiver.receive(ticket, lambda _table: dests):
+            raise AssertionError("every tensor should land in place")
 
     def channel(src: list[list[torch.Tensor]] | None, verify: bool) -> Callable[[], None]:
         def run() -> None:
             version[0] += 1
-            ticket = UpdateTicket(version=version[0], channel=Channel.NIXL, table=table, verify=verify, timeout_s=60)
             if rank == 0:
                 assert src is not None
-                sender.send(ticket, src)
-                sender.wait_consumed(ticket.version)
+                sender.send(gpu_channels.sender_ticket(table, layout_digest, version[0], Channel.NIXL, verify), src)
+                sender.release(version[0], 60)
             else:
-                for _ in receiver.receive(ticket, dests):
-                    raise AssertionError("every tensor should land in place")
+                receive(verify)
 
         return run
 
@@ -123,19 +137,17 @@ def worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
     times = []
     for _ in range(reps + 1):
         version[0] += 1
-        ticket = UpdateTicket(version=version[0], channel=Channel.NIXL, table=table, verify=False, timeout_s=60)
         if rank == 0:
-            sender.send(ticket, srcs)
+            sender.send(gpu_channels.sender_ticket(table, layout_digest, version[0], Channel.NIXL, False), srcs)
         dist.barrier()
         if rank == 1:
             torch.cuda.synchronize(dev)
             t = time.perf_counter()
-            for _ in receiver.receive(ticket, dests):
-                raise AssertionError("every tensor should land in place")
+            receive(False)
             torch.cuda.synchronize(dev)
             times.append(time.perf_counter() - t)
         else:
-            sender.wait_consumed(ticket.version)
+            sender.release(version[0], 60)
         dist.barrier()
     if rank == 1:
         res["channel_receive_bf16"] = sorted(times[1:])[len(times[1:]) // 2]

@@ -1,14 +1,16 @@
 """The NIXL channel on real GPUs: one-sided reads bit-exact, registration once per buffer, dead peers time out.
 
-The trainer (GPU 0) and the replica (GPU 1) are two real processes. The table and the
-engine layout are the NCCL/IPC tests' own: fused q/k/v rows read in place, a tensor
-the engine holds in fp32 (staged and yielded), fp32 trainer tensors cast to a bf16
-wire, and an odd-sized last group. Skipped where NIXL is not importable.
+The trainer (GPU 0) and the replica (GPU 1) are two real processes. The table, the
+engine layout, the rendezvous hand-off (the trainer plans the replica with
+``direct_rendezvous`` and passes it as JSON; its offer carries the NIXL agent's name and
+metadata) and the replica's table-less tickets are the NCCL/IPC tests' own: fused q/k/v
+rows read in place, a tensor the engine holds in fp32 (staged and yielded), fp32
+trainer tensors cast to a bf16 wire, and an odd-sized last group. Skipped where NIXL is
+not importable.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -18,8 +20,22 @@ from typing import Any
 import pytest
 import torch
 
-from tests.gpu.test_gpu_channels import TABLE, _check, _groups, _need_gpus, _receive_all, _run, _sources
-from weightsync.channels.base import UpdateTicket, WorkerContext
+from tests.gpu.test_gpu_channels import (
+    _check,
+    _cuda,
+    _Engine,
+    _groups,
+    _need_gpus,
+    _plan,
+    _receive_all,
+    _rendezvous,
+    _replica_ticket,
+    _run,
+    _sender_ticket,
+    _sources,
+    _step,
+)
+from weightsync.channels.base import Receiver, SenderConfig, WorkerContext
 from weightsync.errors import TransferTimeoutError
 from weightsync.vocabulary import Channel
 
@@ -31,49 +47,39 @@ from weightsync.channels import nixl  # noqa: E402 - after the skip
 TIMEOUT_S = 20.0
 
 
-def _ticket(version: int, timeout_s: float = TIMEOUT_S) -> UpdateTicket:
-    return UpdateTicket(version=version, channel=Channel.NIXL, table=TABLE, verify=True, timeout_s=timeout_s)
-
-
-def _receiver(port: int, device: str, timeout_s: float = TIMEOUT_S) -> nixl.NixlReceiver:
-    """The test's rendezvous: the trainer leaves its init_info (plain JSON) on its own store."""
-    store = torch.distributed.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, None, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-    )
-    store.wait(["test/init"], datetime.timedelta(seconds=timeout_s))
-    init = json.loads(store.get("test/init"))
-    return nixl.NixlReceiver.from_init(init, WorkerContext(0, 1, device))
-
-
-def _sender(port: int, device: torch.device, timeout_s: float = TIMEOUT_S) -> nixl.NixlSender:
-    sender = nixl.NixlSender(device, port=port, timeout_s=timeout_s)
-    sender._store.set("test/init", json.dumps(sender.init_info(0)))
+def _sender(device: torch.device, plans: Any, timeout_s: float = TIMEOUT_S) -> nixl.NixlSender:
+    """The trainer's sender, with its one replica planned (the rendezvous handed over)."""
+    sender = nixl.NixlSender.create(SenderConfig(device=str(device), timeout_s=timeout_s))
+    _plan(sender, plans, timeout_s)
     return sender
 
 
-def _pair(rank: int, port: int, fp32: bool) -> dict[str, Any]:
+def _receiver(plans: Any, device: torch.device) -> Receiver:
+    return nixl.NixlReceiver.start(_rendezvous(plans), WorkerContext(0, 1, str(device)))
+
+
+def _pair(rank: int, plans: Any, fp32: bool) -> dict[str, Any]:
     """Four versions: two in place (nothing registered again), then twice fresh memory (moved once)."""
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+    device = _cuda(rank)
     results: dict[str, Any] = {}
     if rank == 0:
-        sender = _sender(port, device)
+        sender = _sender(device, plans)
         sources = _sources(device, fp32)
         for version in (1, 2, 3, 4):
             if version == 2:
-                for t in sources:
-                    t.add_(1) if t.is_floating_point() else t.bitwise_not_()
+                _step(sources)
             if version >= 3:  # a trainer handing new tensors (gathered shards): new memory each version
                 sources = [t.clone() + 1 if t.is_floating_point() else t.bitwise_not() for t in sources]
-            results[f"sent{version}"] = sender.send(_ticket(version), _groups(sources))
+            report = sender.send(_sender_ticket(version, Channel.NIXL), _groups(sources))
+            results[f"sent{version}"], results[f"failed{version}"] = report.digests, report.failed
             results[f"epoch{version}"], results[f"regs{version}"] = sender.epoch, sender.registrations
-            sender.wait_consumed(version)
+            sender.release(version, TIMEOUT_S)
         sender.close()
         return results
-    receiver = _receiver(port, str(device))
+    receiver = _receiver(plans, device)
+    engine = _Engine(device)
     for version in (1, 2, 3, 4):
-        results[f"got{version}"] = _receive_all(receiver, _ticket(version), device)
-        results[f"verified{version}"] = len(receiver.verified)
+        results[f"got{version}"] = _receive_all(receiver, _replica_ticket(version, Channel.NIXL), engine, device)
     receiver.close()
     return results
 
@@ -81,12 +87,12 @@ def _pair(rank: int, port: int, fp32: bool) -> dict[str, Any]:
 @pytest.mark.parametrize("fp32", [False, True], ids=["bf16", "fp32-cast"])
 def test_nixl_sync_is_bit_exact_and_registers_once_per_buffer(fp32: bool) -> None:
     _need_gpus(2)
-    results = _run(_pair, 2, 29740 + fp32, fp32)
+    results = _run(_pair, 2, fp32)
     assert [r.get("error") for r in results] == [None, None], results
     sender, receiver = results
     for v in (1, 2, 3, 4):
-        _check(receiver[f"got{v}"], sender[f"sent{v}"])
-        assert receiver[f"verified{v}"] == len(TABLE)
+        assert sender[f"failed{v}"] == {}
+        _check(receiver[f"got{v}"], sender[f"sent{v}"])  # every tensor verified, in place or staged
     assert len({json.dumps(sender[f"sent{v}"], sort_keys=True) for v in (1, 2, 3, 4)}) == 4
     # in place: nothing registered again, the metadata epoch stands
     assert sender["epoch2"] == sender["epoch1"] and sender["regs2"] == sender["regs1"]
@@ -96,44 +102,43 @@ def test_nixl_sync_is_bit_exact_and_registers_once_per_buffer(fp32: bool) -> Non
     assert sender["epoch4"] == sender["epoch3"] and sender["regs4"] == sender["regs3"]
 
 
-def _trainer_dies(rank: int, port: int) -> dict[str, Any] | None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+def _trainer_dies(rank: int, plans: Any) -> dict[str, Any] | None:
+    device = _cuda(rank)
     if rank == 0:
-        sender = _sender(port, device, 5.0)
-        sender.send(_ticket(1, 5.0), _groups(_sources(device, False)))
-        sender.wait_consumed(1)
+        sender = _sender(device, plans, 5.0)
+        sender.send(_sender_ticket(1, Channel.NIXL, timeout_s=5.0), _groups(_sources(device, False)))
+        sender.release(1, 5.0)
         os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies before publishing v2
-    receiver = _receiver(port, str(device), 5.0)
-    _receive_all(receiver, _ticket(1, 5.0), device)
+    receiver = _receiver(plans, device)
+    engine = _Engine(device)
+    _receive_all(receiver, _replica_ticket(1, Channel.NIXL, timeout_s=5.0), engine, device)
     start = time.monotonic()
     try:
-        _receive_all(receiver, _ticket(2, 5.0), device)
+        _receive_all(receiver, _replica_ticket(2, Channel.NIXL, timeout_s=5.0), engine, device)
         return {"raised": None}
     except TransferTimeoutError as e:
         return {"raised": str(e), "elapsed": time.monotonic() - start}
 
 
-def _replica_dies(rank: int, port: int) -> dict[str, Any] | None:
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
+def _replica_dies(rank: int, plans: Any) -> dict[str, Any] | None:
+    device = _cuda(rank)
     if rank == 0:
-        sender = _sender(port, device, 5.0)
-        sender.send(_ticket(1, 5.0), _groups(_sources(device, False)))
+        sender = _sender(device, plans, 5.0)
+        sender.send(_sender_ticket(1, Channel.NIXL, timeout_s=5.0), _groups(_sources(device, False)))
         start = time.monotonic()
         try:
-            sender.wait_consumed(1, timeout_s=5.0)
+            sender.release(1, 5.0)
             return {"raised": None}
         except TransferTimeoutError as e:
             return {"raised": str(e), "elapsed": time.monotonic() - start}
-    _receiver(port, str(device), 5.0)
+    _receiver(plans, device)
     os.kill(os.getpid(), signal.SIGKILL)  # the replica dies before reading
     return None
 
 
 def test_nixl_trainer_killed_fails_the_receiver_within_timeout() -> None:
     _need_gpus(2)
-    results = _run(_trainer_dies, 2, 29750)
+    results = _run(_trainer_dies, 2)
     assert len(results) == 1 and results[0].get("error") is None, results
     got = results[0]
     assert got["raised"] is not None and "v2 metadata did not arrive within 5.0s" in got["raised"], got
@@ -142,8 +147,9 @@ def test_nixl_trainer_killed_fails_the_receiver_within_timeout() -> None:
 
 def test_nixl_replica_killed_fails_the_trainer_within_timeout() -> None:
     _need_gpus(2)
-    results = _run(_replica_dies, 2, 29760)
+    results = _run(_replica_dies, 2)
     assert len(results) == 1 and results[0].get("error") is None, results
     got = results[0]
-    assert got["raised"] is not None and "receiver 0's ack of v1 did not arrive within 5.0s" in got["raised"], got
+    # the replica's only worker is rank 1 of the membership (the trainer is rank 0)
+    assert got["raised"] is not None and "receiver 1's ack of v1 did not arrive within 5.0s" in got["raised"], got
     assert got["elapsed"] < 5.0 + 5.0, got
