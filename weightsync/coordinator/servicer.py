@@ -62,6 +62,23 @@ def _guard(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def _guard_stream(fn: Callable[..., Iterator[T]]) -> Callable[..., Iterator[T]]:
+    """``_guard`` for a streaming method: its body runs while gRPC iterates the stream, so what it raises (an
+    unknown lease at the first ``next``) must be mapped there too, or gRPC reports UNKNOWN instead of the status."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[T]:
+        try:
+            yield from fn(self, request, context)
+        except (PermanentError, RetryableError) as e:
+            context.abort(_status(e), str(e))
+        except Exception as e:
+            log.exception("%s failed", fn.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__}: internal error ({type(e).__name__}: {e})")
+
+    return wrapper
+
+
 def _nonempty(value: str, field: str, fix: str) -> str:
     if not value:
         raise faults.InvalidArgument(f"{field} is empty; {fix}")
@@ -134,7 +151,7 @@ class Servicer:
         )
         return serde.opened_to(opened)
 
-    @_guard
+    @_guard_stream
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
         lease_id = _nonempty(request.lease_id, "lease_id", "register the replica first")
         events = self.core.subscribe(lease_id)
