@@ -10,6 +10,7 @@ construction, so a malformed table fails where it enters, naming the field.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -195,6 +196,10 @@ class TensorTable:
 
     def layout_digest(self) -> str:
         """The layout digest (see ``DIGEST_PREFIX``): what every tensor is and where, not what it holds."""
+        return self._layout_digest
+
+    @functools.cached_property
+    def _layout_digest(self) -> str:  # a table is immutable: hashed once, asked every version
         h = hashlib.sha256()
         for s in self.tensors:
             h.update(f"{s.name}\0{s.dtype}\0{','.join(map(str, s.shape))}\0{s.offset}\n".encode())

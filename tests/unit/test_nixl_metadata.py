@@ -15,7 +15,7 @@ import torch
 
 from weightsync.channels import nixl, receiver_class, sender_class
 from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous
-from weightsync.errors import PermanentError, TransferTimeoutError
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
@@ -37,10 +37,17 @@ def _meta(**over: object) -> str:
         "mem": "VRAM",
         "locations": [[4096 * (i + 1), 1] for i in range(len(TABLE))],
         "digests": {"model.norm.weight": "16:00000000000000ff"},
-        "table": TABLE.to_dict(),
+        "layout_digest": TABLE.layout_digest(),
     }
     body.update(over)
     return json.dumps(body)
+
+
+def _tables(digest: str) -> TensorTable:
+    """What the receiver's table cache answers: the table of a known layout, an error for another."""
+    if digest != TABLE.layout_digest():
+        raise IntegrityError(f"the layout digest {digest} is not the one the coordinator recorded")
+    return TABLE
 
 
 def _ticket(version: int = 3, **kw: object) -> UpdateTicket:
@@ -69,28 +76,28 @@ def test_bad_agent_metadata_is_refused_naming_the_field(bad: object) -> None:
 def test_version_metadata_round_trips() -> None:
     locations = tuple((4096 * (i + 1), 1) for i in range(len(TABLE)))
     meta = nixl.VersionMeta(3, 2, "VRAM", locations, {"model.norm.weight": "16:00000000000000ff"}, TABLE)
-    assert nixl.VersionMeta.parse(meta.to_json(), _ticket()) == meta
+    assert nixl.VersionMeta.parse(meta.to_json(), _ticket(), _tables) == meta
 
 
 def test_version_metadata_errors_name_the_tensor_or_field() -> None:
     with pytest.raises(PermanentError, match="published for v3, the ticket asks for v4"):
-        nixl.VersionMeta.parse(_meta(), _ticket(4))
+        nixl.VersionMeta.parse(_meta(), _ticket(4), _tables)
     with pytest.raises(PermanentError, match="locates 1 tensors, the table has 4"):
-        nixl.VersionMeta.parse(_meta(locations=[[1, 0]]), _ticket())
+        nixl.VersionMeta.parse(_meta(locations=[[1, 0]]), _ticket(), _tables)
     bad = [[4096, 1], [4096, 1], "oops", [4096, 1]]
     with pytest.raises(
         PermanentError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight'.*expected \[address, device\]"
     ):
-        nixl.VersionMeta.parse(_meta(locations=bad), _ticket())
+        nixl.VersionMeta.parse(_meta(locations=bad), _ticket(), _tables)
     with pytest.raises(PermanentError, match=re.escape("tensor 'model.embed_tokens.weight'")):
-        nixl.VersionMeta.parse(_meta(locations=[None, [1, 0], [1, 0], [1, 0]]), _ticket())
+        nixl.VersionMeta.parse(_meta(locations=[None, [1, 0], [1, 0], [1, 0]]), _ticket(), _tables)
     with pytest.raises(PermanentError, match="memory kind 'HBM'"):
-        nixl.VersionMeta.parse(_meta(mem="HBM"), _ticket())
+        nixl.VersionMeta.parse(_meta(mem="HBM"), _ticket(), _tables)
     with pytest.raises(PermanentError, match="v3 metadata is malformed"):
-        nixl.VersionMeta.parse("{", _ticket())
+        nixl.VersionMeta.parse("{", _ticket(), _tables)
     other = TensorTable.build([[("x", "bfloat16", (2,))]])
-    with pytest.raises(PermanentError, match=r"layout digest .* the coordinator recorded"):
-        nixl.VersionMeta.parse(_meta(table=other.to_dict()), _ticket())
+    with pytest.raises(IntegrityError, match=r"layout digest .* the coordinator recorded"):
+        nixl.VersionMeta.parse(_meta(layout_digest=other.layout_digest()), _ticket(), _tables)
 
 
 def test_missing_rendezvous_field_is_named() -> None:

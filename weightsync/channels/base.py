@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from weightsync.errors import IntegrityError, PermanentError
-from weightsync.tensors import TensorTable
+from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
 
 if TYPE_CHECKING:
@@ -424,13 +424,50 @@ class Receiver(ABC):
     def begin(self) -> None:
         """Forget the last version's record (each ``receive`` calls it first)."""
         self.table, self.verified, self.verify_seconds, self.in_place = None, {}, 0.0, set()
+        self._deferred: list[tuple[Sequence[TensorSpec], torch.Tensor, torch.Tensor]] = []
 
     def check(self, group: Group, expected: Mapping[str, str]) -> None:
-        """Digest every tensor of ``group`` where it lies and compare with the trainer's (timed as ``verify``)."""
+        """Digest every tensor of ``group`` where it lies and compare with the trainer's now (timed as ``verify``).
+
+        For groups about to be yielded to the engine's loader: nothing unverified may reach it.
+        """
         from weightsync.channels import wire
 
         t0 = time.perf_counter()
         self.verified.update(wire.verify_group(group, expected))
+        self.verify_seconds += time.perf_counter() - t0
+
+    def check_later(self, group: Group, expected: torch.Tensor) -> None:
+        """Digest ``group`` where it lies (device kernels, no host sync) against the trainer's digest words;
+        the comparison happens once per version, in ``checks_done``. For tensors written in place (the
+        update is torn anyway if they are wrong), so verification costs no host round trip per group."""
+        from weightsync.channels import digests
+
+        t0 = time.perf_counter()
+        self._deferred.append(([s for s, _ in group], digests.words([t for _, t in group]), expected))
+        self.verify_seconds += time.perf_counter() - t0
+
+    def checks_done(self) -> None:
+        """Compare every deferred group at once (one host sync); raise naming the first tensor that differs."""
+        if not self._deferred:
+            return
+        import torch
+
+        from weightsync.channels import digests
+
+        t0 = time.perf_counter()
+        specs = [s for group, _, _ in self._deferred for s in group]
+        got = torch.cat([g for _, g, _ in self._deferred]).cpu()
+        want = torch.cat([w.to(g.device) for _, g, w in self._deferred]).cpu()
+        self._deferred = []
+        mine, theirs = digests.from_words(specs, got), digests.from_words(specs, want)
+        for spec in specs:
+            if mine[spec.name] != theirs[spec.name]:
+                raise IntegrityError(
+                    f"tensor {spec.name!r}: received digest {mine[spec.name]}, the trainer sent "
+                    f"{theirs[spec.name]}; the bytes were altered in transit, the update is refused"
+                )
+        self.verified.update(mine)
         self.verify_seconds += time.perf_counter() - t0
 
     def close(self) -> None:  # noqa: B027 - optional hook

@@ -33,32 +33,46 @@ def _odd(device: torch.device) -> torch.Tensor:
     return m
 
 
-def digest(tensor: torch.Tensor) -> str:
-    """The tensor's digest as ``"<nbytes>:<16 hex digits>"``."""
+def word(tensor: torch.Tensor) -> torch.Tensor:
+    """The digest's 64-bit sum as a 0-d int64 tensor where the tensor lives, with no host sync.
+
+    Integer arithmetic in int64 wraps modulo 2**64 on every device, so this equals the
+    unsigned sum modulo 2**64 in two's complement. A byte length that is not a multiple of 8
+    is padded with zero bytes: the padded last word is the little-endian value of the tail.
+    """
     raw = as_bytes(tensor.detach())
-    n = raw.numel()
-    whole = n - n % 8
-    total = 0
-    if whole:
-        words = raw[:whole].view(torch.int64)
-        odd = _odd(words.device)
-        for start in range(0, words.numel(), _CHUNK_WORDS):
-            chunk = words[start : start + _CHUNK_WORDS]
-            k = chunk.numel()
-            # sum w_j * (2(start+j)+1) = sum w_j*(2j+1) + 2*start*sum w_j   (mod 2**64)
-            weighted = int(torch.sum(chunk * odd[:k]).item())
-            plain = int(torch.sum(chunk).item())
-            total = (total + weighted + 2 * start * plain) & _MASK
-    if whole < n:
-        tail = int.from_bytes(bytes(raw[whole:].cpu().tolist()), "little")
-        total = (total + tail * (2 * (whole // 8) + 1)) & _MASK
-    return f"{n}:{total:016x}"
+    if raw.numel() % 8:
+        raw = torch.cat([raw, raw.new_zeros(8 - raw.numel() % 8)])
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    if not raw.numel():
+        return total
+    words = raw.view(torch.int64)
+    odd = _odd(words.device)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start : start + _CHUNK_WORDS]
+        # sum w_j * (2(start+j)+1) = sum w_j*(2j+1) + 2*start*sum w_j   (mod 2**64)
+        total = total + torch.sum(chunk * odd[: chunk.numel()])
+        if start:
+            total = total + torch.sum(chunk) * (2 * start)
+    return total
 
 
-def to_words(group_digests: list[str]) -> torch.Tensor:
+def words(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """Each tensor's digest word, as one int64 tensor on their device: kernels only, no host sync."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.stack([word(t) for t in tensors])
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """The tensor's digest as ``"<nbytes>:<16 hex digits>"`` (one host sync; batch with ``words``)."""
+    return f"{tensor.numel() * tensor.element_size()}:{int(word(tensor).item()) & _MASK:016x}"
+
+
+def to_words(group_digests: Sequence[str], device: torch.device | None = None) -> torch.Tensor:
     """Digests as one int64 tensor (their 64-bit sums), to travel in-band on a stream channel."""
-    words = [int(d.split(":")[1], 16) for d in group_digests]
-    return torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64)
+    values = [int(d.split(":")[1], 16) for d in group_digests]
+    return torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in values], dtype=torch.int64, device=device)
 
 
 def from_words(specs: Sequence[TensorSpec], words: torch.Tensor) -> dict[str, str]:

@@ -126,6 +126,7 @@ class IpcSender(Sender):
         self.host, self.port = host, int(self._base.port)
         self._store: Any = None
         self._membership: Rendezvous | None = None
+        self._tables = wire.Tables()
         # name -> (the trainer's tensor, the tensor shared for it, its location), kept alive until replaced
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, list[int] | None, int]] = {}
         self._cast: dict[str, torch.Tensor] = {}
@@ -147,7 +148,7 @@ class IpcSender(Sender):
             return
         self._membership = wanted
         self._store = dist.PrefixStore(wanted.prefix, self._base)
-        self._located, self._exports, self._next_id = {}, {}, 0
+        self._located, self._exports, self._next_id, self._tables = {}, {}, 0, wire.Tables()
 
     def _wire(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
         """The trainer's tensor itself when it can be shared as is, else the sender's own buffer for it.
@@ -201,10 +202,11 @@ class IpcSender(Sender):
                     offset = int(wire.storage_offset()) * wire.element_size()
                     loc = [self._export(wire), offset] if wire.numel() else None
                     located[spec.name] = (tensor, wire, loc, wire.data_ptr())
-                if ticket.verify:
-                    found[spec.name] = digests.digest(wire)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
+        if ticket.verify:  # kernels for every tensor, one host sync for the version
+            words = digests.words([located[s.name][1] for s in table], self.device)
+            found = digests.from_words(table.tensors, words.cpu())
         torch.cuda.current_stream(self.device).synchronize()  # the replica reads only finished bytes
         if located.keys() != self._located.keys() or any(located[n] is not self._located[n] for n in located):
             live = {(w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()) for _, w, _, _ in located.values()}
@@ -212,7 +214,8 @@ class IpcSender(Sender):
                 self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
         self._located = located
         locations = [located[s.name][2] for s in table]
-        meta = {"version": ticket.version, "table": table.to_dict(), "locations": locations, "digests": found}
+        layout = self._tables.publish(self._store, table)
+        meta = {"version": ticket.version, "layout_digest": layout, "locations": locations, "digests": found}
         self._store.set(f"v{ticket.version}/meta", json.dumps(meta, separators=(",", ":")))
         return SendReport(found)
 
@@ -220,8 +223,11 @@ class IpcSender(Sender):
         """Block until every planned receiving worker copied ``version`` (before the trainer overwrites its tensors)."""
         if self._membership is None:
             return
-        for r in range(1, self._membership.world_size):
+        ranks = range(1, self._membership.world_size)
+        for r in ranks:
             wait_key(self._store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", Channel.IPC)
+        for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in ranks)]:
+            self._store.delete_key(key)  # the store keeps one version's keys, not every version's
 
     def close(self) -> None:
         self._located, self._exports, self._cast = {}, {}, {}
@@ -253,6 +259,7 @@ class IpcReceiver(Receiver):
         self._store = dist.PrefixStore(rendezvous.prefix, base)
         self._mapped: dict[int, torch.Tensor] = {}
         self._prepared: _Prepared | None = None
+        self._tables = wire.Tables()
 
     @classmethod
     def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> IpcReceiver:
@@ -322,16 +329,25 @@ class IpcReceiver(Receiver):
         self.begin()
         key = f"v{ticket.version}/meta"
         meta = json.loads(wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles", Channel.IPC))
-        table = self.table = ticket.resolve_table(TensorTable.from_dict(meta["table"]), "ipc channel")
+        table = self.table = self._tables.fetch(
+            self._store, ticket, ticket.timeout_s, Channel.IPC, str(meta["layout_digest"])
+        )
         prepared = self._prepare(ticket, table, meta, place(table) if place is not None else {})
         self.in_place = set(prepared.direct)
         if prepared.graph is not None:
             prepared.graph.replay()
+        expected = digests.to_words([meta["digests"][s.name] for s in table], self.device) if ticket.verify else None
+        start = 0
         for group, staged in zip(prepared.groups, prepared.staged, strict=True):
-            if ticket.verify:
-                self.check(group, meta["digests"])
+            if expected is not None:
+                if staged:  # the loader gets only verified bytes: compare now
+                    self.check(group, meta["digests"])
+                else:
+                    self.check_later(group, expected[start : start + len(group)])
+            start += len(group)
             if staged:
                 yield staged
+        self.checks_done()
         torch.cuda.current_stream(self.device).synchronize()
         done = f"v{ticket.version}/done/{self.rank}"
         wire.set_key(self._store, done, "1", ticket.timeout_s, f"the ack of v{ticket.version}", Channel.IPC)

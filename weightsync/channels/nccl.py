@@ -35,7 +35,6 @@ group is handed over.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import threading
 from collections import deque
@@ -165,14 +164,6 @@ class NcclGroup:
                 pg.abort()
 
 
-def _words(group_digests: list[str], device: torch.device) -> torch.Tensor:
-    return digests.to_words(group_digests).to(device)
-
-
-def _table_key(version: int) -> str:
-    return f"v{version}/table"
-
-
 class NcclSender(Sender):
     """Rank 0 of the planned membership's group; see the module docstring."""
 
@@ -186,6 +177,7 @@ class NcclSender(Sender):
         self._store = wire.serve_store(host, port, timeout_s)
         self.port = int(self._store.port)
         self._group: NcclGroup | None = None
+        self._tables = wire.Tables()
         self._forming: threading.Thread | None = None
         self._form_error = ""
         self.members: dict[str, Rendezvous] = {}
@@ -204,7 +196,9 @@ class NcclSender(Sender):
         if len(memberships) > 1:
             raise PermanentError(f"nccl channel: the plan names {len(memberships)} groups; one was expected")
         wanted = next(iter(plans.values()), None)
-        if wanted is not None and wanted.same_membership(self._group.rdv if self._group is not None else None):
+        current = self._group
+        alive = current is not None and (current.connected or self._forming is not None)
+        if wanted is not None and alive and wanted.same_membership(current.rdv if current else None):
             self.members = plans
             return
         self._await()
@@ -215,7 +209,7 @@ class NcclSender(Sender):
         if wanted is None:
             return
         group = NcclGroup(self._store, wanted.with_timeout(self.timeout_s), 0, self.device, self.host)
-        self._group, self._form_error = group, ""
+        self._group, self._form_error, self._tables = group, "", wire.Tables()
         self._forming = threading.Thread(target=self._form, args=(group,), name=f"weightsync-nccl-{wanted.group}")
         self._forming.start()
 
@@ -238,17 +232,18 @@ class NcclSender(Sender):
         if group is None or not group.connected:
             why = self._form_error or "no receiver is planned on it (call take_plan first)"
             raise TransferTimeoutError(f"nccl channel: the group is not formed: {why}")
-        group.store.set(_table_key(ticket.version), json.dumps(ticket.table.to_dict()))
+        self._tables.publish(group.store, ticket.table)
         try:
             return SendReport(self._send(group, ticket, ticket.table, groups))
-        except TransferTimeoutError:
-            self._group = None  # aborted: the next plan forms a new group
+        except (TransferTimeoutError, RuntimeError):
+            group.abort()
+            self._group = None  # broken: the next plan forms a new group, whatever its membership
             raise
 
     def _send(
         self, group: NcclGroup, ticket: UpdateTicket, table: TensorTable, groups: Iterable[Sequence[torch.Tensor]]
     ) -> dict[str, str]:
-        found: dict[str, str] = {}
+        sent_words: list[torch.Tensor] = []
         source = iter(groups)
         # (work, tensors kept alive until the device is done with them, what)
         in_flight: deque[tuple[Any, list[torch.Tensor], str]] = deque()
@@ -264,15 +259,15 @@ class NcclSender(Sender):
             what = f"group {i} broadcast (starting at {specs[0].name!r})"
             in_flight.append((group.broadcast([t for t in wire_tensors if t.numel()]), wire_tensors, what))
             if ticket.verify:
-                group_digests = [digests.digest(t) for t in wire_tensors]
-                found.update({s.name: d for s, d in zip(specs, group_digests, strict=True)})
-                words = _words(group_digests, self.device)
+                # digests computed on the device while the group is on the wire; no host sync until the end
+                words = digests.words(wire_tensors, self.device)
+                sent_words.append(words)
                 in_flight.append((group.broadcast([words]), [words], f"group {i} digests"))
         for work, _, what in in_flight:
             group.wait(work, ticket.timeout_s, what)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
-        return found
+        return digests.from_words(table.tensors, torch.cat(sent_words).cpu()) if sent_words else {}
 
     def close(self) -> None:
         self._await()
@@ -293,6 +288,7 @@ class NcclReceiver(Receiver):
         store = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
         self._group = NcclGroup(store, rendezvous, rank, self.device, wire.local_address_for(rendezvous.endpoint))
         self._group.connect()
+        self._tables = wire.Tables()
         self._staging = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(IN_FLIGHT_GROUPS)]
 
     @classmethod
@@ -319,10 +315,7 @@ class NcclReceiver(Receiver):
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
         self.begin()
-        raw = wire.wait_key(
-            self._group.store, _table_key(ticket.version), ticket.timeout_s, f"v{ticket.version}'s table", Channel.NCCL
-        )
-        table = self.table = ticket.resolve_table(TensorTable.from_dict(json.loads(raw)), "nccl channel")
+        table = self.table = self._tables.fetch(self._group.store, ticket, ticket.timeout_s, Channel.NCCL)
         groups = table.groups()
         dests = dict(place(table)) if place is not None else {}
 
@@ -342,12 +335,16 @@ class NcclReceiver(Receiver):
             pending = post(i + 1) if i + 1 < len(groups) else None
             self._group.wait(work, ticket.timeout_s, f"group {i} broadcast (starting at {specs[0].name!r})")
             group: Group = list(zip(specs, targets, strict=True))
+            staged = [pair for pair, d in zip(group, direct, strict=True) if not d]
             if words is not None and dwork is not None:
                 self._group.wait(dwork, ticket.timeout_s, f"group {i} digests")
-                self.check(group, digests.from_words(specs, words.cpu()))
-            staged = [pair for pair, d in zip(group, direct, strict=True) if not d]
+                if staged:  # the loader gets only verified bytes: compare now
+                    self.check(group, digests.from_words(specs, words.cpu()))
+                else:
+                    self.check_later(group, words)
             if staged:
                 yield staged
+        self.checks_done()
 
     def close(self) -> None:
         self._group.abort()

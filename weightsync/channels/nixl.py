@@ -47,7 +47,7 @@ import importlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -126,15 +126,17 @@ class VersionMeta:
     def to_json(self) -> str:
         locs = [None if loc is None else [loc[0], loc[1]] for loc in self.locations]
         body = {"version": self.version, "epoch": self.epoch, "mem": self.mem, "locations": locs}
-        return json.dumps({**body, "digests": dict(self.digests), "table": self.table.to_dict()}, separators=(",", ":"))
+        layout = self.table.layout_digest()
+        return json.dumps({**body, "digests": dict(self.digests), "layout_digest": layout}, separators=(",", ":"))
 
     @classmethod
-    def parse(cls, raw: bytes | str, ticket: UpdateTicket) -> VersionMeta:
-        """Validate the published metadata: its table against the ticket, its locations against the table."""
+    def parse(cls, raw: bytes | str, ticket: UpdateTicket, table_of: Callable[[str], TensorTable]) -> VersionMeta:
+        """Validate the published metadata: its table (``table_of`` its layout digest: fetched once a layout and
+        checked against the ticket) and its locations against the table."""
         version = ticket.version
         try:
             d = json.loads(raw)
-            table = ticket.resolve_table(TensorTable.from_dict(d["table"]), "nixl channel")
+            table = table_of(str(d["layout_digest"]))
             got_version, epoch, mem, locs = int(d["version"]), int(d["epoch"]), str(d["mem"]), d["locations"]
             found = {str(k): str(v) for k, v in dict(d.get("digests", {})).items()}
         except (KeyError, TypeError, ValueError) as e:
@@ -249,6 +251,7 @@ class NixlSender(Sender):
         self.host, self.port = host, int(self._base.port)
         self._store: Any = None
         self._membership: Rendezvous | None = None
+        self._tables = wire.Tables()
         self._registry = _Registry(self._agent, self.device)
         # name -> (the trainer's tensor, what travels for it, that memory's address then)
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -277,7 +280,7 @@ class NixlSender(Sender):
             return
         self._membership = wanted
         self._store = dist.PrefixStore(wanted.prefix, self._base)
-        self._published = -1
+        self._published, self._tables = -1, wire.Tables()
         self._publish_metadata()
 
     @property
@@ -326,10 +329,11 @@ class NixlSender(Sender):
                 if wire.numel():
                     changed |= self._registry.ensure(wire)
                 located[spec.name] = (tensor, wire, wire.data_ptr())
-                if ticket.verify:
-                    found[spec.name] = digests.digest(wire)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
+        if ticket.verify:  # kernels for every tensor, one host sync for the version
+            words = digests.words([located[s.name][1] for s in table], self.device)
+            found = digests.from_words(table.tensors, words.cpu())
         _sync(self.device)  # a replica reads only finished bytes
         live = {_Registry.key(w) for _, w, _ in located.values() if w.numel()}
         changed |= self._registry.keep_only(live)
@@ -340,6 +344,7 @@ class NixlSender(Sender):
         dev = device_id(self.device)
         locations = tuple((w.data_ptr(), dev) if w.numel() else None for _, w, _ in (located[s.name] for s in table))
         meta = VersionMeta(ticket.version, self.epoch, mem_type(self.device), locations, found, table)
+        self._tables.publish(self._store, table)
         self._store.set(f"v{ticket.version}/meta", meta.to_json())
         return SendReport(found)
 
@@ -404,6 +409,7 @@ class NixlReceiver(Receiver):
         self._registry = _Registry(self._agent, self.device)
         self._staging: list[torch.Tensor] = []
         self._prepared: _Prepared | None = None
+        self._tables = wire.Tables()
 
     @classmethod
     def from_rendezvous(cls, rendezvous: Rendezvous, ctx: WorkerContext) -> NixlReceiver:
@@ -528,7 +534,9 @@ class NixlReceiver(Receiver):
         raw = wait_key(
             self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} metadata", Channel.NIXL
         )
-        meta = VersionMeta.parse(raw, ticket)
+        meta = VersionMeta.parse(
+            raw, ticket, lambda digest: self._tables.fetch(self._store, ticket, ticket.timeout_s, Channel.NIXL, digest)
+        )
         table = self.table = meta.table
         if meta.epoch != self._epoch:
             left = max(deadline - time.monotonic(), 0.001)
@@ -542,16 +550,23 @@ class NixlReceiver(Receiver):
         prepared = self._prepare(meta, dests)
         self.in_place = {s.name for s in table if s.nbytes and fits_in_place(s, self.device, dests.get(s.name))}
         reads = prepared.reads
+        expected = digests.to_words([meta.digests[s.name] for s in table], self.device) if ticket.verify else None
         for read in reads[: self.window]:
             self._post(read)
+        start = 0
         for i, read in enumerate(reads):
             self._wait(read, deadline, ticket.timeout_s)
-            if ticket.verify:
-                self.check(read.group, meta.digests)
+            if expected is not None:
+                if read.staged:  # the loader gets only verified bytes: compare now
+                    self.check(read.group, meta.digests)
+                else:
+                    self.check_later(read.group, expected[start : start + len(read.group)])
+            start += len(read.group)
             if read.staged:
                 yield read.staged
             if i + self.window < len(reads):
                 self._post(reads[i + self.window])
+        self.checks_done()
         _sync(self.device)
         done = f"v{ticket.version}/done/{self.receiver}"
         wire.set_key(self._store, done, "1", ticket.timeout_s, f"the ack of v{ticket.version}", Channel.NIXL)

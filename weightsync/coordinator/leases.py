@@ -90,8 +90,9 @@ def register(
             state, job, old, reason=f"{member_id} registered again (incarnation {incarnation})", forget_work=not same
         )
         if same:
+            # its old stream was closed with the old lease (and its end is not counted against this member):
+            # the new member counts as watching from its registration until its own stream opens
             member.failed_channels = old.failed_channels
-            member.streams, member.stream_seen = old.streams, old.stream_seen
             member.current_version = max(current_version, old.current_version)
     if role is Role.TRAINER:
         other = job.trainer()

@@ -21,6 +21,7 @@ tick and each /metrics scrape recompute them (``gauges.refresh``), not each ack.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -32,6 +33,7 @@ from weightsync.coordinator.jobs import Job, Member
 from weightsync.coordinator.lifecycle import VersionRecord
 from weightsync.coordinator.models import JobPolicy, Role
 from weightsync.coordinator.store import VersionStore
+from weightsync.vocabulary import VersionState
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,10 @@ class CoreState:
             raise faults.NotFound(f"job {name!r} is unknown (known jobs: {known}); register a trainer or replica first")
         job = Job(name, self.default_policy)
         for info in self.store.load(name):
+            if info.state is VersionState.STAGING:  # its plans and watchers died with the process that had them
+                info = dataclasses.replace(
+                    info, state=VersionState.FAILED, reason="the coordinator restarted while this version was staging"
+                )
             job.versions[info.version] = VersionRecord.from_info(info)
             job.keys[(info.incarnation, info.step)] = info.version
             job.next_version = max(job.next_version, info.version + 1)
