@@ -69,7 +69,8 @@ def main() -> int:
     p.add_argument("--no-verify", action="store_true")
     args = p.parse_args()
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     source = RandomSource(gpu_models.trainer_table(args.model), device)
     channels = tuple(Channel.parse(c) for c in args.channels.split(",") if c)
     config = JobConfig(args.job, channels, timeout_s=300, transfer_timeout_s=args.timeout, nccl_domain=args.nccl_domain)
@@ -91,7 +92,8 @@ def main() -> int:
     for line in sys.stdin:
         command = json.loads(line)
         source.fill(command["seed"])
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         report = publisher.publish(command["step"])
         wall = time.perf_counter() - t0

@@ -88,10 +88,10 @@ class HarnessModel:
             self.loaded_through_loader += 1
 
     def end_load(self, wrote_in_place: bool) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        _sync(self.device)
 
     def abandon_load(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        _sync(self.device)
 
     def digests(self, table: TensorTable) -> dict[str, str]:
         """Each trainer tensor's digest read from the parameters it landed in (fused rows included)."""
@@ -99,6 +99,11 @@ class HarnessModel:
         plan = placement.direct_plan(table, layout, self.fused_mapping())
         views = placement.resolve(plan, self.params)
         return {s.name: digests.digest(views[s.name]) for s in table if s.name in views}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _spec(name: str, tensor: torch.Tensor) -> Any:
@@ -141,7 +146,8 @@ class HarnessEngine:
 
     def identity(self) -> list[Identity]:
         dev = self.model.device
-        return [Identity(0, 1, str(dev), gpu.uuid(dev), importlib.util.find_spec("nixl") is not None)]
+        uuid = gpu.uuid(dev) if dev.type == "cuda" else ""
+        return [Identity(0, 1, str(dev), uuid, importlib.util.find_spec("nixl") is not None)]
 
     def weight_version(self) -> str:
         return str(self.version) if self.version else "None"
@@ -168,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "--die-in-version", type=int, default=0, help="fault injection: exit hard as version N's transfer starts"
     )
     args = p.parse_args(argv)
-    device = gpu.cuda_device(args.device)
-    torch.cuda.set_device(device)
+    device = torch.device(args.device)  # cpu: a dry run of the same processes with WEIGHTSYNC_NCCL_TRANSPORT=gloo
+    if device.type == "cuda":
+        device = gpu.cuda_device(device)
+        torch.cuda.set_device(device)
     model = HarnessModel(
         {k: (v[0], tuple(v[1])) for k, v in plan_file(args.model)["layout"].items()},
         device,
