@@ -88,12 +88,20 @@ def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) ->
             argv.append("--no-verify")
         trainer = spawn("trainer", argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert trainer.stdin is not None and trainer.stdout is not None
-        ready = json.loads(trainer.stdout.readline())
+        def answer() -> dict[str, Any]:
+            assert trainer.stdout is not None
+            while not (line := trainer.stdout.readline()).startswith("{"):  # libraries (NIXL) log to stdout too
+                if not line:
+                    raise RuntimeError("the trainer exited")
+            result: dict[str, Any] = json.loads(line)
+            return result
+
+        ready = answer()
         rows = []
         for v in range(versions + 2):
             trainer.stdin.write(json.dumps({"seed": v, "step": v, "durable": False}) + "\n")
             trainer.stdin.flush()
-            out = json.loads(trainer.stdout.readline())
+            out = answer()
             if out["state"] != "READY":
                 raise RuntimeError(f"version {out['version']} {out['state']}: {out}")
             rows.append(out)

@@ -23,6 +23,7 @@ fail-stop rule: a torn replica stays paused until a whole version loads.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pathlib import Path
 from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient
-from weightsync.errors import WeightsyncError
+from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.metrics import AgentMetrics
 from weightsync.vocabulary import Channel, EngineState, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
@@ -123,10 +124,18 @@ class Agent:
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
 
     def run(self) -> None:
-        """Register and follow the coordinator until ``stop()``."""
-        self.client.register_replica(
-            self.config.job, self.config.replica_id, self.capabilities, current_version=self.replica.version
-        )
+        """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``."""
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                self.client.register_replica(
+                    self.config.job, self.config.replica_id, self.capabilities, current_version=self.replica.version
+                )
+                break
+            except RetryableError as e:
+                log.warning("replica %s: cannot register yet (%s); retrying in %.1fs", self.config.replica_id, e, delay)
+                self._stop.wait(delay * (0.5 + random.random()))
+                delay = min(delay * 2, 15.0)
         threading.Thread(target=self.follow_durable, name="weightsync-follow-durable", daemon=True).start()
         for assignment in self.client.watch():
             if self._stop.is_set():

@@ -100,7 +100,7 @@ class GpuFleet:
                     members = set()
                 if set(replicas) <= members:
                     return
-                for rid in replicas:
+                for rid in ["coordinator", *replicas]:
                     proc = self.procs.get(rid)
                     assert proc is None or proc.poll() is None, f"{rid} exited: {self.tail(rid)}"
                 assert time.monotonic() < deadline, f"{replicas} not registered: {members}"
@@ -123,10 +123,12 @@ class GpuFleet:
 
     def _line(self, timeout_s: float) -> str:
         assert self.trainer is not None and self.trainer.stdout is not None
-        line = self.trainer.stdout.readline()
-        if not line:
-            raise AssertionError(f"the trainer exited {self.trainer.poll()}: {self.tail('trainer')}")
-        return line
+        while True:  # libraries (NIXL) log to stdout too: answers are the JSON lines
+            line = self.trainer.stdout.readline()
+            if not line:
+                raise AssertionError(f"the trainer exited {self.trainer.poll()}: {self.tail('trainer')}")
+            if line.startswith("{"):
+                return line
 
     def publish(self, seed: int, step: int) -> dict[str, Any]:
         assert self.trainer is not None and self.trainer.stdin is not None

@@ -150,7 +150,7 @@ def _policy(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from weightsync.coordinator import auth, kubestore, server, tls
+    from weightsync.coordinator import auth, server, tls
 
     _limit_malloc_arenas()
     try:
@@ -177,7 +177,11 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )
-    store = kubestore.around(args.kubernetes_namespace, config.volumes) if args.kubernetes_namespace else None
+    store = None
+    if args.kubernetes_namespace:  # the Kubernetes client and the CRD models load only for this store
+        from weightsync.coordinator import kubestore
+
+        store = kubestore.around(args.kubernetes_namespace, config.volumes)
     coordinator = server.CoordinatorServer(config, store=store).start()
     if store is not None:
         store.attach(coordinator.core)
