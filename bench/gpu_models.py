@@ -23,6 +23,7 @@ MODELS = {
     # hidden, intermediate, layers, vocab, head_dim, heads, kv_heads, tied embeddings
     "qwen3-1.7b": (2048, 6144, 28, 151936, 128, 16, 8, True),
     "qwen3-8b": (4096, 12288, 36, 151936, 128, 32, 8, False),
+    "qwen3-tiny": (256, 512, 2, 512, 64, 4, 2, True),  # the CPU tests' in-place check (tests/integration)
 }
 DATA = Path(__file__).parent / "data"
 

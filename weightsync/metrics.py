@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from weightsync.vocabulary import Channel, SyncPhase, VersionState
+from weightsync.vocabulary import Channel, ReplicaHealth, SyncPhase, VersionState
 
 SYNC_BUCKETS: tuple[float, ...] = (
     0.001,
@@ -47,10 +47,6 @@ SYNC_BUCKETS: tuple[float, ...] = (
 
 RECONCILE_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-REPLICA_STATES = ("registered", "syncing", "current", "lagging", "failed")
-"""Replica states as the coordinator counts them: live, with no version yet / an
-assignment outstanding / serving the newest READY version / serving an older one /
-its last ack was an error."""
 
 NEGOTIATION_NONE = "none"
 """The ``channel`` label value of a negotiation that found no shared channel."""
@@ -126,8 +122,8 @@ class CoordinatorMetrics:
         )
         for state in VersionState:
             m.versions.labels(state.value)
-        for rstate in REPLICA_STATES:
-            m.replicas.labels(rstate)
+        for health in ReplicaHealth:
+            m.replicas.labels(health.value)
         return m
 
 

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from weightsync import metrics as metrics_mod
 from weightsync.coordinator.jobs import Job
 from weightsync.coordinator.models import Role
-from weightsync.vocabulary import VersionState
+from weightsync.vocabulary import ReplicaHealth, VersionState
 
 
 def refresh(m: metrics_mod.CoordinatorMetrics, jobs: Iterable[Job]) -> None:
     counts = dict.fromkeys(VersionState, 0)
-    states = dict.fromkeys(metrics_mod.REPLICA_STATES, 0)
+    states = dict.fromkeys(ReplicaHealth, 0)
     lag_max, lagging = 0, 0
     for j in jobs:
         for rec in j.versions.values():
@@ -31,16 +31,16 @@ def refresh(m: metrics_mod.CoordinatorMetrics, jobs: Iterable[Job]) -> None:
             lag = ready.version - member.current_version if ready and member.current_version < ready.version else 0
             lag_max, lagging = max(lag_max, lag), lagging + (lag > 0)
             if member.last_failed:
-                states["failed"] += 1
+                states[ReplicaHealth.FAILED] += 1
             elif member.member_id in syncing:
-                states["syncing"] += 1
+                states[ReplicaHealth.SYNCING] += 1
             elif ready is None and member.current_version == 0:
-                states["registered"] += 1
+                states[ReplicaHealth.REGISTERED] += 1
             else:
-                states["lagging" if lag else "current"] += 1
+                states[ReplicaHealth.LAGGING if lag else ReplicaHealth.CURRENT] += 1
     for state, n in counts.items():
         m.versions.labels(state.value).set(n)
     for name, n in states.items():
-        m.replicas.labels(name).set(n)
+        m.replicas.labels(name.value).set(n)
     m.fleet_version_lag_max.set(lag_max)
     m.fleet_replicas_lagging.set(lagging)
