@@ -221,13 +221,8 @@ class IpcSender(Sender):
 
     def release(self, version: int, timeout_s: float) -> None:
         """Block until every planned receiving worker copied ``version`` (before the trainer overwrites its tensors)."""
-        if self._membership is None:
-            return
-        ranks = range(1, self._membership.world_size)
-        for r in ranks:
-            wait_key(self._store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", Channel.IPC)
-        for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in ranks)]:
-            self._store.delete_key(key)  # the store keeps one version's keys, not every version's
+        if self._membership is not None:
+            wire.await_consumed(self._store, version, self._membership.world_size, timeout_s, Channel.IPC)
 
     def close(self) -> None:
         self._located, self._exports, self._cast = {}, {}, {}

@@ -350,13 +350,8 @@ class NixlSender(Sender):
 
     def release(self, version: int, timeout_s: float) -> None:
         """Block until every planned receiving worker read ``version`` (before the trainer overwrites its tensors)."""
-        if self._membership is None:
-            return
-        ranks = range(1, self._membership.world_size)
-        for r in ranks:
-            wait_key(self._store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", Channel.NIXL)
-        for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in ranks)]:
-            self._store.delete_key(key)
+        if self._membership is not None:
+            wire.await_consumed(self._store, version, self._membership.world_size, timeout_s, Channel.NIXL)
 
     def close(self) -> None:
         self._registry.clear()

@@ -154,6 +154,16 @@ def set_key(store: Any, key: str, value: str, timeout_s: float, what: str, chann
     bounded(lambda: store.set(key, value), timeout_s, what, channel)
 
 
+def await_consumed(store: Any, version: int, world_size: int, timeout_s: float, channel: Channel) -> None:
+    """Wait until every receiving rank (1..world_size-1) acked ``version`` on a one-sided channel's store, then
+    drop that version's keys (the store keeps one version's keys, not every version's)."""
+    ranks = range(1, world_size)
+    for r in ranks:
+        wait_key(store, f"v{version}/done/{r}", timeout_s, f"receiver {r}'s ack of v{version}", channel)
+    for key in [f"v{version}/meta", *(f"v{version}/done/{r}" for r in ranks)]:
+        store.delete_key(key)
+
+
 class Tables:
     """Version tables on a channel's store, published once per layout and fetched once per layout.
 
