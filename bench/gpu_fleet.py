@@ -88,6 +88,7 @@ def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) ->
             argv.append("--no-verify")
         trainer = spawn("trainer", argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert trainer.stdin is not None and trainer.stdout is not None
+
         def answer() -> dict[str, Any]:
             assert trainer.stdout is not None
             while not (line := trainer.stdout.readline()).startswith("{"):  # libraries (NIXL) log to stdout too
