@@ -39,6 +39,8 @@ class JobConfig:
     nccl_domain: str = ""
     """Processes of the job that may reach each other over NCCL share this name (empty: NCCL is not used)."""
     every_steps: int = 1
+    ready_without_acks: bool = False
+    """A version planned for no replica is READY (default: FAILED)."""
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
@@ -55,6 +57,7 @@ class JobConfig:
                 checkpoint_dir=str(data.get("checkpointDir", "")),
                 nccl_domain=str(data.get("ncclDomain", "")),
                 every_steps=int(sync.get("everySteps", 1)),
+                ready_without_acks=bool(sync.get("readyWithoutAcks", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
@@ -71,6 +74,7 @@ class JobConfig:
                 "transferTimeoutSeconds": self.transfer_timeout_s,
                 "retention": self.retention,
                 "everySteps": self.every_steps,
+                "readyWithoutAcks": self.ready_without_acks,
             },
             "checkpointDir": self.checkpoint_dir,
             "ncclDomain": self.nccl_domain,

@@ -132,6 +132,33 @@ def test_quorum_policy() -> None:
     assert core.ack(r0, ok(v)) is VersionState.READY
 
 
+def test_a_version_planned_for_no_replica_is_never_ready_without_acks_unless_the_policy_says_so() -> None:
+    core, t, _ = fleet(0)
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    info = sent(core, t, v1)
+    assert info.state is VersionState.FAILED and "planned for no replica, so none acked it" in info.reason
+    assert core.get_job("job").newest_ready == 0
+
+    core, t, _ = fleet(0, JobPolicy(ready_without_acks=True))
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert latest(core).state is VersionState.STAGING  # READY still waits for what the trainer sent
+    info = sent(core, t, v1)
+    assert info.state is VersionState.READY and "policy allows READY without acks" in info.reason
+
+
+def test_a_version_whose_replicas_all_dropped_unacked_fails_under_any_policy() -> None:
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, JobPolicy(ready_without_acks=True), ttl=30.0, clock=clock)
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
+    clock.advance(15.0)
+    core.renew(t)
+    clock.advance(15.0)
+    core.tick()
+    info = latest(core)
+    assert info.state is VersionState.FAILED and "no planned replica acknowledged it (1 dropped)" in info.reason
+
+
 def test_failed_ack_fails_all_live_policy_and_names_the_replica() -> None:
     core, t, (r0, _r1) = fleet(2)
     v = core.open_version(t, "job", "t1", 1, TABLE).version

@@ -238,9 +238,7 @@ class Publisher:
             volume_mount=str(volume or ""),
             engine=models.EngineKind.GPU if dev.type == "cuda" else models.EngineKind.CPU,
         )
-        policy = (
-            models.JobPolicy(config.channels, config.ack_quorum, config.timeout_s, config.retention) if config else None
-        )
+        policy = models.JobPolicy.of(config) if config else None
         client.register_trainer(job, trainer_id, caps, policy=policy, offers=self._offers())
 
     def _all_senders(self) -> dict[Channel, Sender]:

@@ -24,6 +24,8 @@ from typing import IO
 import httpx
 
 from weightsync import jobconfig
+from weightsync.coordinator import faults
+from weightsync.coordinator.client import CoordinatorClient
 from weightsync.vocabulary import Channel
 
 
@@ -235,6 +237,20 @@ class LocalFleet:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{r.replica_id} not healthy within {timeout_s:.0f}s; see {self.logs}")
                 time.sleep(1.0)
+
+    def wait_registered(self, client: CoordinatorClient, timeout_s: float) -> None:
+        """Every replica's agent registered with the coordinator: a version opened before that would be planned
+        for fewer replicas (or none, which fails it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if set(self.replicas) <= {m.member_id for m in client.get_job(self.job).members}:
+                    return
+            except faults.NotFound:  # no member registered yet: the job does not exist
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agents of {sorted(self.replicas)} not registered within {timeout_s:.0f}s")
+            time.sleep(0.5)
 
     def stop(self) -> None:
         for r in self.replicas.values():

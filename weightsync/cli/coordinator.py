@@ -68,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a member may go without renewing")
     job.add_argument("--version-timeout", type=float, default=600.0, help="seconds a version may stay STAGING")
     job.add_argument("--ack-quorum", type=int, default=0, help="acks that make a version READY (0: all live replicas)")
+    job.add_argument(
+        "--ready-without-acks",
+        action="store_true",
+        help="a version planned for no replica is READY (default: FAILED, since no replica acked it)",
+    )
     job.add_argument("--channel-preference", default="", help=f"default channel order, comma-separated ({CHANNELS})")
     job.add_argument(
         "--max-workers",
@@ -139,14 +144,16 @@ def _policy(args: argparse.Namespace) -> Any:
     config = jobconfig.load(args.job_config) if args.job_config else None
     if config is not None:
         args.job = args.job or config.job
-        return models.JobPolicy(config.channels, config.ack_quorum, config.timeout_s, config.retention)
+        return models.JobPolicy.of(config)
     preference = models.DEFAULT_PREFERENCE
     if args.channel_preference:
         try:
             preference = tuple(Channel.parse(c.strip()) for c in args.channel_preference.split(",") if c.strip())
         except ValueError as e:
             raise ValueError(f"--channel-preference: {e}") from None
-    return models.JobPolicy(preference, args.ack_quorum, args.version_timeout)
+    return models.JobPolicy(
+        preference, args.ack_quorum, args.version_timeout, ready_without_acks=args.ready_without_acks
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:

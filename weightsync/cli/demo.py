@@ -114,6 +114,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         targets = grpo.targets(model.config.vocab_size)
         client = CoordinatorClient(fleet.coordinator_address, insecure=True)
+        fleet.wait_registered(client, timeout_s=120)
         if not args.no_sync:
             publisher = Publisher(
                 ModuleSource(model),

@@ -42,6 +42,7 @@ class VersionRecord:
     table: TableSummary
     plans: dict[str, ChannelPlan]
     quorum: int = 0
+    ready_without_acks: bool = False
     state: VersionState = VersionState.STAGING
     reason: str = ""
     durable: bool = False
@@ -138,7 +139,12 @@ class VersionRecord:
 
     def _verdict(self) -> tuple[VersionState, str] | None:
         if not self.plans:
-            return VersionState.READY, "no live replica was planned"
+            if self.ready_without_acks:
+                return VersionState.READY, "planned for no replica (the job's policy allows READY without acks)"
+            return VersionState.FAILED, (
+                "planned for no replica, so none acked it (no replica was registered and watching, or none shares "
+                "a channel with the trainer; a job may allow this with policy ready_without_acks)"
+            )
         acked, failed = self.count(ReplicaState.LOADED), self.count(ReplicaState.FAILED)
         dropped = self.count(ReplicaState.DROPPED)
         waiting = self.count(ReplicaState.PLANNED) + self.count(ReplicaState.JOINED)

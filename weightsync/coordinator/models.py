@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
+from weightsync.jobconfig import JobConfig
 from weightsync.tensors import TensorTable, is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
@@ -92,6 +93,14 @@ class JobPolicy:
     version_timeout_s: float = 600.0
     retention: int = 3
     """Durable versions kept on the volume (never fewer than the newest durable READY one)."""
+    ready_without_acks: bool = False
+    """A version planned for no replica is READY. Off by default: READY means replicas acked it, so such a
+    version is FAILED ("planned for no replica"); a job that publishes before its replicas exist may opt in."""
+
+    @classmethod
+    def of(cls, config: JobConfig) -> JobPolicy:
+        """The policy a job config (``job.json``, from the RLJob's ``spec.sync``) sets."""
+        return cls(config.channels, config.ack_quorum, config.timeout_s, config.retention, config.ready_without_acks)
 
     def __post_init__(self) -> None:
         if not self.channel_preference:

@@ -152,6 +152,7 @@ def policy(m: pb.JobPolicy, default: models.JobPolicy, field: str = "policy") ->
             ack_quorum=m.ack_quorum or default.ack_quorum,
             version_timeout_s=m.version_timeout_s or default.version_timeout_s,
             retention=m.retention or default.retention,
+            ready_without_acks=m.ready_without_acks or default.ready_without_acks,
         )
     except PermanentError as e:
         raise faults.InvalidArgument(str(e)) from None
@@ -163,6 +164,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
         ack_quorum=p.ack_quorum,
         version_timeout_s=p.version_timeout_s,
         retention=p.retention,
+        ready_without_acks=p.ready_without_acks,
     )
 
 

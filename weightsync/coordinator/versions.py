@@ -102,6 +102,7 @@ def open_version(
         table,
         {p.replica_id: p for p in plans},
         quorum=job.policy.ack_quorum,
+        ready_without_acks=job.policy.ready_without_acks,
         opened_at=state.clock.time(),
         opened_mono=now,
     )

@@ -125,6 +125,10 @@ class Sync(Model):
         default=AckPolicy.ALL, description="When a version is Ready: All live replicas, or a Quorum of them."
     )
     quorum: int | None = Field(default=None, ge=1, description="Replicas that must ack when ackPolicy is Quorum.")
+    ready_without_acks: bool = Field(
+        default=False,
+        description="A version planned for no replica (none registered yet) is Ready instead of Failed.",
+    )
     timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
     transfer_timeout_seconds: int = Field(
         default=120,

@@ -159,16 +159,18 @@ class SenderOffer(_message.Message):
     def __init__(self, channel: _Optional[_Union[Channel, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
-    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention")
+    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention", "ready_without_acks")
     CHANNEL_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     ACK_QUORUM_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    READY_WITHOUT_ACKS_FIELD_NUMBER: _ClassVar[int]
     channel_preference: _containers.RepeatedScalarFieldContainer[Channel]
     ack_quorum: int
     version_timeout_s: float
     retention: int
-    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ...) -> None: ...
+    ready_without_acks: bool
+    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version")
