@@ -216,7 +216,7 @@ class Agent:
             self.metrics.failures_total.labels(plan.channel.value).inc()
         self.events.append(("assign", version, f"failed: {e}"))
         live = plan.channel is not Channel.VOLUME
-        report = models.AckReport(version, layout_digest, ok=False, error=str(e)[:2000], channel_failed=live, torn=torn)
+        report = models.AckReport(version, layout_digest, ok=False, error=str(e), channel_failed=live, torn=torn)
         self.client.ack(report)
         # a failed live channel is retried from the volume by the coordinator (that loads a whole version);
         # a torn replica whose volume load failed reloads the newest durable READY version now

@@ -22,13 +22,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tests import simulation
+from weightsync.channels.base import Offer
 from weightsync.coordinator import faults, server
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Capabilities, TableSummary
 from weightsync.coordinator.tls import ServerTls, TlsConfig
 from weightsync.errors import PermanentError
-from weightsync.vocabulary import Channel
+from weightsync.vocabulary import Channel, VersionState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 TOKEN = "s3cret-token"
@@ -211,3 +212,31 @@ def test_the_server_is_secure_by_default() -> None:
         server.CoordinatorServer(server.ServerConfig(port=0))
     with pytest.raises(PermanentError, match="bearer token is required"):
         server.CoordinatorServer(server.ServerConfig(port=0, tls=ServerTls("a", "b")))
+
+
+def test_every_field_from_a_client_is_bounded() -> None:
+    """Within the message limit, no field may grow what the coordinator keeps and repeats to every member."""
+    s = server.CoordinatorServer(server.ServerConfig(port=0, insecure=True)).start()
+    try:
+        with CoordinatorClient(s.target, insecure=True, timeout_s=5.0) as c:
+            # a 3.9 MB member id used to make every later GetJob answer too large for anyone
+            with pytest.raises(faults.InvalidArgument, match=r"member_id is 3900000 characters, over the limit of 253"):
+                c.register_replica("bounded", "r" * 3_900_000, CAPS)
+            with pytest.raises(faults.InvalidArgument, match=r"member_id 'r0\\nv2 READY' is not a valid id"):
+                c.register_replica("bounded", "r0\nv2 READY", CAPS)
+            many_gpus = Capabilities(host="n", channels=(Channel.NCCL,), gpu_uuids=tuple(f"GPU-{i}" for i in range(17)))
+            with pytest.raises(faults.InvalidArgument, match=r"capabilities.gpu_uuids has 17 entries, over the limit"):
+                c.register_replica("bounded", "r0", many_gpus)
+            with pytest.raises(faults.InvalidArgument, match=r"offers\[0\].metadata is 1048577 bytes"):
+                c.register_trainer(
+                    "bounded", "t", CAPS, offers=[Offer(Channel.NIXL, agent="a", metadata=b"m" * ((1 << 20) + 1))]
+                )
+            c.register_trainer("bounded", "t", CAPS)
+            table = TableSummary(1, 10, simulation.LAYOUT)
+            v = c.open_version(1, table).version
+            # a long failure text is cut on the client's side, not refused: the failure still reaches the record
+            info = c.report_sent(v, "", {"gone": "x" * 100_000})
+            assert info.state is VersionState.FAILED, info
+            assert c.get_job("bounded").members[0].member_id == "t"
+    finally:
+        s.stop(0.5)

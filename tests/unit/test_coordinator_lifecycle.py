@@ -148,7 +148,7 @@ def test_a_version_planned_for_no_replica_is_never_ready_without_acks_unless_the
 
 def test_a_version_whose_replicas_all_dropped_unacked_fails_under_any_policy() -> None:
     clock = ManualClock()
-    core, t, (r0,) = fleet(1, JobPolicy(ready_without_acks=True), ttl=30.0, clock=clock)
+    core, t, _ = fleet(1, JobPolicy(ready_without_acks=True), ttl=30.0, clock=clock)
     v1 = core.open_version(t, "job", "t1", 1, TABLE).version
     sent(core, t, v1)
     clock.advance(15.0)
@@ -757,3 +757,19 @@ def test_without_a_volume_nothing_is_pruned() -> None:
         core.ack(r0, ok(v))
         core.mark_durable("job", v, f"/ckpt/v{v:08d}/manifest.json", manifest_checksum(b"%d" % v))
     assert {i.version for i in core.list_versions("job") if i.durable} == {1, 2, 3}
+
+
+def test_a_job_holds_a_bounded_number_of_members_and_a_coordinator_a_bounded_number_of_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightsync.coordinator import leases, state
+
+    monkeypatch.setattr(leases, "MAX_MEMBERS_PER_JOB", 3)
+    monkeypatch.setattr(state, "MAX_JOBS", 2)
+    core, _, _ = fleet(2)  # the trainer and two replicas
+    with pytest.raises(faults.ResourceExhausted, match="job 'job' has 3 registered members, the most one job may"):
+        core.register("job", Role.REPLICA, "r9", "i9", CPU)
+    core.register("job", Role.REPLICA, "r0", "i0-restarted", CPU)  # a member registering again takes no new place
+    core.register("other", Role.REPLICA, "r0", "i0", CPU)
+    with pytest.raises(faults.ResourceExhausted, match="this coordinator holds 2 jobs"):
+        core.register("third", Role.REPLICA, "r0", "i0", CPU)

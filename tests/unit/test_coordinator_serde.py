@@ -193,3 +193,20 @@ def test_the_three_digests_share_one_format() -> None:
     assert is_digest(digest) and digest == content_digest({"a": "1", "b": "2"})  # name order, not insertion
     assert digest != content_digest({"a": "1", "b": "3"})
     assert is_digest(manifest_checksum(b"{}")) and manifest_checksum(b"{}") != manifest_checksum(b"{ }")
+
+
+def test_a_version_list_is_cut_where_it_would_pass_the_message_limit() -> None:
+    status = tuple(models.ReplicaStatus(f"r{i}", Channel.CPU, ReplicaState.FAILED, "e" * 2000, "") for i in range(100))
+    infos = [models.VersionInfo("job", v, v, "i", VersionState.FAILED, replicas=status) for v in range(10, 0, -1)]
+    one = serde.version_info_to(infos[0]).ByteSize()
+    response = serde.list_response(infos, max_bytes=3 * one + 100)
+    assert response.truncated and [v.version for v in response.versions] == [10, 9, 8]
+    assert response.ByteSize() <= 3 * one + 100
+    assert not serde.list_response(infos, max_bytes=100 * one).truncated
+
+
+def test_client_error_text_is_cut_to_the_servers_bound() -> None:
+    request = serde.ack_to("lease", models.AckReport(1, DIGEST_PREFIX + "1" * 64, ok=False, error="x" * 10_000))
+    assert len(request.error) == serde.MAX_ERROR_CHARS and request.error.endswith("...[truncated]")
+    sent = serde.report_sent_to("lease", 1, "", {"r0": "y" * 10_000})
+    assert len(sent.failed[0].error) == serde.MAX_ERROR_CHARS

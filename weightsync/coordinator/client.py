@@ -339,7 +339,11 @@ class CoordinatorClient:
         return serde.job_info(self._call("GetJob", lambda: serde.get_job_request(job or self.job)).job)
 
     def list_versions(self, job: str | None = None, limit: int = 0) -> list[VersionInfo]:
+        """Newest first (``limit`` 0: all the coordinator keeps), cut short (logged) where the answer would pass
+        the coordinator's message limit: a large fleet's per-replica details fill it in fewer versions."""
         response = self._call("ListVersions", lambda: serde.list_request(job or self.job, limit))
+        if response.truncated:
+            log.warning("ListVersions: the coordinator left out versions older than v%d", response.versions[-1].version)
         return [serde.version_info(v) for v in response.versions]
 
     def close(self) -> None:

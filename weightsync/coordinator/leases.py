@@ -33,10 +33,12 @@ from weightsync.channels.base import Offer
 from weightsync.coordinator import faults, lifecycle, streams, verdicts
 from weightsync.coordinator.jobs import Job, Member
 from weightsync.coordinator.models import Capabilities, JobPolicy, Lease, Role
-from weightsync.coordinator.state import CoreState
+from weightsync.coordinator.state import MAX_MEMBERS_PER_JOB, CoreState
 from weightsync.vocabulary import ReplicaState, VersionState
 
 JOB_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")
+MEMBER_ID = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.:]{0,251}[A-Za-z0-9])?$")
+"""Pod names, host names and the like: they reach logs, metrics and Kubernetes status."""
 
 
 def _require(value: str, name: str, fix: str) -> str:
@@ -52,6 +54,11 @@ def check_registration(job_name: str, member_id: str, incarnation: str) -> None:
             f"job {job_name!r} is not a valid name; use lowercase letters, digits, '-' and '.', at most 63 chars"
         )
     _require(member_id, "member_id", "give each replica a unique id (e.g. its pod name)")
+    if not MEMBER_ID.match(member_id):
+        raise faults.InvalidArgument(
+            f"member_id {member_id[:80]!r} is not a valid id; use letters, digits, '-', '_', '.' and ':' "
+            "(starting and ending with a letter or digit), at most 253 chars, e.g. the pod name"
+        )
     _require(incarnation, "incarnation", "send a fresh random id per process start")
 
 
@@ -70,6 +77,11 @@ def register(
     check_registration(job_name, member_id, incarnation)
     job = state.job(job_name, create=True)
     old = job.members.get(member_id)
+    if old is None and len(job.members) >= MAX_MEMBERS_PER_JOB:
+        raise faults.ResourceExhausted(
+            f"job {job_name!r} has {len(job.members)} registered members, the most one job may have; "
+            "a member whose process ended leaves when its lease expires"
+        )
     now = state.clock.monotonic()
     member = Member(
         job_name,

@@ -1,4 +1,4 @@
-"""Message size limits: a clear RESOURCE_EXHAUSTED before a large message costs anything more.
+"""Bounds on what a client may send: message size, every field, members per job, jobs per coordinator.
 
 gRPC's own ``max_receive_message_length`` is the hard cap (set a little above the
 policy limit by the server assembly, so memory stays bounded); this interceptor
@@ -6,6 +6,13 @@ enforces the policy limit with a message naming the method, the size and the
 option that raises it. Control-plane messages are small (a capability set, a
 plan per replica); only a plan for a very large fleet or many IPC handles
 approaches the default 4 MiB.
+
+Within that size every field is bounded too (``check_fields``), because what one
+member sends is kept and repeated to every other: a 4 MB member id, registered a
+few times, would make every ``GetJob`` answer too large for anyone. The walk
+covers every field of every request, so a field added to the proto is bounded by
+default; ``FIELD_LIMITS`` names the few that may be longer. The core bounds member
+and job counts (``state.MAX_MEMBERS_PER_JOB``, ``state.MAX_JOBS``).
 """
 
 from __future__ import annotations
@@ -15,7 +22,54 @@ from typing import Any
 
 import grpc  # type: ignore[import-untyped,unused-ignore]  # types-grpcio is not a dependency yet
 
+from weightsync.coordinator import faults, serde
+from weightsync.coordinator.state import MAX_MEMBERS_PER_JOB
+
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+MAX_TEXT = 253
+"""Characters in a string field: a DNS name's length (member ids are pod names, hosts are host names)."""
+MAX_ITEMS = 64
+"""Entries in a repeated field (GPUs of a replica, channels, offers)."""
+MAX_BYTES = 4096
+"""Bytes in a bytes field."""
+FIELD_LIMITS: dict[str, int] = {
+    "incarnation": 64,
+    "gpu_uuids": 16,  # a replica's GPUs: one node's
+    "devices": 16,  # the GPUs a sender's buffers live on
+    "error": serde.MAX_ERROR_CHARS,  # a failure's text, kept per replica in the version's record
+    "manifest_path": 1024,
+    "volume_mount": 1024,
+    "root": 1024,
+    "metadata": 1 << 20,  # NIXL's agent metadata
+    "failed": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost
+}
+"""Fields with their own bound, by field name. With these, the largest ``GetJob`` answer (every member at every
+bound) stays within the default message limit."""
+
+
+def check_fields(message: Any, path: str = "") -> None:
+    """Raise ``faults.InvalidArgument`` naming the first field of ``message`` (recursively) over its bound."""
+    for fd, value in message.ListFields():
+        where = f"{path}{fd.name}"
+        if fd.is_repeated:
+            limit = FIELD_LIMITS.get(fd.name, MAX_ITEMS)
+            if len(value) > limit:
+                raise faults.InvalidArgument(f"{where} has {len(value)} entries, over the limit of {limit}")
+            for i, item in enumerate(value):
+                _check_value(fd, item, f"{where}[{i}]")
+        else:
+            _check_value(fd, value, where)
+
+
+def _check_value(fd: Any, value: Any, where: str) -> None:
+    if fd.type == fd.TYPE_MESSAGE:
+        check_fields(value, where + ".")
+        return
+    if fd.type in (fd.TYPE_STRING, fd.TYPE_BYTES):
+        limit = FIELD_LIMITS.get(fd.name, MAX_TEXT if fd.type == fd.TYPE_STRING else MAX_BYTES)
+        if len(value) > limit:
+            unit = "characters" if fd.type == fd.TYPE_STRING else "bytes"
+            raise faults.InvalidArgument(f"{where} is {len(value)} {unit}, over the limit of {limit}")
 
 
 class SizeLimitInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unused-ignore]
@@ -40,6 +94,10 @@ class SizeLimitInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,unused-
                     f"{method}: request is {size} bytes, over the limit of {limit}; "
                     "raise the coordinator's --max-message-bytes if this is expected",
                 )
+            try:
+                check_fields(request)
+            except faults.InvalidArgument as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: {e}")
 
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary

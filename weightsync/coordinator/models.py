@@ -80,8 +80,8 @@ class Capabilities:
     engine: EngineKind = EngineKind.CPU
 
     def __post_init__(self) -> None:
-        if self.devices < 1:
-            raise PermanentError(f"capabilities.devices must be >= 1, got {self.devices}")
+        if not 1 <= self.devices <= 64:
+            raise PermanentError(f"capabilities.devices must be 1..64 (a replica's workers), got {self.devices}")
 
 
 @dataclass(frozen=True)

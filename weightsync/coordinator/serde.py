@@ -294,13 +294,21 @@ def ack(m: pb.AckRequest) -> models.AckReport:
     )
 
 
+MAX_ERROR_CHARS = 2048
+"""Error text a client sends (a failed ack, a lost receiver); longer text is cut here, on the client's side."""
+
+
+def _error_text(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 15] + " ...[truncated]"
+
+
 def ack_to(lease_id: str, r: models.AckReport) -> pb.AckRequest:
     return pb.AckRequest(
         lease_id=lease_id,
         version=r.version,
         layout_digest=r.layout_digest,
         ok=r.ok,
-        error=r.error,
+        error=_error_text(r.error),
         channel_failed=r.channel_failed,
         content_digest=r.content_digest,
         torn=r.torn,
@@ -323,7 +331,7 @@ def report_sent_to(lease_id: str, version: int, content_digest: str, failed: Map
         lease_id=lease_id,
         version=version,
         content_digest=content_digest,
-        failed=[pb.FailedReceiver(replica_id=r, error=e) for r, e in sorted(failed.items())],
+        failed=[pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(failed.items())],
     )
 
 
@@ -535,5 +543,13 @@ def list_request(job: str, limit: int) -> pb.ListVersionsRequest:
     return pb.ListVersionsRequest(job=job, limit=limit)
 
 
-def list_response(infos: Iterable[models.VersionInfo]) -> pb.ListVersionsResponse:
-    return pb.ListVersionsResponse(versions=[version_info_to(i) for i in infos])
+def list_response(infos: Iterable[models.VersionInfo], max_bytes: int) -> pb.ListVersionsResponse:
+    """Versions in the order given (newest first) while the answer stays within ``max_bytes``."""
+    response = pb.ListVersionsResponse()
+    for info in infos:
+        item = version_info_to(info)
+        if response.ByteSize() + item.ByteSize() + 8 > max_bytes:
+            response.truncated = True
+            break
+        response.versions.append(item)
+    return response

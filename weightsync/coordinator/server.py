@@ -113,7 +113,9 @@ class CoordinatorServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        self._server.add_generic_rpc_handlers((_service.handler(Servicer(self.core).implementations()),))
+        self._server.add_generic_rpc_handlers(
+            (_service.handler(Servicer(self.core, config.max_message_bytes).implementations()),)
+        )
         address = f"{config.host}:{config.port}"
         if config.insecure:
             self.port = self._server.add_insecure_port(address)

@@ -86,8 +86,10 @@ def _nonempty(value: str, field: str, fix: str) -> str:
 
 
 class Servicer:
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: Coordinator, max_message_bytes: int) -> None:
         self.core = core
+        self.max_message_bytes = max_message_bytes
+        """What one answer may hold: a list that would exceed it is cut (``ListVersionsResponse.truncated``)."""
 
     def implementations(self) -> dict[str, Callable[[Any, grpc.ServicerContext], Any]]:
         return {
@@ -216,4 +218,4 @@ class Servicer:
 
     @_guard
     def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsResponse:
-        return serde.list_response(self.core.list_versions(request.job, request.limit))
+        return serde.list_response(self.core.list_versions(request.job, request.limit), self.max_message_bytes)

@@ -8,7 +8,8 @@ here assumes the caller holds ``cond``.
 
 Lookups raise the ``faults`` a client can act on (an unknown job names the known
 ones; an unknown lease says to register again; a wrong role names the lease's
-role). A job seen for the first time is recovered from the store: its versions,
+role). What clients can make it hold is bounded (``MAX_JOBS``, ``MAX_MEMBERS_PER_JOB``).
+A job seen for the first time is recovered from the store: its versions,
 their idempotency keys and the next version number, so numbers never repeat
 across a restart.
 
@@ -36,6 +37,9 @@ from weightsync.coordinator.store import VersionStore
 from weightsync.vocabulary import VersionState
 
 log = logging.getLogger(__name__)
+MAX_MEMBERS_PER_JOB = 512
+"""Registered members (trainer and replicas) of one job: ``GetJob`` lists them all in one message."""
+MAX_JOBS = 256
 
 
 class CoreState:
@@ -71,6 +75,10 @@ class CoreState:
         if not create:
             known = ", ".join(sorted(self.jobs)) or "none yet"
             raise faults.NotFound(f"job {name!r} is unknown (known jobs: {known}); register a trainer or replica first")
+        if len(self.jobs) >= MAX_JOBS:
+            raise faults.ResourceExhausted(
+                f"this coordinator holds {len(self.jobs)} jobs, the most it may; run one coordinator per job"
+            )
         job = Job(name, self.default_policy)
         for info in self.store.load(name):
             if info.state is VersionState.STAGING:  # its plans and watchers died with the process that had them

@@ -531,7 +531,9 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "truncated")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
