@@ -50,4 +50,8 @@ unit: venv  ## only the unit tier (seconds)
 integration: venv models  ## only the integration tier (real vLLM, real processes)
 	$(PY) -m pytest tests -m integration
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration
+faults: venv models  ## the full fault suite on the multi-host fleet (CI runs a representative set); table in build/
+	@mkdir -p build
+	WEIGHTSYNC_FAULTS=all WEIGHTSYNC_FAULTS_TABLE=build/faults.md $(PY) -m pytest tests/integration/test_fleet_hosts_faults.py
+
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults

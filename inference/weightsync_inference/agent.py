@@ -1,11 +1,16 @@
 """The replica agent: follows the coordinator and drives one engine through each version.
 
 At start it asks the engine's workers what they are (CPU or GPU, GPU UUIDs, how many:
-the tensor-parallel size, NIXL) and what version the engine serves, registers the
-replica with the channels of the job it can receive, then follows its watch stream:
+the tensor-parallel size, NIXL) and what version the engine serves, takes the engine
+over as a previous agent may have left it (paused with whole weights: resumed; paused
+and torn: kept paused and recovered from the volume), registers the replica with the
+channels of the job it can receive, then follows its watch stream:
 
 - ``CATCH_UP v``: load the newest durable READY version from the checkpoint volume
-  (late joiners and restarted replicas, without waiting for the next step);
+  (late joiners and restarted replicas, without waiting for the next step). A
+  catch-up the engine refuses is acked as failed with the reason (the version's
+  status shows it) and retried with backoff; a retry first checks the version's
+  files here, so a serving engine is not paused again for a version still damaged;
 - ``ASSIGN v``: start the planned channel's receiver from the plan's typed rendezvous
   when its membership changed, report joined, load v (a volume plan arrives once v
   is durable, with the manifest checksum the replica must find), ack;
@@ -25,14 +30,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
-from weightsync.coordinator.client import CoordinatorClient
-from weightsync.errors import RetryableError, WeightsyncError
+from weightsync.coordinator.client import CoordinatorClient, until_registered
+from weightsync.errors import WeightsyncError
 from weightsync.metrics import AgentMetrics
 from weightsync.vocabulary import Channel, EngineState, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
@@ -55,6 +61,18 @@ class AgentConfig:
     update_timeout_s: float = 300.0
     verify: bool = True
     lag_check_s: float = 2.0
+    retry_s: float = 5.0
+    """First wait before retrying a catch-up the engine refused; doubles (jittered) up to ``retry_max_s``."""
+    retry_max_s: float = 300.0
+
+
+@dataclass
+class _Refused:
+    """A version a catch-up failed on, and when to try it again."""
+
+    error: str
+    delay: float
+    retry_at: float
 
 
 def receivable(config: AgentConfig, workers: Sequence[Identity]) -> tuple[tuple[Channel, ...], dict[Channel, str]]:
@@ -113,29 +131,34 @@ class Agent:
         metrics: AgentMetrics | None = None,
     ) -> None:
         self.replica = Replica(control, version=served_version(control))
+        if self.replica.adopt() is EngineState.TORN:  # a previous agent died mid-update: recovered once registered
+            log.warning(
+                "replica %s: the engine was left paused and torn; it stays paused until a whole version loads",
+                config.replica_id,
+            )
         self.control = control
         self.client = client
         self.config = config
         self.metrics = metrics
         self.capabilities = capabilities(config, control.identity())
         self._joined: dict[Channel, Rendezvous] = {}
+        self._refused: dict[int, _Refused] = {}
+        self._waiting_for_durable = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
 
     def run(self) -> None:
         """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``."""
-        delay = 0.5
-        while not self._stop.is_set():
-            try:
-                self.client.register_replica(
-                    self.config.job, self.config.replica_id, self.capabilities, current_version=self.replica.version
-                )
-                break
-            except RetryableError as e:
-                log.warning("replica %s: cannot register yet (%s); retrying in %.1fs", self.config.replica_id, e, delay)
-                self._stop.wait(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 15.0)
+        c = self.config
+
+        def register() -> models.Lease:
+            return self.client.register_replica(
+                c.job, c.replica_id, self.capabilities, current_version=self.replica.version
+            )
+
+        if until_registered(register, f"replica {c.replica_id}", self._stop) is None:
+            return
         threading.Thread(target=self.follow_durable, name="weightsync-follow-durable", daemon=True).start()
         for assignment in self.client.watch():
             if self._stop.is_set():
@@ -234,15 +257,56 @@ class Agent:
         self.client.ack(report)
 
     def _load_from_volume(self, version: int, why: str, layout_digest: str, plan: models.ChannelPlan) -> None:
+        """Load a durable version this replica was not planned for (catch-up, recovery), acking either way."""
+        refused = self._refused.get(version)
+        if refused is not None and time.monotonic() < refused.retry_at:
+            return
+        try:
+            ticket = self._ticket(version, plan, layout_digest)
+            if refused is not None:  # the engine refused it before: it is not paused again for the same fault
+                self._check_files(ticket, plan)
+        except (WeightsyncError, OSError) as e:
+            self._refuse(version, why, layout_digest, f"its files are refused: {e}", engine=False)
+            return
         try:
             self._join(plan)
-            outcome = self.replica.apply(self._ticket(version, plan, layout_digest))
+            outcome = self.replica.apply(ticket)
         except (UpdateFailed, WeightsyncError) as e:
-            self.events.append((why, version, f"failed: {e}"))
-            raise
+            self._refuse(version, why, layout_digest, str(e), engine=True)
+            return
+        self._refused = {v: r for v, r in self._refused.items() if v > version}
         log.info("replica %s: loaded v%d from the volume (%s)", self.config.replica_id, version, why)
         # an ack for a version this replica was not planned for tells the coordinator what it serves
         self._loaded(version, Channel.VOLUME, outcome, why)
+
+    def _check_files(self, ticket: UpdateTicket, plan: models.ChannelPlan) -> None:
+        """The version's manifest and every shard against their checksums, read here, without the engine."""
+        from weightsync.channels.volume import VolumeReceiver, verify_version
+
+        receiver = VolumeReceiver(plan.rendezvous.root)
+        verify_version(receiver.version_directory(ticket), receiver.manifest(ticket))
+
+    def _refuse(self, version: int, why: str, layout_digest: str, error: str, engine: bool) -> None:
+        """Back off from ``version`` and tell the coordinator why (once per distinct reason).
+
+        ``engine``: the engine itself refused it (else the files were refused before the engine was touched)."""
+        before = self._refused.get(version)
+        delay = min(before.delay * 2, self.config.retry_max_s) if before else self.config.retry_s
+        self._refused[version] = _Refused(error, delay, time.monotonic() + delay * random.uniform(0.8, 1.2))
+        self.events.append((why, version, f"failed: {error}" if engine else f"not loaded: {error}"))
+        log.warning(
+            "replica %s: %s to v%d failed (retrying in about %.0fs): %s",
+            self.config.replica_id,
+            why,
+            version,
+            delay,
+            error,
+        )
+        if before is not None and before.error == error:
+            return  # the coordinator has this reason already
+        torn = self.replica.state is EngineState.TORN
+        report = models.AckReport(version, layout_digest, ok=False, error=f"{why} from the volume: {error}", torn=torn)
+        self.client.ack(report)
 
     def _volume_plan(self, version: int) -> tuple[models.ChannelPlan, str] | None:
         if self.config.volume is None:
@@ -261,17 +325,24 @@ class Agent:
         newest = self.client.get_job().newest_durable_ready
         found = self._volume_plan(newest) if newest > 0 else None
         if found is None:
-            log.error(
+            (log.debug if self._waiting_for_durable else log.error)(
                 "replica %s is torn and no durable READY version exists yet; staying paused", self.config.replica_id
             )
+            self._waiting_for_durable = True
             return
+        self._waiting_for_durable = False
         self._load_from_volume(newest, "recover", found[1], found[0])
 
     def follow_durable(self) -> None:
-        """Catch up when the fleet moved on while this replica was in no plan (it joined between versions)."""
+        """Catch up when the fleet moved on while this replica was in no plan (it joined between versions), and
+        retry the recovery of a torn replica; both with the backoff of a refused version."""
         while not self._stop.wait(self.config.lag_check_s):
             try:
                 with self._lock:
+                    torn = self.replica.state is EngineState.TORN
+                    if torn:
+                        self.recover()
+                        continue
                     newest = self.client.get_job().newest_durable_ready
                     if newest > self.replica.version and self.replica.state is EngineState.SERVING:
                         found = self._volume_plan(newest)

@@ -34,6 +34,8 @@ class EngineControl(Protocol):
 
     def resume(self) -> None: ...
 
+    def is_paused(self) -> bool: ...
+
     def init_transfer(self, init_info: dict[str, Any]) -> None: ...
 
     def start(self) -> None: ...
@@ -103,6 +105,22 @@ class Replica:
         self.state = EngineState.SERVING
         self.version = version
 
+    def adopt(self) -> EngineState:
+        """Take the engine over as it is found (an agent restarted beside a running engine).
+
+        Serving: nothing to do. Paused with whole weights (the previous agent died between pause and the
+        first byte): resume it, or no agent ever would. Paused and torn by the engine's receipt: stay
+        paused; only a whole version (``recover``) makes it serve again.
+        """
+        if not self.control.is_paused():
+            self.state = EngineState.SERVING
+        elif self._torn():
+            self.state = EngineState.TORN
+        else:
+            self.control.resume()
+            self.state = EngineState.SERVING
+        return self.state
+
     def init_transfer(
         self, init_info: dict[str, Any], rendezvous: Callable[[], None] | None = None, timeout_s: float = 120
     ) -> None:
@@ -130,7 +148,7 @@ class Replica:
                     f"not a successful load of {ticket.version}"
                 )
         except Exception as e:
-            if self._torn_by(e):
+            if self._torn():
                 self.state = EngineState.TORN
                 raise UpdateFailed(
                     f"version {ticket.version} failed after bytes reached the parameters: {e}; "
@@ -150,8 +168,8 @@ class Replica:
         seconds = {**receipt.seconds, SyncPhase.TOTAL: time.perf_counter() - t_total}
         return UpdateOutcome(ticket.version, receipt, seconds)
 
-    def _torn_by(self, error: BaseException) -> bool:
-        """Whether the failed update left bytes in the parameters, by the engine's own receipt.
+    def _torn(self) -> bool:
+        """Whether a failed (or unfinished) update left bytes in the parameters, by the engine's own receipt.
 
         When the engine cannot say (it died, or does not answer), the replica counts as torn:
         serving a possibly mixed version is the one thing it must not do.

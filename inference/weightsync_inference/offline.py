@@ -46,6 +46,9 @@ class OfflineEngine:
     def resume(self) -> None:
         """Nothing to resume (see pause)."""
 
+    def is_paused(self) -> bool:
+        return False
+
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 

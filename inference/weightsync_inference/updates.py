@@ -74,7 +74,7 @@ class Updater:
         self.receivers: dict[Channel, Receiver] = {}
         self.receiver: Receiver | None = None
         self.torn = False
-        self.receipt = Receipt()
+        self._receipt = Receipt()
         self._ticket: UpdateTicket | None = None
         self._loaded: set[str] = set()
         self._loading = False
@@ -102,6 +102,21 @@ class Updater:
                 f"{ticket.channel.value!r} rendezvous first (initialised: {have})"
             )
         return receiver
+
+    @property
+    def receipt(self) -> Receipt:
+        """The last update's receipt; torn while an update that reached the parameters has not finished
+        (in progress, or left so by a caller that died): what an agent restarted beside the engine reads."""
+        if self.torn and not self._receipt.torn:
+            ticket = self._ticket
+            return Receipt(
+                version=ticket.version if ticket else 0,
+                channel=ticket.channel if ticket else None,
+                ok=False,
+                torn=True,
+                error="an update reached the parameters and has not finished",
+            )
+        return self._receipt
 
     def start(self) -> None:
         # Loading through the model's loader starts only when the first verified group is
@@ -187,7 +202,7 @@ class Updater:
             raise
         self.torn = False
         if ticket is not None and receiver is not None:
-            self.receipt = self._success(ticket, receiver, finish_seconds)
+            self._receipt = self._success(ticket, receiver, finish_seconds)
 
     def _success(self, ticket: UpdateTicket, receiver: Receiver, finish_seconds: float) -> Receipt:
         in_place = receiver.in_place
@@ -213,7 +228,7 @@ class Updater:
         if self._loading:
             self._loading = False
             self.model.abandon_load()
-        self.receipt = Receipt(
+        self._receipt = Receipt(
             version=ticket.version if ticket else 0,
             channel=ticket.channel if ticket else None,
             ok=False,

@@ -101,17 +101,7 @@ def main() -> int:
         if command.get("durable", True):
             publisher.wait_durable()
         sent = {s.name: digests.digest(t) for s, t in zip(source.table(), source.tensors, strict=True)}
-        out = {
-            "version": report.version,
-            "state": report.state.value,
-            "channels": report.channels,
-            "failed": report.failed,
-            "seconds": report.seconds,
-            "wall": wall,
-            "content_digest": report.content_digest,
-            "digests": sent,
-            "durable_errors": publisher.durable_errors,
-        }
+        out = {**report.to_json(), "wall": wall, "digests": sent, "durable_errors": publisher.durable_errors}
         print(json.dumps(out), flush=True)
     publisher.close()
     return 0

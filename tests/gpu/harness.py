@@ -128,6 +128,9 @@ class HarnessEngine:
     def resume(self) -> None:
         self.paused = False
 
+    def is_paused(self) -> bool:
+        return self.paused
+
     def init_transfer(self, init_info: dict[str, Any]) -> None:
         self.updater.init(Rendezvous.from_dict(init_info))
 

@@ -103,3 +103,31 @@ def test_sender_fails_within_its_timeout_when_the_only_replica_dies(tmp_path: Pa
     finally:
         proc.kill()
     sender.close()
+
+
+def test_ready_gives_up_on_a_replica_that_never_joined_and_streams_to_the_one_that_did(tmp_path: Path) -> None:
+    """A planned replica that never joins (partitioned, or slow to start) costs the others nothing: ``ready``
+    leaves it out at once instead of letting the stream wait for its group."""
+    groups = _groups()
+    ticket = _ticket(groups)
+    assert ticket.table is not None
+    sender = CpuSender(timeout_s=30)
+    plan = {rid: direct_rendezvous(sender.offer(), group=f"group-{rid}").with_timeout(30) for rid in ("joins", "away")}
+    sender.take_plan(plan)
+    proc = _receiver(plan["joins"], ticket.table.layout_digest(), tmp_path / "joins.json")
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "joins.joined").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the receiver never joined"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        sender.ready(1.0)
+        assert time.monotonic() - t0 < 3
+        report = sender.send(ticket, iter(groups))
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert set(sender.groups) == {"joins"} and set(report.failed) == {"away"}, report.failed
+    assert "did not form" in report.failed["away"]
+    assert json.loads((tmp_path / "joins.json").read_text()) == report.digests
+    sender.close()

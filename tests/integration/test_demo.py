@@ -1,7 +1,9 @@
 """The embedded demo end to end: real coordinator, two real vLLM replicas with agents and proxies, a GRPO trainer.
 
 With syncing the reward rises (weights reach the replicas); without it, it stays flat. The
-sync run also kills one replica midway and checks that it came back and caught up.
+sync run also kills the coordinator (SIGKILL) after step 3's publish and one replica midway,
+and checks that the fleet restarted the coordinator, trainer and agents rode through it, and
+the replica came back and caught up.
 """
 
 from __future__ import annotations
@@ -27,10 +29,16 @@ def _demo(tmp_path: Path, *flags: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(1300)
-def test_reward_rises_with_sync_and_a_killed_replica_catches_up(tmp_path: Path) -> None:
-    result = _demo(tmp_path)
+def test_reward_rises_with_sync_through_a_coordinator_crash_and_a_killed_replica_catches_up(tmp_path: Path) -> None:
+    result = _demo(tmp_path, "--kill-coordinator-at", "3")
     assert result["reward_gain"] >= 0.2, result["rewards"]
-    assert all(s["state"] == "READY" for s in result["steps"]), [s["state"] for s in result["steps"]]
+    assert result["coordinator_starts"] == 2
+    states = [s["state"] for s in result["steps"]]
+    # the publish right after the restart may find the agents not registered again yet (planned for no replica:
+    # FAILED); every other one is READY, and version numbers never went back
+    assert states[:4] == ["READY"] * 4 and states[4:].count("READY") >= len(states) - 5, states
+    versions = [s["version"] for s in result["steps"] if s["version"]]
+    assert versions == sorted(set(versions)), versions
     assert "timed_out" not in result["catch_up"], result["catch_up"]
     newest = result["catch_up"]["newest_durable_ready"]
     assert newest == result["steps"][-1]["version"]

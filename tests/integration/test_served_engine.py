@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +26,15 @@ import torch
 
 from tests import support
 from weightsync.channels import manifests
-from weightsync.channels.base import Rendezvous, UpdateTicket
+from weightsync.channels.base import Offer, Rendezvous, UpdateTicket
 from weightsync.channels.volume import VolumeSender
+from weightsync.coordinator import server
+from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.models import Capabilities, JobPolicy, summarize
 from weightsync.tensors import manifest_checksum
-from weightsync.vocabulary import Channel, EngineState
+from weightsync.vocabulary import Channel, EngineState, ReplicaState, VersionState
 from weightsync_inference import worker
+from weightsync_inference.agent import Agent, AgentConfig
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica, UpdateFailed
 from weightsync_trainer.publisher import send
@@ -271,6 +276,8 @@ def test_trainer_killed_mid_stream_leaves_the_server_paused_until_a_whole_versio
             served.replica.apply(ticket)
         assert (served.replica.state, served.engine.is_paused()) == (EngineState.TORN, True)
         assert served.engine.receipt().torn
+        # an agent restarted now finds the engine torn by its receipt, and keeps it paused
+        assert Replica(served.engine).adopt() is EngineState.TORN and served.engine.is_paused()
         assert proc.wait(timeout=60) == 17
     finally:
         proc.kill()
@@ -282,3 +289,77 @@ def test_trainer_killed_mid_stream_leaves_the_server_paused_until_a_whole_versio
     assert served.engine.weight_version() == str(served.version)
     support.assert_generates_like(served.engine, trainer)
     served.serving = trainer
+
+
+def test_a_refused_catch_up_is_acked_backs_off_and_leaves_the_serving_engine_alone(served: Served) -> None:
+    """A restarted replica's agent catches up to a durable READY version whose shard is damaged on the volume.
+
+    The engine refuses it untouched (and keeps serving); the agent acks the failure with the reason, which the
+    version's status shows, and retries with backoff, checking the files itself first, so the serving engine is
+    not paused again while they stay damaged. Once the shard is repaired the next retry loads the version.
+    """
+    coordinator = server.CoordinatorServer(server.ServerConfig(port=0, insecure=True)).start()
+    trainer = CoordinatorClient(coordinator.target, insecure=True)
+    agent: Agent | None = None
+    try:
+        caps = Capabilities(host="trainer-host", channels=(Channel.VOLUME,), volume_id="vol")
+        policy = JobPolicy(ready_without_acks=True)  # the versions below have no replica to ack them
+        trainer.register_trainer("catch-up", "trainer", caps, policy=policy, offers=[Offer(Channel.VOLUME)])
+        summary = summarize(ModuleSource(support.hf_trainer(served.folder, seed=21)).table())
+        version = 0
+        while version <= served.version:  # numbers at the coordinator up to the volume's next version
+            version = trainer.open_version(version + 1, summary).version
+            assert trainer.report_sent(version, "", {}).state is VersionState.READY
+        served.version = version - 1
+        ticket, model = served.publish(seed=21)
+        path = manifests.manifest_path(served.root, version)
+        assert trainer.mark_durable(version, str(path), ticket.manifest_checksum).durable
+        shard = max(path.parent.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+        good = shard.read_bytes()
+        shard.write_bytes(good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1 :])
+        serving = served.engine.weight_version()
+
+        config = AgentConfig(
+            "catch-up", "replica-0", (Channel.VOLUME,), "replica-host", volume=served.root, volume_id="vol",
+            lag_check_s=0.2, retry_s=0.5, retry_max_s=4.0,
+        )  # fmt: skip
+        served.engine.pause()  # as an agent that died between pause and the first byte leaves it
+        agent = Agent(HttpEngine(served.url), CoordinatorClient(coordinator.target, insecure=True), config)
+        assert not served.engine.is_paused(), "the new agent did not resume an engine paused with whole weights"
+        threading.Thread(target=agent.run, name="agent", daemon=True).start()
+
+        def replica_status() -> tuple[ReplicaState | None, str]:
+            info = trainer.version_info(version)
+            return next(((r.state, r.error) for r in info.replicas if r.replica_id == "replica-0"), (None, ""))
+
+        deadline = time.monotonic() + 60
+        while replica_status()[0] is not ReplicaState.FAILED:
+            assert time.monotonic() < deadline, "the refused catch-up never reached the coordinator"
+            time.sleep(0.2)
+        error = replica_status()[1]
+        assert "catch-up from the volume" in error and "does not match the manifest's" in error, error
+        assert trainer.version_info(version).state is VersionState.READY  # a catch-up never changes the verdict
+        time.sleep(4.0)
+        outcomes = [outcome for kind, v, outcome in list(agent.events) if (kind, v) == ("catch-up", version)]
+        # the engine was asked once; every retry since stopped at the agent's own check of the files
+        assert [o.split(":")[0] for o in outcomes][:1] == ["failed"] and len(outcomes) >= 3, outcomes
+        assert all(o.startswith("not loaded: its files are refused") for o in outcomes[1:]), outcomes
+        assert len(outcomes) <= 6, f"no backoff: {len(outcomes)} tries in about 5 s"
+        assert served.engine.weight_version() == serving and not served.engine.is_paused()
+
+        shard.write_bytes(good)  # repaired: the next retry passes the check and loads the version
+        deadline = time.monotonic() + 60
+        while served.engine.weight_version() != str(version):
+            assert time.monotonic() < deadline, f"not loaded after the repair: {agent.events[-3:]}"
+            time.sleep(0.2)
+        while replica_status() != (ReplicaState.LOADED, ""):
+            assert time.monotonic() < deadline, replica_status()
+            time.sleep(0.2)
+        assert not served.engine.is_paused()
+        support.assert_generates_like(served.engine, model)
+        served.version, served.serving = version, model
+    finally:
+        if agent is not None:
+            agent.stop()
+        trainer.close()
+        coordinator.stop(0.5)

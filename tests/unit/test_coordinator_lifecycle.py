@@ -27,6 +27,7 @@ from weightsync.coordinator.models import (
     JobPolicy,
     Progress,
     Role,
+    SentReport,
     TableSummary,
     VersionInfo,
     WaitFor,
@@ -98,7 +99,7 @@ def latest(core: Coordinator) -> VersionInfo:
 def sent(core: Coordinator, trainer: str, version: int, digest: str = "") -> VersionInfo:
     """The publisher's report of what it sent, as it makes it right after streaming (before waiting for the
     verdict): no version becomes READY before it. ``digest`` is what the replicas ack ("" when they ack none)."""
-    return core.report_sent(trainer, version, digest, {})
+    return core.report_sent(trainer, version, SentReport(digest, {}))
 
 
 def next_event(events: queue.SimpleQueue[Assignment | None]) -> Assignment:
@@ -345,7 +346,7 @@ def test_errors_name_the_field_and_fix() -> None:
     with pytest.raises(faults.InvalidArgument, match=r"manifest_checksum .* is not sha256"):
         core.mark_durable("job", 1, "/ckpt/v00000001/manifest.json", "a" * 64)  # the bare hex of old
     with pytest.raises(faults.PermissionDenied, match="needs a trainer lease"):
-        core.report_sent(r0, 1, SENT, {})
+        core.report_sent(r0, 1, SentReport(SENT, {}))
 
 
 def test_late_joiner_catches_up_from_newest_durable_ready() -> None:
@@ -363,6 +364,27 @@ def test_late_joiner_catches_up_from_newest_durable_ready() -> None:
     assert event.kind is EventKind.CATCH_UP and event.version == v1 and event.table == TABLE
     assert event.plan is not None and event.plan.channel is Channel.VOLUME
     assert event.plan.rendezvous.root == "/ckpt" and event.plan.manifest_checksum == checksum
+
+
+def test_a_catch_up_is_shown_with_the_version_and_never_changes_its_verdict() -> None:
+    core, t, (r0,) = fleet(1)
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1, SENT)
+    core.ack(r0, ok(v1, content_digest=SENT))
+    late = core.register("job", Role.REPLICA, "late", "il", CPU).lease_id
+    refused = "catch-up from the volume: sha256 ... does not match the manifest's; the version is refused"
+    assert core.ack(late, failed(v1, refused)) is VersionState.READY
+    info = latest(core)
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "late": ReplicaState.FAILED}
+    assert {r.replica_id: r.error for r in info.replicas}["late"] == refused
+    assert info.reason == "all 1 live replicas acked"
+    # bytes other than the trainer's are a failure, even outside a plan
+    core.ack(late, ok(v1, content_digest=CORRUPT))
+    assert "is not the" in {r.replica_id: r.error for r in latest(core).replicas}["late"]
+    core.ack(late, ok(v1, content_digest=SENT))
+    info = latest(core)
+    assert statuses(info)["late"] is ReplicaState.LOADED and not {r.replica_id: r.error for r in info.replicas}["late"]
+    assert {m.member_id: m.current_version for m in core.get_job("job").members}["late"] == v1
 
 
 def test_wait_receivers_joined_and_settled() -> None:
@@ -466,6 +488,23 @@ def test_mark_durable_without_a_volume_records_the_publishers_claim() -> None:
     assert info.manifest_checksum == checksum
 
 
+def test_a_failed_volume_copy_fails_the_replicas_waiting_for_it_at_once(tmp_path: Path) -> None:
+    core, t, (r0,) = fleet(1, volume=tmp_path)
+    vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
+    core.subscribe(vol)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    assert sent(core, t, v, SENT).durable_needed
+    core.ack(r0, ok(v, content_digest=SENT))
+    assert latest(core).state is VersionState.STAGING  # "vol" waits for the copy
+    info = core.report_sent(t, v, SentReport(SENT, {}, volume_error="[Errno 28] No space left on device"))
+    assert info.state is VersionState.FAILED and statuses(info)["vol"] is ReplicaState.FAILED
+    assert (
+        "could not write the volume copy: [Errno 28] No space left"
+        in {r.replica_id: r.error for r in info.replicas}["vol"]
+    )
+    assert "vol" in info.reason and not info.durable_needed
+
+
 def test_a_volume_planned_replica_is_assigned_only_once_the_version_is_durable(tmp_path: Path) -> None:
     core, t, (r0,) = fleet(1, volume=tmp_path)
     vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
@@ -525,7 +564,8 @@ def test_a_version_for_volume_replicas_only_needs_no_live_receiver(tmp_path: Pat
 
 
 def test_a_failed_live_channel_falls_back_to_the_volume_for_the_same_version(tmp_path: Path) -> None:
-    core, t, (r0,) = fleet(1, volume=tmp_path)
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, volume=tmp_path, ttl=1000.0, clock=clock)
     events = core.subscribe(r0)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     assert next_event(events).plan.channel is Channel.CPU  # type: ignore[union-attr]
@@ -551,10 +591,29 @@ def test_a_failed_live_channel_falls_back_to_the_volume_for_the_same_version(tmp
     assert event.plan.rendezvous.root == "/ckpt" and "cpu failed" in event.plan.reason
     assert core.ack(r0, ok(v)) is VersionState.READY
 
-    # the failed channel is skipped for this replica from now on
+    # the failed channel is skipped for this replica for 30 s, then tried again
     opened = core.open_version(t, "job", "t1", 2, TABLE)
     assert [p.channel for p in opened.plans] == [Channel.VOLUME]
     assert events.empty()
+    clock.advance(29.5)
+    v3 = core.open_version(t, "job", "t1", 3, TABLE)
+    assert [p.channel for p in v3.plans] == [Channel.VOLUME]
+    clock.advance(0.5)
+    v4 = core.open_version(t, "job", "t1", 4, TABLE).version
+    assert [p.channel for p in latest(core).replicas] == [Channel.CPU]
+    # failing again keeps it off twice as long; a load over it clears that
+    core.ack(r0, failed(v4, "gloo: connection reset", channel_failed=True))
+    clock.advance(59.5)
+    assert [p.channel for p in core.open_version(t, "job", "t1", 5, TABLE).plans] == [Channel.VOLUME]
+    clock.advance(0.5)
+    v6 = core.open_version(t, "job", "t1", 6, TABLE).version
+    assert [p.channel for p in latest(core).replicas] == [Channel.CPU]
+    sent(core, t, v6)
+    assert core.ack(r0, ok(v6)) is VersionState.READY
+    v7 = core.open_version(t, "job", "t1", 7, TABLE).version
+    core.ack(r0, failed(v7, "gloo: connection reset", channel_failed=True))
+    clock.advance(30.0)  # the count started over: 30 s again, not 120
+    assert [p.channel for p in core.open_version(t, "job", "t1", 8, TABLE).plans] == [Channel.CPU]
 
 
 def test_a_fallback_on_a_durable_version_is_assigned_at_once(tmp_path: Path) -> None:
@@ -648,7 +707,7 @@ def test_report_sent_with_a_different_content_digest_fails_an_acked_replica() ->
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     assert core.ack(r0, ok(v, content_digest=CORRUPT)) is VersionState.STAGING
     assert statuses(latest(core))["r0"] is ReplicaState.LOADED
-    info = core.report_sent(t, v, SENT, {})
+    info = core.report_sent(t, v, SentReport(SENT, {}))
     assert info.content_digest == SENT
     r0_status = next(r for r in info.replicas if r.replica_id == "r0")
     assert r0_status.state is ReplicaState.FAILED and r0_status.content_digest == CORRUPT
@@ -661,7 +720,7 @@ def test_acks_are_checked_against_what_the_trainer_sent() -> None:
     core, t, (r0, r1, _r2) = fleet(3)
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     assert core.ack(r0, ok(v, content_digest=SENT)) is VersionState.STAGING
-    info = core.report_sent(t, v, SENT, {"r2": "connection reset by peer"})
+    info = core.report_sent(t, v, SentReport(SENT, {"r2": "connection reset by peer"}))
     assert info.state is VersionState.STAGING and statuses(info)["r0"] is ReplicaState.LOADED
     r2_status = next(r for r in info.replicas if r.replica_id == "r2")
     assert r2_status.state is ReplicaState.PLANNED  # its own ack decides; the trainer's word is recorded
@@ -687,9 +746,9 @@ def test_report_sent_needs_the_trainer_incarnation_that_opened_it() -> None:
     v = core.open_version(t, "job", "t1", 1, TABLE).version
     t2 = core.register("job", Role.TRAINER, "trainer", "t2", CPU, offers=OFFERS).lease_id
     with pytest.raises(faults.PermissionDenied, match="opened by another trainer incarnation"):
-        core.report_sent(t2, v, SENT, {})
+        core.report_sent(t2, v, SentReport(SENT, {}))
     with pytest.raises(faults.NotFound, match="has no version 7"):
-        core.report_sent(t2, 7, SENT, {})
+        core.report_sent(t2, 7, SentReport(SENT, {}))
 
 
 # ---- retention ----------------------------------------------------------------------------------------------------
@@ -734,6 +793,21 @@ def test_retention_prunes_durable_versions_but_never_the_newest_durable_ready(tm
     late = core.register("job", Role.REPLICA, "late", "il", CPU).lease_id
     catch_up = next_event(core.subscribe(late))
     assert catch_up.kind is EventKind.CATCH_UP and catch_up.version == v3
+    # while "late" loads v3, a newer durable READY version does not take v3 off the volume
+    core.ack(r0, ok(v4))
+    v5 = core.open_version(t, "job", "t1", 5, TABLE).version
+    sent(core, t, v5)
+    core.ack(r0, ok(v5))
+    durable(v5)  # v5 still STAGING ("late" is planned on it too), v4 the newest durable READY
+    assert on_disk() == durable_versions() == {v3, v4, v5}
+    core.ack(late, ok(v3))  # caught up: v3 may go with the next retirement
+    core.ack(late, ok(v5))
+    v6 = core.open_version(t, "job", "t1", 6, TABLE).version
+    sent(core, t, v6)
+    core.ack(r0, ok(v6))
+    core.ack(late, ok(v6))
+    durable(v6)
+    assert on_disk() == durable_versions() == {v6}
 
 
 def test_retention_keeps_the_newest_n(tmp_path: Path) -> None:
@@ -773,3 +847,29 @@ def test_a_job_holds_a_bounded_number_of_members_and_a_coordinator_a_bounded_num
     core.register("other", Role.REPLICA, "r0", "i0", CPU)
     with pytest.raises(faults.ResourceExhausted, match="this coordinator holds 2 jobs"):
         core.register("third", Role.REPLICA, "r0", "i0", CPU)
+
+
+def test_a_restarted_coordinator_opens_no_version_of_a_recovered_job_for_one_lease_ttl() -> None:
+    """Every live replica registers again within a TTL of the restart; a version opened sooner would miss them."""
+    store, clock = MemoryStore(), ManualClock()
+    core = Coordinator(lease_ttl_s=30.0, store=store, clock=clock)
+    t = core.register("job", Role.TRAINER, "trainer", "t1", CPU, offers=OFFERS).lease_id
+    r0 = core.register("job", Role.REPLICA, "r0", "i0", CPU).lease_id
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
+    core.ack(r0, ok(v1))
+
+    restarted = Coordinator(lease_ttl_s=30.0, store=store, clock=clock)  # same store: the job is recovered
+    t = restarted.register("job", Role.TRAINER, "trainer", "t1", CPU, offers=OFFERS).lease_id
+    with pytest.raises(faults.Unavailable, match=r"gives replicas one lease TTL to register again.*retry in 30.0s"):
+        restarted.open_version(t, "job", "t1", 2, TABLE)
+    clock.advance(10.0)
+    restarted.register("job", Role.REPLICA, "r0", "i0", CPU)
+    clock.advance(20.0)
+    opened = restarted.open_version(t, "job", "t1", 2, TABLE)
+    assert opened.version == v1 + 1 and [p.replica_id for p in opened.plans] == ["r0"]
+    # a job new to this coordinator has nobody to wait for
+    fresh = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=clock)
+    t = fresh.register("new", Role.TRAINER, "trainer", "t1", CPU, offers=OFFERS).lease_id
+    fresh.register("new", Role.REPLICA, "r0", "i0", CPU)
+    assert fresh.open_version(t, "new", "t1", 1, TABLE).version == 1

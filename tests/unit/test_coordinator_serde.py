@@ -122,10 +122,12 @@ def test_ack_round_trip_and_validation() -> None:
 
 
 def test_report_sent_round_trip_and_validation() -> None:
-    wire = serde.report_sent_to("lease", 4, CONTENT, {"r1": "reset", "r0": "timeout"})
+    sent = models.SentReport(CONTENT, {"r1": "reset", "r0": "timeout"}, "No space left on device")
+    wire = serde.report_sent_to("lease", 4, sent)
     assert (wire.lease_id, wire.version) == ("lease", 4)
-    assert serde.report_sent(wire) == (CONTENT, {"r0": "timeout", "r1": "reset"})
-    assert serde.report_sent(serde.report_sent_to("lease", 4, "", {})) == ("", {})  # verification off
+    assert serde.report_sent(wire) == sent
+    off = models.SentReport("")  # verification off
+    assert serde.report_sent(serde.report_sent_to("lease", 4, off)) == off
     with pytest.raises(faults.InvalidArgument, match=r"failed\[0\] needs a replica_id and an error"):
         serde.report_sent(pb.ReportSentRequest(version=1, failed=[pb.FailedReceiver(replica_id="r0")]))
     with pytest.raises(faults.InvalidArgument, match="content_digest 'nope' is not sha256"):
@@ -208,5 +210,5 @@ def test_a_version_list_is_cut_where_it_would_pass_the_message_limit() -> None:
 def test_client_error_text_is_cut_to_the_servers_bound() -> None:
     request = serde.ack_to("lease", models.AckReport(1, DIGEST_PREFIX + "1" * 64, ok=False, error="x" * 10_000))
     assert len(request.error) == serde.MAX_ERROR_CHARS and request.error.endswith("...[truncated]")
-    sent = serde.report_sent_to("lease", 1, "", {"r0": "y" * 10_000})
-    assert len(sent.failed[0].error) == serde.MAX_ERROR_CHARS
+    sent = serde.report_sent_to("lease", 1, models.SentReport("", {"r0": "y" * 10_000}, "z" * 10_000))
+    assert len(sent.failed[0].error) == len(sent.volume_error) == serde.MAX_ERROR_CHARS

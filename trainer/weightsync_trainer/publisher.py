@@ -28,6 +28,12 @@ gather):
    joiners and recovering replicas find it;
 5. waits until one-sided channels' receivers consumed the version (``release``).
 
+A coordinator outage does not stop training: the client retries until its deadline
+and registers again after a restart; when the coordinator stays unreachable,
+``publish`` returns a report instead of raising: FAILED with version 0 (the step was
+not published; the next publish sends a whole version anyway), or STAGING with the
+reason when it became unreachable after the bytes went out (the outcome is unknown).
+
 The publisher registers with what it discovers: the node it runs on, its GPU's UUID,
 the job's NCCL domain, whether NIXL is importable, the checkpoint volume. It offers
 every channel of the job it can send; the coordinator negotiates only those. The
@@ -37,6 +43,7 @@ durable READY one), never by the writer.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -47,6 +54,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,9 +63,9 @@ from weightsync.channels import manifests
 from weightsync.channels.base import Sender, SenderConfig, SendReport, UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
-from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.client import CoordinatorClient, until_registered
 from weightsync.coordinator.tls import TlsConfig
-from weightsync.errors import PermanentError, WeightsyncError
+from weightsync.errors import PermanentError, RetryableError, WeightsyncError
 from weightsync.metrics import PublisherMetrics
 from weightsync.tensors import TensorTable, content_digest, manifest_checksum
 from weightsync.vocabulary import Channel, VersionState
@@ -65,6 +73,9 @@ from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
 log = logging.getLogger(__name__)
 QUEUE_GROUPS = 2
+READY_AFTER_TIMEOUT_S = 1.0
+"""How long a sender's groups may still take to form once the wait for joins ran out: its receivers had the
+whole transfer timeout to join, and a joined receiver's group forms with its join."""
 """Groups a slower sender may lag behind the gather before the gather waits for it."""
 
 
@@ -83,6 +94,10 @@ class PublishReport:
     """Replica id -> why a channel lost it."""
     content_digest: str = ""
     reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain JSON types (for logs and tools)."""
+        return {**dataclasses.asdict(self), "state": self.state.value}
 
 
 def take_part(source: WeightSource) -> None:
@@ -239,7 +254,11 @@ class Publisher:
             engine=models.EngineKind.GPU if dev.type == "cuda" else models.EngineKind.CPU,
         )
         policy = models.JobPolicy.of(config) if config else None
-        client.register_trainer(job, trainer_id, caps, policy=policy, offers=self._offers())
+        offers = self._offers()
+        until_registered(
+            lambda: client.register_trainer(job, trainer_id, caps, policy=policy, offers=offers),
+            f"trainer {trainer_id}",
+        )
 
     def _all_senders(self) -> dict[Channel, Sender]:
         return {**self.senders, **({Channel.VOLUME: self.volume} if self.volume else {})}
@@ -296,34 +315,67 @@ class Publisher:
         assert self.client is not None
         t0 = time.perf_counter()
         try:
-            opened = self.client.open_version(step, self.summary, offers=self._offers())
-        except WeightsyncError:
+            # as long as a transfer may take: a restarted coordinator holds opens for a lease TTL
+            opened = self.client.open_version(step, self.summary, offers=self._offers(), timeout_s=self.timeout_s)
+        except WeightsyncError as e:
             take_part(self.source)  # the other ranks are in the gather: take part, then fail
-            raise
+            if not isinstance(e, RetryableError):
+                raise
+            # the coordinator is down or unreachable past the client's deadline: training goes on, and the
+            # next publish (a whole version) makes up for this one
+            log.warning("step %d not published: the coordinator is unreachable (%s)", step, e)
+            reason = f"not published: the coordinator is unreachable ({e})"
+            return self._report(0, step, VersionState.FAILED, {"total": time.perf_counter() - t0}, reason=reason)
         version = opened.version
         seconds = {"open": time.perf_counter() - t0}
         live = {ch: s for ch, s in self.senders.items() if opened.receivers(ch)}
         for ch, sender in self.senders.items():
             sender.take_plan(opened.receivers(ch))
+        lost: dict[str, str] = {}
         if live:
+            joined = True
             try:
                 self.client.wait_receivers_joined(version, self.timeout_s)
             except WeightsyncError as e:
                 log.warning("v%d: %s; sending to those that joined", version, e)
+                joined = False
+            for ch, sender in list(live.items()):
+                try:  # formed once its receivers joined; one that is not does not get to stall the others
+                    sender.ready(self.timeout_s if joined else READY_AFTER_TIMEOUT_S)
+                except WeightsyncError as e:
+                    log.warning("v%d: the %s sender is not ready: %s", version, ch.value, e)
+                    lost.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
+                    del live[ch]
         t1 = time.perf_counter()
         digests, failed, snapshot = self._stream(version, step, live, opened)
+        failed.update(lost)
         seconds["stream"] = time.perf_counter() - t1
         digest = content_digest(digests) if digests else ""
-        info = self.client.report_sent(version, digest, failed)
-        if not info.durable_needed and info.state is VersionState.STAGING:
-            info = self.client.wait_version(version, self.version_timeout_s, durable_needed=True)
-        if info.durable_needed:
-            t2 = time.perf_counter()
-            self._write_durable(version, step, snapshot)
-            seconds["durable"] = time.perf_counter() - t2
-            info = self.client.wait_version(version, self.version_timeout_s)
-        else:
+        try:
+            info = self.client.report_sent(version, digest, failed)
+            if not info.durable_needed and info.state is VersionState.STAGING:
+                info = self.client.wait_version(version, self.version_timeout_s, durable_needed=True)
+            if info.durable_needed:
+                t2 = time.perf_counter()
+                volume_error = self._write_durable(version, step, snapshot)
+                seconds["durable"] = time.perf_counter() - t2
+                if volume_error:  # the replicas waiting for it fail now, not at the version's timeout
+                    self.client.report_sent(version, digest, failed, volume_error=volume_error)
+                info = self.client.wait_version(version, self.version_timeout_s)
+            else:
+                self._write_durable_later(version, step, snapshot)
+            state, reason = info.state, info.reason
+            channels_ = {r.replica_id: r.channel.value for r in info.replicas if r.channel is not None}
+        except RetryableError as e:
+            # the bytes went out peer to peer; only the verdict is missing. A restarted coordinator fails the
+            # version (its plans died with it); one that was only unreachable may still settle it.
+            log.warning("v%d: the coordinator became unreachable mid-publish (%s); its outcome is unknown", version, e)
             self._write_durable_later(version, step, snapshot)
+            state, reason, channels_ = (
+                VersionState.STAGING,
+                f"outcome unknown: the coordinator is unreachable ({e})",
+                {},
+            )
         for ch, sender in live.items():
             try:
                 sender.release(version, self.timeout_s)
@@ -331,20 +383,33 @@ class Publisher:
                 failed.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
         seconds["total"] = time.perf_counter() - t0
         if self.metrics:
-            first = next(iter(live), Channel.VOLUME)
-            self.metrics.observe_publish(seconds["total"], first)
-            self.metrics.versions_published_total.labels(info.state.value).inc()
+            self.metrics.observe_publish(seconds["total"], next(iter(live), Channel.VOLUME))
+        return self._report(version, step, state, seconds, channels_, failed, digest, reason)
+
+    def _report(
+        self,
+        version: int,
+        step: int,
+        state: VersionState,
+        seconds: dict[str, float],
+        channels_: dict[str, str] | None = None,
+        failed: dict[str, str] | None = None,
+        digest: str = "",
+        reason: str = "",
+    ) -> PublishReport:
+        if self.metrics:
+            self.metrics.versions_published_total.labels(state.value).inc()
         return PublishReport(
             version,
             step,
-            info.state,
+            state,
             self.table.total_bytes,
             len(self.table),
-            {r.replica_id: r.channel.value for r in info.replicas if r.channel is not None},
+            channels_ or {},
             seconds,
-            failed,
+            failed or {},
             digest,
-            info.reason,
+            reason,
         )
 
     def _stream(
@@ -400,12 +465,13 @@ class Publisher:
 
     # ---- the durable copy -----------------------------------------------------------------------------------------
 
-    def _write_durable(self, version: int, step: int, snapshot: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Write ``snapshot`` as ``version`` on the volume and mark it durable at the coordinator."""
+    def _write_durable(self, version: int, step: int, snapshot: Sequence[Sequence[torch.Tensor]]) -> str:
+        """Write ``snapshot`` as ``version`` on the volume and mark it durable at the coordinator; why not, if not."""
         assert self.client is not None
         if self.volume is None:
-            self.durable_errors.append(f"version {version}: a replica waits for the volume, which is not configured")
-            return
+            error = "a replica waits for the volume, which is not configured"
+            self.durable_errors.append(f"version {version}: {error}")
+            return error
         try:
             groups: Iterable[Sequence[torch.Tensor]] = snapshot if snapshot else self.source.groups()
             ticket = UpdateTicket(version, Channel.VOLUME, self.table, step=step, verify=self.verify)
@@ -415,6 +481,8 @@ class Publisher:
         except (WeightsyncError, OSError) as e:
             log.error("v%d: the volume copy failed: %s", version, e)
             self.durable_errors.append(f"version {version}: {e}")
+            return str(e)
+        return ""
 
     def _write_durable_later(self, version: int, step: int, snapshot: list[list[torch.Tensor]]) -> None:
         if self.volume is None or not snapshot:

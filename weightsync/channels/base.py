@@ -356,6 +356,11 @@ class Sender(ABC):
         default keeps nothing: channels without groups need no plan.
         """
 
+    def ready(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
+        """Wait up to ``timeout_s`` for the groups ``take_plan`` started to form; give up on those that did not
+        (their receivers are reported failed by ``send``), and raise if none did. The publisher calls it before
+        the first byte, so a channel whose receivers never joined cannot stall the others' stream."""
+
     @abstractmethod
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         """Send every group of ``ticket.table`` (``groups`` yields the tensors of each group, in order)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
@@ -176,15 +177,25 @@ class CpuSender(Sender):
         except TransferTimeoutError as e:
             self.failed[rid] = str(e)
 
-    def _await_groups(self) -> None:
+    def _await_groups(self, timeout_s: float | None = None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for rid, (thread, group) in list(self._forming.items()):
-            thread.join(group.timeout.total_seconds() + 5)
+            thread.join(
+                group.timeout.total_seconds() + 5 if deadline is None else max(0.0, deadline - time.monotonic())
+            )
             del self._forming[rid]
-            if group.pg is not None:
+            if group.pg is not None and not thread.is_alive():
                 self.groups[rid] = group
-            else:
+            else:  # its receiver did not join in time
                 self.failed.setdefault(rid, f"cpu channel: group {group.rdv.group!r} did not form")
                 self._members.pop(rid, None)
+                if thread.is_alive():
+                    wire.end_when_done(thread, group.close)
+
+    def ready(self, timeout_s: float) -> None:
+        self._await_groups(timeout_s)
+        if not self.groups:
+            raise TransferTimeoutError(f"cpu channel: no receiver joined ({'; '.join(self.failed.values())})")
 
     def _all(self, what: str, post: Any) -> dict[str, Any]:
         """Post ``post(group)`` on every live group; a group that fails is dropped, not fatal."""

@@ -219,10 +219,24 @@ class NcclSender(Sender):
         except (TransferTimeoutError, RuntimeError) as e:
             self._form_error = str(e)
 
-    def _await(self) -> None:
-        if self._forming is not None:
-            self._forming.join(self.timeout_s + 5)
-            self._forming = None
+    def _await(self, timeout_s: float | None = None) -> None:
+        forming = self._forming
+        if forming is None:
+            return
+        waited = self.timeout_s + 5 if timeout_s is None else timeout_s
+        forming.join(waited)
+        self._forming = None
+        if forming.is_alive():  # a member never joined: this group cannot form; end it once its wait ends
+            group, self._group = self._group, None
+            self._form_error = f"not every receiver joined within {waited:g}s"
+            if group is not None:
+                wire.end_when_done(forming, group.abort)
+
+    def ready(self, timeout_s: float) -> None:
+        self._await(timeout_s)
+        if self._group is None or not self._group.connected:
+            why = self._form_error or "no receiver is planned on it"
+            raise TransferTimeoutError(f"nccl channel: the group is not formed: {why}")
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         if ticket.table is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from weightsync.channels import digests
@@ -126,7 +126,10 @@ class VolumeSender(Sender):
             path = tmp / name
             # save_file serialises straight to the file (the in-memory `save` costs a second
             # copy); the hash reads it back from the page cache while the next shard is written
-            save_file(pending, str(path))
+            try:
+                save_file(pending, str(path))
+            except SafetensorError as e:  # an I/O failure (a full volume) surfaces as safetensors' own error
+                raise OSError(f"{path}: {e}") from e
             shards[name] = (path.stat().st_size, "")
             futures.append((name, hashing.submit(_fsync_and_hash, path)))
             pending, pending_bytes = {}, 0
@@ -238,7 +241,7 @@ class VolumeReceiver(Receiver):
         self.root = Path(root) if root else None
         self.begin()
 
-    def _directory(self, ticket: UpdateTicket) -> Path:
+    def version_directory(self, ticket: UpdateTicket) -> Path:
         root = ticket.params.get("root") or self.root
         if root is None:
             raise PermanentError("volume channel: no volume root in the ticket's params or the receiver")
@@ -250,11 +253,11 @@ class VolumeReceiver(Receiver):
 
     def manifest(self, ticket: UpdateTicket) -> Manifest:
         """The version's manifest, checked against the ticket's manifest checksum."""
-        return read(self._directory(ticket), ticket.version, ticket.manifest_checksum)
+        return read(self.version_directory(ticket), ticket.version, ticket.manifest_checksum)
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
         self.begin()
-        directory = self._directory(ticket)
+        directory = self.version_directory(ticket)
         manifest = self.manifest(ticket)
         self.table = ticket.resolve_table(manifest.table, f"{directory}")
         verify_version(directory, manifest)

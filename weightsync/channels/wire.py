@@ -264,3 +264,14 @@ def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
             )
         got[spec.name] = digest
     return got
+
+
+def end_when_done(forming: threading.Thread, end: Callable[[], None]) -> None:
+    """Call ``end`` (abort a group) once a formation thread the sender gave up on returns: a member that joins
+    late must not leave a formed group behind, and the thread cannot be interrupted while it waits."""
+
+    def reap() -> None:
+        forming.join()
+        end()
+
+    threading.Thread(target=reap, name=f"{forming.name}-reaper", daemon=True).start()

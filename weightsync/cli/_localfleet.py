@@ -6,6 +6,11 @@ port in development mode (its weight-transfer routes reachable only here), the
 OpenAI routes to clients. Every process reads the job's settings from one ``job.json``
 (``$WEIGHTSYNC_CONFIG``), as the pods of an RLJob do. Logs go to files under the work
 directory.
+
+The coordinator is supervised, as Kubernetes would restart its pod: when it exits
+without being asked to, it is started again on the same port with the same volume
+(its journal), after a backoff that grows while it keeps dying. Its clients ride
+through: they retry, register again and carry on from the versions it recovers.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +115,9 @@ class LocalFleet:
     channels: tuple[Channel, ...] = (Channel.CPU, Channel.VOLUME)
     replicas: dict[str, Replica] = field(default_factory=dict)
     coordinator: Proc | None = None
+    coordinator_starts: int = 0
+    """How often the coordinator was started (1 + its restarts)."""
+    _stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def volume(self) -> Path:
@@ -135,9 +144,40 @@ class LocalFleet:
         return f"127.0.0.1:{self.coordinator_port}"
 
     def start_coordinator(self) -> None:
+        """Start the coordinator and the thread that restarts it whenever it dies."""
         self.volume.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps(self.config.to_json(), indent=1))
+        self._spawn_coordinator()
+        threading.Thread(target=self._supervise_coordinator, name="coordinator-supervisor", daemon=True).start()
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator (a crash): the supervisor starts it again."""
+        if self.coordinator is not None:
+            os.killpg(self.coordinator.popen.pid, signal.SIGKILL)
+
+    def _supervise_coordinator(self) -> None:
+        delay, started = 0.5, time.monotonic()
+        while not self._stopping.wait(0.2):
+            proc = self.coordinator
+            if proc is None or proc.popen.poll() is None:
+                continue
+            # one that ran for a minute restarts at once; one that keeps dying later and later (up to 30 s)
+            delay = 0.5 if time.monotonic() - started > 60 else delay
+            print(
+                f"coordinator exited with {proc.popen.returncode}; restarting it in {delay:.1f}s "
+                f"(see {self.logs / 'coordinator.log'})",
+                file=sys.stderr,
+                flush=True,
+            )
+            proc.log.close()
+            if self._stopping.wait(delay):
+                return
+            self._spawn_coordinator()
+            started, delay = time.monotonic(), min(delay * 2, 30.0)
+
+    def _spawn_coordinator(self) -> None:
+        self.coordinator_starts += 1
         self.coordinator = spawn(
             "coordinator",
             weightsync_cmd(
@@ -253,6 +293,7 @@ class LocalFleet:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        self._stopping.set()
         for r in self.replicas.values():
             r.stop()
         if self.coordinator is not None:

@@ -257,4 +257,7 @@ def _status(args: argparse.Namespace) -> int:
             f"  v{v.version:<6} step {v.step:<6} {v.state.value:10} durable={'yes' if v.durable else 'no ':3} "
             f"loaded {loaded}/{len(v.replicas)}  {v.reason}"
         )
+        for r in v.replicas:
+            if r.state is ReplicaState.FAILED:
+                print(f"      {r.replica_id}: {r.error[:300]}")
     return 0

@@ -6,6 +6,8 @@ from the replicas, scores them with a verifiable reward (the share of tokens fro
 target set), takes a GRPO step, and publishes the new weights through the coordinator:
 the CPU stream to live replicas, the checkpoint volume for durability. Midway one
 replica is killed and restarted; it catches up from the volume and follows again.
+With --kill-coordinator-at the coordinator is killed too; the fleet restarts it (as
+Kubernetes restarts its pod) and the trainer and agents ride through.
 
 With --no-sync the replicas keep the initial weights, and the reward stays flat.
 """
@@ -35,6 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="step at which replica-1 is killed and restarted (default: steps/2; -1: never)",
+    )
+    p.add_argument(
+        "--kill-coordinator-at",
+        type=int,
+        default=-1,
+        help="step after whose publish the coordinator is SIGKILLed; the fleet restarts it, and trainer and "
+        "agents ride through (default -1: never)",
     )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (default 8)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt, GRPO's group (default 8)")
@@ -113,7 +122,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         targets = grpo.targets(model.config.vocab_size)
-        client = CoordinatorClient(fleet.coordinator_address, insecure=True)
+        client = CoordinatorClient(fleet.coordinator_address, insecure=True, timeout_s=60.0)  # rides out restarts
         fleet.wait_registered(client, timeout_s=120)
         if not args.no_sync:
             publisher = Publisher(
@@ -167,6 +176,9 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                 else ""
             )
             log(f"step {step + 1:3}/{args.steps} reward {reward:.3f} | serving {served}{sync}")
+            if step == args.kill_coordinator_at:
+                log(f"step {step}: killing the coordinator (SIGKILL); the fleet restarts it")
+                fleet.kill_coordinator()
         catch_up = _wait_caught_up(fleet, client, publisher, log) if publisher else {}
         by_phase = _latency_by_phase(f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics")
     finally:
@@ -188,6 +200,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         "sync_latency_seconds": _latency(sync_times),
         "sync_latency_by_phase": by_phase,
         "catch_up": catch_up,
+        "coordinator_starts": fleet.coordinator_starts,
         "metrics": {
             "coordinator": f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics",
             **{r.replica_id: f"http://127.0.0.1:{r.metrics_port}/metrics" for r in fleet.replicas.values()},

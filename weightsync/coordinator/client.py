@@ -59,6 +59,7 @@ from weightsync.coordinator.models import (
     OpenedVersion,
     Progress,
     Role,
+    SentReport,
     TableSummary,
     VersionInfo,
     WaitFor,
@@ -95,6 +96,9 @@ class Registration:
     current_version: int = 0
 
 
+RECONNECT_MIN_MS, RECONNECT_MAX_MS = 250, 2000
+
+
 class CoordinatorClient:
     def __init__(
         self,
@@ -114,6 +118,11 @@ class CoordinatorClient:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC's own reconnect backoff grows to 120 s: after a long coordinator outage a client would
+            # otherwise find the restarted coordinator only minutes later
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
         ]
         if insecure:
             self._channel = grpc.insecure_channel(target, options=options)
@@ -264,11 +273,13 @@ class CoordinatorClient:
         """The version as it stands (``job``: another job than this member's, for status tools)."""
         return self._wait(version, WaitFor.SETTLED, timeout_s, job)[0]
 
-    def report_sent(self, version: int, content_digest: str, failed: Mapping[str, str]) -> VersionInfo:
-        """Tell the coordinator what was sent (replicas' acks are checked against it) and which receivers were lost."""
-        response = self._call(
-            "ReportSent", lambda: serde.report_sent_to(self.lease.lease_id, version, content_digest, failed)
-        )
+    def report_sent(
+        self, version: int, content_digest: str, failed: Mapping[str, str], *, volume_error: str = ""
+    ) -> VersionInfo:
+        """Tell the coordinator what was sent (replicas' acks are checked against it), which receivers were lost,
+        and, when the volume copy failed, why (the replicas waiting for it fail). May be called again."""
+        sent = SentReport(content_digest, dict(failed), volume_error)
+        response = self._call("ReportSent", lambda: serde.report_sent_to(self.lease.lease_id, version, sent))
         return serde.version_info(response.info)
 
     def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:
@@ -370,3 +381,18 @@ def cpu_replica(host: str = "127.0.0.1", volume_id: str = "", volume_mount: str 
     return Capabilities(
         host=host, channels=channels, engine=EngineKind.CPU, volume_id=volume_id, volume_mount=volume_mount
     )
+
+
+def until_registered(register: Callable[[], Lease], who: str, stop: threading.Event | None = None) -> Lease | None:
+    """``register()`` once the coordinator answers: a coordinator not up yet (or restarting) is waited out with
+    jittered backoff (0.5 s doubling to 15 s, each wait logged); other errors raise. None if ``stop`` was set."""
+    stop = stop or threading.Event()
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            return register()
+        except RetryableError as e:
+            log.warning("%s: cannot register yet (%s); retrying in %.1fs", who, e, delay)
+            stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 15.0)
+    return None

@@ -50,6 +50,7 @@ from weightsync.coordinator.models import (
     OpenedVersion,
     Progress,
     Role,
+    SentReport,
     TableSummary,
     VersionInfo,
     WaitFor,
@@ -170,10 +171,10 @@ class Coordinator:
         with self._cond:
             return versions.ack(self._state, lease_id, report)
 
-    def report_sent(self, lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]) -> VersionInfo:
+    def report_sent(self, lease_id: str, version: int, sent: SentReport) -> VersionInfo:
         """The publisher sent ``version``: record what it sent, and fail replicas that loaded something else."""
         with self._cond:
-            return versions.report_sent(self._state, lease_id, version, content_digest, failed)
+            return versions.report_sent(self._state, lease_id, version, sent)
 
     def wait_version(self, job_name: str, version: int, until: WaitFor, timeout_s: float) -> tuple[VersionInfo, bool]:
         """Block until the version reached ``until`` (or settled) or ``timeout_s`` passed on the core's clock.

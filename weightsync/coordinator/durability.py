@@ -88,6 +88,7 @@ def _retire(state: CoreState, job: Job) -> list[int]:
         if job.versions[v].durable and job.versions[v].state in (VersionState.READY, VersionState.SUPERSEDED)
     ]
     keep = set(good[: job.policy.retention])  # the newest durable READY version is good[0]
+    keep |= {m.catching_up for m in job.members.values() if m.catching_up}  # replicas loading it now
     doomed = []
     for v, rec in job.versions.items():
         if rec.durable and v not in keep and rec.state is not VersionState.STAGING:

@@ -20,6 +20,20 @@ from weightsync.coordinator.lifecycle import VersionRecord
 from weightsync.coordinator.models import Assignment, Capabilities, JobPolicy, Role
 from weightsync.vocabulary import Channel, VersionState
 
+FAILED_CHANNEL_RETRY_S = 30.0
+"""How long a replica whose live channel failed is kept off it (planned on the volume) before it is tried
+again; the wait doubles with each failure in a row, up to ``FAILED_CHANNEL_MAX_S``, and a load over the
+channel clears it. A partition that heals costs a few versions over the volume, not the channel for good."""
+FAILED_CHANNEL_MAX_S = 1800.0
+
+
+@dataclass
+class ChannelBackoff:
+    until: float
+    """Monotonic time from which the channel is negotiated again."""
+    delay: float
+    """The last wait, doubled at the next failure."""
+
 
 @dataclass
 class Member:
@@ -32,12 +46,23 @@ class Member:
     expires_at: float
     current_version: int = 0
     offers: dict[Channel, Offer] = field(default_factory=dict)
-    failed_channels: set[Channel] = field(default_factory=set)
+    failed_channels: dict[Channel, ChannelBackoff] = field(default_factory=dict)
     last_failed: bool = False
+    catching_up: int = 0
+    """The version a CATCH_UP event sent this replica to load, until it acks that version (kept on the volume)."""
     streams: int = 0
     stream_seen: float = field(default_factory=time.monotonic)
     """When the member registered or its last watch stream ended (monotonic)."""
     events: queue.SimpleQueue[Assignment | None] = field(default_factory=queue.SimpleQueue)
+
+    def fail_channel(self, channel: Channel, now: float) -> None:
+        """``channel`` failed for this member: keep it off it for a while (longer each time in a row)."""
+        before = self.failed_channels.get(channel)
+        delay = min(before.delay * 2, FAILED_CHANNEL_MAX_S) if before else FAILED_CHANNEL_RETRY_S
+        self.failed_channels[channel] = ChannelBackoff(now + delay, delay)
+
+    def channels_off(self, now: float) -> frozenset[Channel]:
+        return frozenset(ch for ch, b in self.failed_channels.items() if now < b.until)
 
 
 @dataclass
@@ -50,6 +75,8 @@ class Job:
     last_step: dict[str, int] = field(default_factory=dict)
     groups: negotiation.GroupState = field(default_factory=negotiation.GroupState)
     members: dict[str, Member] = field(default_factory=dict)
+    recovered: bool = False
+    """The job had versions before this coordinator started (its replicas are registering again)."""
 
     def trainer(self) -> Member | None:
         return next((m for m in self.members.values() if m.role is Role.TRAINER), None)

@@ -110,6 +110,22 @@ class VersionRecord:
             settled_at=info.settled_at,
         )
 
+    def record_load(self, replica_id: str, ok: bool, error: str) -> bool:
+        """A replica loaded (or failed to load) this settled version outside any plan: a catch-up or a recovery.
+        Shown with the version's replicas, never counted toward its verdict. True when its status changed."""
+        status = ReplicaState.LOADED if ok else ReplicaState.FAILED
+        old = self.status.get(replica_id)
+        changed = old is not status or self.errors.get(replica_id, "") != error
+        if old is not None:
+            self.counts[old] -= 1
+        self.status[replica_id] = status
+        self.counts[status] = self.counts.get(status, 0) + 1
+        if error:
+            self.errors[replica_id] = error
+        else:
+            self.errors.pop(replica_id, None)
+        return changed
+
     def count(self, status: ReplicaState) -> int:
         return self.counts.get(status, 0)
 

@@ -223,6 +223,18 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
+class SentReport:
+    """The publisher's account of one version, once its bytes went out (``ReportSent``)."""
+
+    content_digest: str
+    """Over the per-tensor digests of what was sent (empty: verification off); every ack must match it."""
+    failed: Mapping[str, str] = field(default_factory=dict)
+    """Receivers a live channel lost (replica id -> error); they fall back to the volume themselves."""
+    volume_error: str = ""
+    """Why the volume copy failed: replicas waiting to load the version from there fail with it."""
+
+
+@dataclass(frozen=True)
 class AckReport:
     """A replica's verdict on one version: what its engine loaded and computed, never what it was handed."""
 

@@ -316,22 +316,24 @@ def ack_to(lease_id: str, r: models.AckReport) -> pb.AckRequest:
     )
 
 
-def report_sent(m: pb.ReportSentRequest) -> tuple[str, dict[str, str]]:
-    """The publisher's content digest and the receivers its channels lost (replica id -> error)."""
+def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
+    """The publisher's content digest, the receivers its channels lost (replica id -> error), and why the volume
+    copy failed, if it did."""
     failed = {}
     for i, f in enumerate(m.failed):
         if not f.replica_id or not f.error:
             raise faults.InvalidArgument(f"failed[{i}] needs a replica_id and an error")
         failed[f.replica_id] = f.error
-    return _digest(m.content_digest, "content_digest"), failed
+    return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error)
 
 
-def report_sent_to(lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]) -> pb.ReportSentRequest:
+def report_sent_to(lease_id: str, version: int, sent: models.SentReport) -> pb.ReportSentRequest:
     return pb.ReportSentRequest(
         lease_id=lease_id,
         version=version,
-        content_digest=content_digest,
-        failed=[pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(failed.items())],
+        content_digest=sent.content_digest,
+        failed=[pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(sent.failed.items())],
+        volume_error=_error_text(sent.volume_error),
     )
 
 

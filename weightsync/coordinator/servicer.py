@@ -203,9 +203,9 @@ class Servicer:
 
     @_guard
     def ReportSent(self, request: pb.ReportSentRequest, context: grpc.ServicerContext) -> pb.ReportSentResponse:
-        digest, failed = serde.report_sent(request)
+        sent = serde.report_sent(request)
         lease_id = _nonempty(request.lease_id, "lease_id", "register the trainer first")
-        return serde.report_sent_response(self.core.report_sent(lease_id, request.version, digest, failed))
+        return serde.report_sent_response(self.core.report_sent(lease_id, request.version, sent))
 
     @_guard
     def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:

@@ -67,6 +67,8 @@ class CoreState:
         """Every live lease (lease id -> member): the members of all jobs."""
         self.dirty = True
         """The gauges no longer match the state."""
+        self.started = clock.monotonic()
+        """When this coordinator started: a job recovered from the store opens no version for one lease TTL."""
 
     def job(self, name: str, create: bool = False) -> Job:
         job = self.jobs.get(name)
@@ -89,6 +91,7 @@ class CoreState:
             job.keys[(info.incarnation, info.step)] = info.version
             job.next_version = max(job.next_version, info.version + 1)
         if job.versions:
+            job.recovered = True
             ready = job.newest()
             log.info(
                 "job %s: recovered %d versions (newest READY: %s)",

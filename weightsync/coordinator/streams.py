@@ -71,6 +71,7 @@ def subscribe(state: CoreState, lease_id: str) -> Events:
         member.events.put(
             Assignment(EventKind.CATCH_UP, job.name, newest.version, newest.step, plan, newest.table, plan.reason)
         )
+        member.catching_up = newest.version  # retention keeps it until the replica answered
     for event in carried:
         member.events.put(event)
     for rec in job.versions.values():

@@ -19,6 +19,10 @@ Replica reports:
   re-planned on the volume for the same version when it and the trainer share
   one (``_fall_back``), and skips that channel from then on; the ASSIGN goes out
   at once if the version is already durable, else when it becomes durable.
+- an ack for a settled version outside any plan (a catch-up or a recovery from
+  the volume) is recorded among the version's replicas, LOADED or FAILED with
+  its reason, and saved (so its ``WeightVersion`` shows it); it never changes
+  the version's verdict.
 
 The publisher's ``report_sent`` records the content digest it sent, which the
 ack policy needs before any version is READY, and fails replicas that already
@@ -28,7 +32,7 @@ acked different bytes. Every report ends in ``verdicts.settle``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from weightsync import metrics as metrics_mod
 from weightsync.channels.base import Offer, Rendezvous
@@ -44,6 +48,7 @@ from weightsync.coordinator.models import (
     OpenedVersion,
     Progress,
     Role,
+    SentReport,
     TableSummary,
     VersionInfo,
     WaitFor,
@@ -54,6 +59,21 @@ from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 log = logging.getLogger(__name__)
 RETAIN_IN_MEMORY = 256
 """Versions a job keeps in memory (the store keeps its own): older settled ones are forgotten on open."""
+
+
+def _await_members(state: CoreState, job: Job) -> None:
+    """After a restart the coordinator knows no member until each registers again, which every live one does
+    within a lease TTL (it renews three times per TTL). A version opened sooner would be planned for the few
+    that were quick (or for none, and fail): a recovered job opens none until one TTL after the start. The
+    client retries UNAVAILABLE with backoff, so the trainer's open just takes that long."""
+    if not job.recovered:
+        return
+    left = state.started + state.lease_ttl_s - state.clock.monotonic()
+    if left > 0:
+        raise faults.Unavailable(
+            f"job {job.name}: the coordinator restarted and gives replicas one lease TTL to register again "
+            f"before it plans a version; retry in {left:.1f}s"
+        )
 
 
 def open_version(
@@ -75,6 +95,8 @@ def open_version(
             "register again after a restart"
         )
     key = (incarnation, step)
+    if key not in job.keys:
+        _await_members(state, job)
     if key in job.keys and job.keys[key] in job.versions:
         rec = job.versions[job.keys[key]]
         return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), reused=True)
@@ -87,7 +109,7 @@ def open_version(
     all_offers = {**trainer.offers, **{o.channel: o for o in offers}}
     now = state.clock.monotonic()
     candidates = [
-        negotiation.Candidate(m.member_id, m.incarnation, m.capabilities, frozenset(m.failed_channels))
+        negotiation.Candidate(m.member_id, m.incarnation, m.capabilities, m.channels_off(now))
         for m in job.members.values()
         if m.role is Role.REPLICA and streams.listening(state, m, now)
     ]
@@ -152,6 +174,8 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
     job = state.job(member.job)
     rec = state.record(job, report.version)
     rid = member.member_id
+    if member.catching_up == report.version:
+        member.catching_up = 0
     ok, error = report.ok, report.error
     if ok and report.layout_digest != rec.table.layout_digest:
         ok, error = (
@@ -178,6 +202,8 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
     if ok:
         member.current_version = max(member.current_version, rec.version)
         rec.content[rid] = report.content_digest
+        if planned is not None:
+            member.failed_channels.pop(planned.channel, None)  # the channel works again
     metrics = state.metrics
     if planned is not None and waiting:
         was_planned = rec.status[rid] is ReplicaState.PLANNED
@@ -192,8 +218,12 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
             if ok:
                 metrics.bytes_total.labels(planned.channel.value).inc(rec.table.total_bytes)
         verdicts.settle(state, job, rec)
-    elif metrics and ok and SyncPhase.TOTAL in report.phases:  # a catch-up from the volume
-        metrics.sync_seconds.labels(SyncPhase.TOTAL.value, Channel.VOLUME.value).observe(report.phases[SyncPhase.TOTAL])
+    elif rec.state is not VersionState.STAGING:  # a catch-up or recovery from the volume, outside any plan
+        if rec.record_load(rid, ok, error):
+            state.store.save(rec.info(with_replicas=False))  # the WeightVersion shows who failed to load it, and why
+        if metrics and ok and SyncPhase.TOTAL in report.phases:
+            total = report.phases[SyncPhase.TOTAL]
+            metrics.sync_seconds.labels(SyncPhase.TOTAL.value, Channel.VOLUME.value).observe(total)
     state.dirty = True
     return rec.state
 
@@ -219,12 +249,13 @@ def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
 def _fall_back(
     state: CoreState, job: Job, rec: VersionRecord, member: Member, planned: ChannelPlan, error: str
 ) -> bool:
-    """A live channel failed for this replica: plan it on the volume for this version (and skip the channel
-    from now on). False when it cannot take the volume (no shared volume, or it was the volume)."""
+    """A live channel failed for this replica: plan it on the volume for this version (and keep it off the
+    channel for a while, ``Member.fail_channel``). False when it cannot take the volume (no shared volume, or
+    it was the volume)."""
     trainer = job.trainer()
     if planned.channel is Channel.VOLUME:
         return False
-    member.failed_channels.add(planned.channel)
+    member.fail_channel(planned.channel, state.clock.monotonic())
     reason = negotiation.why_not(
         Channel.VOLUME,
         trainer.capabilities if trainer else Capabilities(),
@@ -249,18 +280,20 @@ def _fall_back(
     return True
 
 
-def report_sent(
-    state: CoreState, lease_id: str, version: int, content_digest: str, failed: Mapping[str, str]
-) -> VersionInfo:
+def report_sent(state: CoreState, lease_id: str, version: int, sent: SentReport) -> VersionInfo:
     trainer = state.member(lease_id, Role.TRAINER)
     job = state.job(trainer.job)
     rec = state.record(job, version)
     if rec.incarnation != trainer.incarnation:
         raise faults.PermissionDenied(f"version {version} was opened by another trainer incarnation")
-    rec.content_digest, rec.sent = content_digest, True
-    for rid, why in failed.items():
+    rec.content_digest, rec.sent = sent.content_digest, True
+    for rid, why in sent.failed.items():
         if rec.status.get(rid) in lifecycle.WAITING:
             rec.errors.setdefault(rid, f"the trainer's sender lost it: {why}")
+    if sent.volume_error and rec.state is VersionState.STAGING:
+        for rid in rec.volume_waiting():  # nothing to fall back to from the volume
+            rec.set(rid, ReplicaState.FAILED)
+            rec.errors[rid] = f"the trainer could not write the volume copy: {sent.volume_error}"
     for rid, digest in list(rec.content.items()):
         mismatch = _content_mismatch(rec, rid, digest)
         if mismatch and rec.status.get(rid) is ReplicaState.LOADED and rec.state is VersionState.STAGING:
