@@ -231,11 +231,13 @@ class Fleet:
             line = self.trainer.stdout.readline()
         return line
 
-    def send(self, seed: int, lie: bool = False) -> None:
-        """Ask the trainer to publish the weights of ``seed`` at the next step, without waiting for it."""
+    def send(self, seed: int, lie: bool = False, stall_s: float = 0.0) -> None:
+        """Ask the trainer to publish the weights of ``seed`` at the next step, without waiting for it
+        (``stall_s``: its gather stalls that long after the first group, so a fault can land mid-publish)."""
         assert self.trainer is not None and self.trainer.stdin is not None
         self.step += 1
-        self.trainer.stdin.write(json.dumps({"seed": seed, "step": self.step, "lie": lie}) + "\n")
+        command = {"seed": seed, "step": self.step, "lie": lie, "stall": stall_s}
+        self.trainer.stdin.write(json.dumps(command) + "\n")
         self.trainer.stdin.flush()
 
     def report(self) -> dict[str, Any]:

@@ -75,10 +75,25 @@ class Run:
     cleared_at: float = 0.0
     problems: list[str] = field(default_factory=list)
 
-    def send(self) -> int:
+    def send(self, stall_s: float = 0.0) -> int:
         seed = 1000 + self.fleet.step + 1
-        self.fleet.send(seed)
+        self.fleet.send(seed, stall_s=stall_s)
         return seed
+
+    def mid_publish(self, stall_s: float) -> int:
+        """Start a publish whose gather stalls after its first group; return once the replicas joined it (its
+        first bytes are on their way into their engines), with the version number."""
+        newest = self.client.list_versions(JOB, limit=1)[0].version
+        self.send(stall_s)
+
+        def joined() -> bool:
+            info = self.client.list_versions(JOB, limit=1)[0]
+            live = [r for r in info.replicas if r.channel is not None and r.channel.value != "volume"]
+            return info.version > newest and bool(live) and all(r.state is ReplicaState.JOINED for r in live)
+
+        _wait("the replicas joined the new version", joined, 60)
+        time.sleep(0.5)  # the first group goes out and lands
+        return self.client.list_versions(JOB, limit=1)[0].version
 
     def report(self, seed: int) -> dict[str, Any]:
         report = self.fleet.report()
@@ -204,10 +219,12 @@ def agent_sigstop(run: Run) -> None:
 
 def replica_killed_mid_publish(run: Run) -> None:
     fleet = run.fleet
-    seed = run.send()
-    time.sleep(0.5)
+    seed = 1000 + fleet.step + 1
+    run.mid_publish(stall_s=3.0)
     fleet.stop_host("replica-cpu")
-    run.report(seed)
+    report = run.report(seed)  # the others still get it
+    states = {r.replica_id: r.state for r in run.client.version_info(report["version"], job=JOB).replicas}
+    assert states["replica-nccl"] is ReplicaState.LOADED and states["replica-cpu"] is not ReplicaState.LOADED, states
     fleet.start_replica("replica-cpu")
     fleet.wait_serving(("replica-cpu",))
     run.cleared()
@@ -215,18 +232,12 @@ def replica_killed_mid_publish(run: Run) -> None:
 
 def trainer_killed_mid_publish(run: Run) -> None:
     fleet, client = run.fleet, run.client
-    newest = client.list_versions(JOB, limit=1)[0].version
-    run.send()
-    _wait("the version opened", lambda: client.list_versions(JOB, limit=1)[0].version > newest, 60)
-    time.sleep(0.2)
+    opened = run.mid_publish(stall_s=60.0)
     fleet.kill_trainer()
-    opened = client.list_versions(JOB, limit=1)[0].version
-    # the trainer's lease runs out: a version it left STAGING fails, and its replicas are told to abort
-    _wait(
-        "the abandoned version settled", lambda: client.version_info(opened, job=JOB).state is not VersionState.STAGING
-    )
-    if client.version_info(opened, job=JOB).state is VersionState.FAILED:
-        run.failed.append(opened)
+    # the replicas' transfers break off with bytes already in their parameters (torn: paused); the trainer's
+    # lease runs out, the version fails, and they reload the newest durable READY version
+    _wait("the abandoned version failed", lambda: client.version_info(opened, job=JOB).state is VersionState.FAILED)
+    run.failed.append(opened)
     fleet.start_trainer()
     run.cleared()
 
