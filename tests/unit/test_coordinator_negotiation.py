@@ -177,6 +177,14 @@ def test_memberships_ranks_and_generations() -> None:
     plans7, _, _ = negotiation.negotiate(TRAINER, OFFERS, [a, b], DEFAULT_PREFERENCE, groups6)
     assert {p.rendezvous.generation for p in plans7} == {5} and plans7[0].rendezvous.secret != first.secret
 
+    # a restarted coordinator remembers no membership, only version numbers: its generations start above the
+    # version's floor, so they never repeat one minted before the restart
+    floor = 7 * negotiation.GENERATIONS_PER_VERSION
+    plans8, _, groups8 = negotiation.negotiate(TRAINER, OFFERS, [a, b], DEFAULT_PREFERENCE, negotiation.GroupState(), 7)
+    assert {p.rendezvous.generation for p in plans8} == {floor + 1} and groups8.minted == floor + 1
+    plans9, _, _ = negotiation.negotiate(TRAINER, OFFERS, [a], DEFAULT_PREFERENCE, groups8, 8)
+    assert plans9[0].rendezvous.generation == 8 * negotiation.GENERATIONS_PER_VERSION + 1
+
 
 def test_every_live_channel_gets_a_membership_and_the_volume_none() -> None:
     replicas = [

@@ -11,11 +11,12 @@ The default preference (``models.DEFAULT_PREFERENCE``) is:
 5. ``volume`` - both mount the same volume (also the fallback after a channel failed).
 
 A job may reorder or narrow the list (``JobPolicy.channel_preference``). A channel
-that failed for a replica is skipped for that replica from then on, which is how
-"on failure -> volume" happens. Each live channel gets one membership per round (the
+that failed for a replica is skipped for that replica for a while (``jobs.Member.fail_channel``),
+which is how "on failure -> volume" happens. Each live channel gets one membership per round (the
 CPU stream one per replica: a gloo collective fails for every member when one dies):
 the same members at the same endpoint keep their membership; any change mints a new
-one, with the next generation and a fresh secret, and the sender rebuilds. Ranks
+one, with the next generation (above the version's floor, so it survives a coordinator restart)
+and a fresh secret, and the sender rebuilds. Ranks
 follow replica id order, the trainer is rank 0, each replica takes
 ``capabilities.devices`` consecutive ranks.
 """
@@ -46,6 +47,11 @@ PAIRWISE_CHANNELS = frozenset({Channel.CPU})
 member when one member dies, so the CPU stream gives each replica its own group (the
 trainer broadcasts to all of them; a dead replica breaks only its own). NCCL keeps one
 group per membership: a broadcast to many GPUs costs what one costs on NVLink."""
+
+GENERATIONS_PER_VERSION = 1024
+"""More than the memberships one round can mint (one per replica at most, ``state.MAX_MEMBERS_PER_JOB``):
+version ``v`` mints generations above ``v * GENERATIONS_PER_VERSION``, so generations grow with the version
+number, which a restarted coordinator recovers, and never repeat or go back across a restart."""
 
 Members = tuple[tuple[str, str, int], ...]
 """(replica id, incarnation, devices) of each member, in rank order."""
@@ -123,8 +129,10 @@ def negotiate(
     replicas: Sequence[Candidate],
     preference: Sequence[Channel],
     previous: GroupState,
+    version: int = 0,
 ) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
-    """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships."""
+    """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships
+    (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``)."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
     for replica in sorted(replicas, key=lambda r: r.replica_id):
@@ -141,7 +149,7 @@ def negotiate(
             entry = (replica.replica_id, replica.incarnation, replica.capabilities.devices)
             members[key] = (*members.get(key, ()), entry)
     memberships: dict[str, Membership] = {}
-    minted = previous.minted
+    minted = max(previous.minted, version * GENERATIONS_PER_VERSION)
     for key in sorted(members):
         endpoint = str(offers[Channel(key.split("/")[0])].endpoint)
         old = previous.memberships.get(key)

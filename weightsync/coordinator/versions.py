@@ -114,7 +114,7 @@ def open_version(
         if m.role is Role.REPLICA and streams.listening(state, m, now)
     ]
     plans, unplanned, job.groups = negotiation.negotiate(
-        trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups
+        trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups, job.next_version
     )
     rec = VersionRecord(
         job_name,
