@@ -128,14 +128,18 @@ def main() -> int:
     p.add_argument("--versions", type=int, default=7)
     p.add_argument("--ipc", action="store_true", help="add a colocated replica on GPU 0 (CUDA IPC)")
     p.add_argument("--json", default=None)
+    p.add_argument("--work", default=None, help="keep each run's logs under this folder (default: a temporary one)")
     args = p.parse_args()
     out: dict[str, Any] = {"model": args.model, "gpu": _gpu_name()}
     out["raw_flat_broadcast_ms"] = raw_flat_broadcast_ms(args.model)
     for verify in (False, True):
+        key = f"fleet_verify_{'on' if verify else 'off'}"
+        if args.work:
+            Path(args.work).mkdir(parents=True, exist_ok=True)
+            out[key] = fleet_run(args.model, args.versions, args.ipc, verify, Path(tempfile.mkdtemp(dir=args.work)))
+            continue
         with tempfile.TemporaryDirectory() as tmp:
-            out[f"fleet_verify_{'on' if verify else 'off'}"] = fleet_run(
-                args.model, args.versions, args.ipc, verify, Path(tmp)
-            )
+            out[key] = fleet_run(args.model, args.versions, args.ipc, verify, Path(tmp))
     raw = out["raw_flat_broadcast_ms"]
     for key in ("fleet_verify_off", "fleet_verify_on"):
         row = out[key]

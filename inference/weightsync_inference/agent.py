@@ -59,7 +59,6 @@ class AgentConfig:
     volume_id: str = ""
     nccl_domain: str = ""
     update_timeout_s: float = 300.0
-    verify: bool = True
     lag_check_s: float = 2.0
     retry_s: float = 5.0
     """First wait before retrying a catch-up the engine refused; doubles (jittered) up to ``retry_max_s``."""
@@ -187,11 +186,13 @@ class Agent:
             )
             return
         if a.kind is models.EventKind.CATCH_UP:
-            self._load_from_volume(a.version, "catch-up", a.table.layout_digest, a.plan)
+            self._load_from_volume(a.version, "catch-up", a.table, a.plan)
             return
-        self._assign(a, a.plan, a.table.layout_digest)
+        self._assign(a, a.plan, a.table)
 
-    def _ticket(self, version: int, plan: models.ChannelPlan, layout_digest: str, step: int = 0) -> UpdateTicket:
+    def _ticket(
+        self, version: int, plan: models.ChannelPlan, table: models.TableSummary, step: int = 0
+    ) -> UpdateTicket:
         params = {"root": plan.rendezvous.root} if plan.channel is Channel.VOLUME else {}
         if plan.channel is Channel.VOLUME and not plan.manifest_checksum:
             raise WeightsyncError(
@@ -201,10 +202,10 @@ class Agent:
         return UpdateTicket(
             version,
             plan.channel,
-            layout_digest=layout_digest,
+            layout_digest=table.layout_digest,
             manifest_checksum=plan.manifest_checksum,
             step=step,
-            verify=self.config.verify,
+            verify=table.verified,  # the trainer's choice: both ends of a channel must agree on it
             timeout_s=self.config.update_timeout_s,
             params=params,
         )
@@ -219,15 +220,15 @@ class Agent:
         )
         self._joined[plan.channel] = rdv
 
-    def _assign(self, a: models.Assignment, plan: models.ChannelPlan, layout_digest: str) -> None:
+    def _assign(self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary) -> None:
         try:
             self._join(plan)
             if plan.channel is not Channel.VOLUME:
                 self.client.report_joined(a.version)
-            outcome = self.replica.apply(self._ticket(a.version, plan, layout_digest, a.step))
+            outcome = self.replica.apply(self._ticket(a.version, plan, table, a.step))
         except (UpdateFailed, WeightsyncError) as e:
             log.warning("replica %s: v%d over %s failed: %s", self.config.replica_id, a.version, plan.channel.value, e)
-            self._failed(a.version, plan, layout_digest, e)
+            self._failed(a.version, plan, table.layout_digest, e)
             return
         log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
         self._loaded(a.version, plan.channel, outcome, "assign")
@@ -256,23 +257,23 @@ class Agent:
         )
         self.client.ack(report)
 
-    def _load_from_volume(self, version: int, why: str, layout_digest: str, plan: models.ChannelPlan) -> None:
+    def _load_from_volume(self, version: int, why: str, table: models.TableSummary, plan: models.ChannelPlan) -> None:
         """Load a durable version this replica was not planned for (catch-up, recovery), acking either way."""
         refused = self._refused.get(version)
         if refused is not None and time.monotonic() < refused.retry_at:
             return
         try:
-            ticket = self._ticket(version, plan, layout_digest)
+            ticket = self._ticket(version, plan, table)
             if refused is not None:  # the engine refused it before: it is not paused again for the same fault
                 self._check_files(ticket, plan)
         except (WeightsyncError, OSError) as e:
-            self._refuse(version, why, layout_digest, f"its files are refused: {e}", engine=False)
+            self._refuse(version, why, table.layout_digest, f"its files are refused: {e}", engine=False)
             return
         try:
             self._join(plan)
             outcome = self.replica.apply(ticket)
         except (UpdateFailed, WeightsyncError) as e:
-            self._refuse(version, why, layout_digest, str(e), engine=True)
+            self._refuse(version, why, table.layout_digest, str(e), engine=True)
             return
         self._refused = {v: r for v, r in self._refused.items() if v > version}
         log.info("replica %s: loaded v%d from the volume (%s)", self.config.replica_id, version, why)
@@ -308,7 +309,7 @@ class Agent:
         report = models.AckReport(version, layout_digest, ok=False, error=f"{why} from the volume: {error}", torn=torn)
         self.client.ack(report)
 
-    def _volume_plan(self, version: int) -> tuple[models.ChannelPlan, str] | None:
+    def _volume_plan(self, version: int) -> tuple[models.ChannelPlan, models.TableSummary] | None:
         if self.config.volume is None:
             return None
         info = self.client.version_info(version)
@@ -318,7 +319,7 @@ class Agent:
         plan = models.ChannelPlan(
             self.config.replica_id, Channel.VOLUME, rdv, why_volume(version), info.manifest_checksum
         )
-        return plan, info.table.layout_digest
+        return plan, info.table
 
     def recover(self) -> None:
         """Load the newest durable READY version as a whole (the only way out of TORN)."""

@@ -9,14 +9,16 @@ installed on the GPU host; its vLLM wrapper is covered by the CPU integration te
 - ``r-ipc`` on GPU 0, the trainer's GPU and node: CUDA IPC;
 - ``r-nccl`` on GPU 1 in the trainer's NCCL domain: NCCL;
 - ``r-nixl`` on GPU 1 with NIXL importable and no NCCL domain: NIXL (skipped with the reason
-  when the ``nixl`` package is not importable).
+  when the ``nixl`` package is not importable);
+- ``r-late``, joining after v3: over NCCL on a third GPU, or over IPC on GPU 0 on a 2-GPU host
+  (NCCL takes one rank per GPU, and the coordinator plans accordingly).
 
 A version is READY only when every replica's engine holds it: the test compares the
 digests of each replica's *parameters* (fused q/k/v and gate/up rows included) with the
 trainer's per-tensor digests, bit for bit. Then ``r-nccl`` is killed as a version's transfer
 starts: that version still goes READY for the others, and the restarted replica loads the
 same version from the volume; a replica joining late catches up from the volume and then
-follows over NCCL.
+follows live.
 """
 
 from __future__ import annotations
@@ -214,11 +216,15 @@ def test_gpu_fleet_channels_fallback_and_late_joiner(fleet: GpuFleet) -> None:
     fleet.start_replica("r-nccl", "cuda:1", "nccl,volume", domain="fabric")
     _assert_bit_exact(fleet, "r-nccl", report)  # the same version, from the volume (catch-up)
 
-    # a fresh replica joins late: it catches up from the volume, then follows over NCCL with r-nccl
-    fleet.start_replica("r-late", "cuda:1", "nccl,volume", domain="fabric")
+    # a fresh replica joins late: it catches up from the volume, then follows live. NCCL takes one rank per GPU,
+    # so on a 2-GPU host (trainer on GPU 0, r-nccl on GPU 1) it joins on GPU 0 over IPC; with a third GPU, NCCL.
+    import torch
+
+    late = ("cuda:2", "nccl") if torch.cuda.device_count() >= 3 else ("cuda:0", "ipc")
+    fleet.start_replica("r-late", late[0], f"{late[1]},volume", domain="fabric")
     _assert_bit_exact(fleet, "r-late", report)
     report = fleet.publish(14, step=4)
     assert report["state"] == "READY", report
-    assert report["channels"]["r-late"] == report["channels"]["r-nccl"] == "nccl", report["channels"]
+    assert report["channels"]["r-late"] == late[1] and report["channels"]["r-nccl"] == "nccl", report["channels"]
     for rid in (*replicas, "r-late"):
         _assert_bit_exact(fleet, rid, report)

@@ -227,6 +227,12 @@ def test_every_field_from_a_client_is_bounded() -> None:
             many_gpus = Capabilities(host="n", channels=(Channel.NCCL,), gpu_uuids=tuple(f"GPU-{i}" for i in range(17)))
             with pytest.raises(faults.InvalidArgument, match=r"capabilities.gpu_uuids has 17 entries, over the limit"):
                 c.register_replica("bounded", "r0", many_gpus)
+            # a list's bound counts its entries; each entry keeps its type's bound (a real UUID is 40 characters)
+            uuid = "GPU-90366200-70e0-d047-6d22-5eabb65b01c2"
+            c.register_replica("bounded", "r-gpu", Capabilities(host="n", channels=(Channel.NCCL,), gpu_uuids=(uuid,)))
+            long_uuid = Capabilities(host="n", channels=(Channel.NCCL,), gpu_uuids=("G" * 254,))
+            with pytest.raises(faults.InvalidArgument, match=r"capabilities.gpu_uuids\[0\] is 254 characters"):
+                c.register_replica("bounded", "r1", long_uuid)
             with pytest.raises(faults.InvalidArgument, match=r"offers\[0\].metadata is 1048577 bytes"):
                 c.register_trainer(
                     "bounded", "t", CAPS, offers=[Offer(Channel.NIXL, agent="a", metadata=b"m" * ((1 << 20) + 1))]
@@ -237,6 +243,6 @@ def test_every_field_from_a_client_is_bounded() -> None:
             # a long failure text is cut on the client's side, not refused: the failure still reaches the record
             info = c.report_sent(v, "", {"gone": "x" * 100_000})
             assert info.state is VersionState.FAILED, info
-            assert c.get_job("bounded").members[0].member_id == "t"
+            assert {m.member_id for m in c.get_job("bounded").members} == {"t", "r-gpu"}
     finally:
         s.stop(0.5)

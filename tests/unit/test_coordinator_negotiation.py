@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 ALL = tuple(Channel)
 TRAINER = Capabilities(
     host="n1",
-    gpu_uuids=("GPU-0", "GPU-1"),
+    gpu_uuids=("GPU-0",),
     channels=ALL,
     nccl_domain="rack1",
     nixl=True,
@@ -233,3 +233,17 @@ def test_rendezvous_survives_the_json_hop() -> None:
     )
     rdv = plans[0].rendezvous
     assert Rendezvous.from_dict(rdv.to_dict()) == rdv
+
+
+def test_nccl_takes_one_rank_per_gpu() -> None:
+    """Two ranks of one NCCL communicator on one GPU are invalid usage: the second replica on a GPU (or one on the
+    trainer's GPU) is planned on its next channel, with the reason."""
+    shared = [gpu(r, gpu_uuids=(u,), nixl=True) for r, u in (("a", "GPU-7"), ("b", "GPU-7"), ("c", "GPU-0"))]
+    plans, unplanned, _ = negotiation.negotiate(
+        TRAINER, {c: o for c, o in OFFERS.items() if c is not Channel.IPC}, shared, ALL, negotiation.GroupState()
+    )
+    assert unplanned == []
+    by_id = {p.replica_id: p for p in plans}
+    assert by_id["a"].channel is Channel.NCCL
+    assert by_id["b"].channel is Channel.NIXL and "GPU GPU-7 already has a rank in the NCCL group" in by_id["b"].reason
+    assert by_id["c"].channel is Channel.NIXL and "GPU GPU-0 already has a rank" in by_id["c"].reason

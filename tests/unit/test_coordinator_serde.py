@@ -188,6 +188,10 @@ def test_summarize_is_layout_only_and_stable() -> None:
     assert models.summarize(table.with_digests({"a": "x", "b": "y"})) == s
     other = TensorTable.build([[("a", "float32", (3, 2)), ("b", "bfloat16", (4,))]])
     assert models.summarize(other).layout_digest != s.layout_digest
+    # whether digests follow travels with the table, so receivers check exactly what the trainer sends
+    unverified = models.summarize(table, verified=False)
+    assert serde.table(serde.table_to(unverified)) == unverified and not unverified.verified  # type: ignore[arg-type]
+    assert serde.table(serde.table_to(s)).verified  # type: ignore[arg-type]
 
 
 def test_the_three_digests_share_one_format() -> None:

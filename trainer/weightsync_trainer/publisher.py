@@ -72,7 +72,6 @@ from weightsync.vocabulary import Channel, VersionState
 from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
 log = logging.getLogger(__name__)
-QUEUE_GROUPS = 2
 READY_AFTER_TIMEOUT_S = 1.0
 """How long a sender's groups may still take to form once the wait for joins ran out: its receivers had the
 whole transfer timeout to join, and a joined receiver's group forms with its join."""
@@ -137,7 +136,12 @@ def _feasible(channel: Channel, device: torch.device, nccl_domain: str, volume: 
 
 
 class _Tee:
-    """One gather feeding several senders, each on its own thread through a bounded queue."""
+    """One gather feeding several senders, each on its own thread through its own queue.
+
+    The queues are unbounded so that the gather never waits for the slowest channel: a sender stalled on a dead
+    peer (until its transfer timeout) must not hold back the groups of the others, whose receivers would time out
+    too. The cost is memory only where the source materialises groups (a DTensor's gather): a stalled channel
+    keeps references to the groups it has not sent until it fails."""
 
     def __init__(self, jobs: Mapping[Channel, tuple[Sender, UpdateTicket]]) -> None:
         self.queues: dict[Channel, queue.Queue[Sequence[torch.Tensor] | None]] = {}
@@ -145,7 +149,7 @@ class _Tee:
         self.errors: dict[Channel, BaseException] = {}
         self.threads: dict[Channel, threading.Thread] = {}
         for ch, (sender, ticket) in jobs.items():
-            q: queue.Queue[Sequence[torch.Tensor] | None] = queue.Queue(QUEUE_GROUPS)
+            q: queue.Queue[Sequence[torch.Tensor] | None] = queue.Queue()
             self.queues[ch] = q
             self.threads[ch] = threading.Thread(
                 target=self._run, args=(ch, sender, ticket, q), name=f"weightsync-send-{ch.value}", daemon=True
@@ -166,12 +170,8 @@ class _Tee:
 
     def put(self, group: Sequence[torch.Tensor] | None) -> None:
         for ch, q in self.queues.items():
-            while self.threads[ch].is_alive():
-                try:
-                    q.put(group, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            if self.threads[ch].is_alive():
+                q.put(group)
 
     def join(self) -> None:
         self.put(None)
@@ -216,7 +216,7 @@ class Publisher:
         )
         self.every_steps = config.every_steps if config else 1
         self.table: TensorTable = source.table()
-        self.summary = models.summarize(self.table)
+        self.summary = models.summarize(self.table, verify)
         self.senders: dict[Channel, Sender] = {}
         self.volume: VolumeSender | None = None
         self.durable_errors: list[str] = []

@@ -32,19 +32,22 @@ MAX_ITEMS = 64
 """Entries in a repeated field (GPUs of a replica, channels, offers)."""
 MAX_BYTES = 4096
 """Bytes in a bytes field."""
-FIELD_LIMITS: dict[str, int] = {
-    "incarnation": 64,
+COUNT_LIMITS: dict[str, int] = {
     "gpu_uuids": 16,  # a replica's GPUs: one node's
     "devices": 16,  # the GPUs a sender's buffers live on
+    "failed": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost
+}
+"""Repeated fields with their own bound on entries, by field name (each entry keeps its type's bound)."""
+FIELD_LIMITS: dict[str, int] = {
+    "incarnation": 64,
     "error": serde.MAX_ERROR_CHARS,  # a failure's text, kept per replica in the version's record
     "manifest_path": 1024,
     "volume_mount": 1024,
     "root": 1024,
     "metadata": 1 << 20,  # NIXL's agent metadata
-    "failed": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost
 }
-"""Fields with their own bound, by field name. With these, the largest ``GetJob`` answer (every member at every
-bound) stays within the default message limit."""
+"""String and bytes fields with their own bound on length, by field name. With these, the largest ``GetJob``
+answer (every member at every bound) stays within the default message limit."""
 
 
 def check_fields(message: Any, path: str = "") -> None:
@@ -52,21 +55,22 @@ def check_fields(message: Any, path: str = "") -> None:
     for fd, value in message.ListFields():
         where = f"{path}{fd.name}"
         if fd.is_repeated:
-            limit = FIELD_LIMITS.get(fd.name, MAX_ITEMS)
+            limit = COUNT_LIMITS.get(fd.name, MAX_ITEMS)
             if len(value) > limit:
                 raise faults.InvalidArgument(f"{where} has {len(value)} entries, over the limit of {limit}")
             for i, item in enumerate(value):
-                _check_value(fd, item, f"{where}[{i}]")
+                _check_value(fd, item, f"{where}[{i}]", entry=True)
         else:
             _check_value(fd, value, where)
 
 
-def _check_value(fd: Any, value: Any, where: str) -> None:
+def _check_value(fd: Any, value: Any, where: str, entry: bool = False) -> None:
     if fd.type == fd.TYPE_MESSAGE:
         check_fields(value, where + ".")
         return
     if fd.type in (fd.TYPE_STRING, fd.TYPE_BYTES):
-        limit = FIELD_LIMITS.get(fd.name, MAX_TEXT if fd.type == fd.TYPE_STRING else MAX_BYTES)
+        default = MAX_TEXT if fd.type == fd.TYPE_STRING else MAX_BYTES
+        limit = default if entry else FIELD_LIMITS.get(fd.name, default)
         if len(value) > limit:
             unit = "characters" if fd.type == fd.TYPE_STRING else "bytes"
             raise faults.InvalidArgument(f"{where} is {len(value)} {unit}, over the limit of {limit}")

@@ -129,6 +129,9 @@ class TableSummary:
     tensor_count: int
     total_bytes: int
     layout_digest: str
+    verified: bool = True
+    """The trainer sends per-tensor digests and every receiver checks them; both ends of a channel must agree (a
+    receiver waiting for digests the sender never sends would stall or misread the stream)."""
 
     def __post_init__(self) -> None:
         if self.tensor_count < 1:
@@ -248,6 +251,6 @@ class AckReport:
     torn: bool = False
 
 
-def summarize(table: TensorTable) -> TableSummary:
-    """What the coordinator knows of a version's tensors: count, bytes and the layout digest."""
-    return TableSummary(len(table), table.total_bytes, table.layout_digest())
+def summarize(table: TensorTable, verified: bool = True) -> TableSummary:
+    """What the coordinator knows of a version's tensors: count, bytes, the layout digest, whether digests follow."""
+    return TableSummary(len(table), table.total_bytes, table.layout_digest(), verified)

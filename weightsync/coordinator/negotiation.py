@@ -79,8 +79,15 @@ def group_key(channel: Channel, replica_id: str) -> str:
     return f"{channel.value}/{replica_id}" if channel in PAIRWISE_CHANNELS else channel.value
 
 
-def why_not(channel: Channel, trainer: Capabilities, offer: Offer | None, replica: Candidate) -> str:
-    """Empty when ``channel`` works between the two ends; otherwise the reason it does not."""
+def why_not(
+    channel: Channel,
+    trainer: Capabilities,
+    offer: Offer | None,
+    replica: Candidate,
+    in_nccl: frozenset[str] = frozenset(),
+) -> str:
+    """Empty when ``channel`` works between the two ends; otherwise the reason it does not. ``in_nccl`` holds the
+    GPUs already in the NCCL group (the trainer's and earlier replicas'): NCCL takes one rank per GPU."""
     caps = replica.capabilities
     if channel in replica.failed_channels:
         return "failed before for this replica"
@@ -96,6 +103,9 @@ def why_not(channel: Channel, trainer: Capabilities, offer: Offer | None, replic
     elif channel is Channel.NCCL:
         if not caps.nccl_domain or caps.nccl_domain != trainer.nccl_domain:
             return f"different NCCL domains ({trainer.nccl_domain!r} vs {caps.nccl_domain!r})"
+        shared = sorted(set(caps.gpu_uuids) & (in_nccl | set(trainer.gpu_uuids)))
+        if shared:
+            return f"GPU {shared[0]} already has a rank in the NCCL group (one rank per GPU)"
     elif channel is Channel.NIXL:
         if not caps.nixl:
             return "replica has no NIXL"
@@ -110,12 +120,16 @@ def why_not(channel: Channel, trainer: Capabilities, offer: Offer | None, replic
 
 
 def choose(
-    trainer: Capabilities, offers: Mapping[Channel, Offer], replica: Candidate, preference: Sequence[Channel]
+    trainer: Capabilities,
+    offers: Mapping[Channel, Offer],
+    replica: Candidate,
+    preference: Sequence[Channel],
+    in_nccl: frozenset[str] = frozenset(),
 ) -> tuple[Channel | None, str]:
     """The first channel of ``preference`` that works, and a reason naming what was skipped."""
     skipped: list[str] = []
     for channel in preference:
-        reason = why_not(channel, trainer, offers.get(channel), replica)
+        reason = why_not(channel, trainer, offers.get(channel), replica, in_nccl)
         if not reason:
             note = f"; skipped {', '.join(skipped)}" if skipped else ""
             return channel, f"{channel.value}{note}"
@@ -135,12 +149,15 @@ def negotiate(
     (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``)."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
+    in_nccl: frozenset[str] = frozenset()
     for replica in sorted(replicas, key=lambda r: r.replica_id):
-        channel, reason = choose(trainer, offers, replica, preference)
+        channel, reason = choose(trainer, offers, replica, preference, in_nccl)
         if channel is None:
             unplanned.append((replica.replica_id, reason))
         else:
             chosen.append((replica, channel, reason))
+            if channel is Channel.NCCL:
+                in_nccl |= set(replica.capabilities.gpu_uuids)
 
     members: dict[str, Members] = {}
     for replica, channel, _ in chosen:

@@ -173,7 +173,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
 
 def table(m: pb.TableSummary, field: str = "table") -> models.TableSummary:
     try:
-        return models.TableSummary(m.tensor_count, m.total_bytes, m.layout_digest)
+        return models.TableSummary(m.tensor_count, m.total_bytes, m.layout_digest, not m.unverified)
     except PermanentError as e:
         raise faults.InvalidArgument(f"{field}: {e}") from None
 
@@ -182,7 +182,12 @@ def table_to(t: models.TableSummary | None) -> pb.TableSummary | None:
     return (
         None
         if t is None
-        else pb.TableSummary(tensor_count=t.tensor_count, total_bytes=t.total_bytes, layout_digest=t.layout_digest)
+        else pb.TableSummary(
+            tensor_count=t.tensor_count,
+            total_bytes=t.total_bytes,
+            layout_digest=t.layout_digest,
+            unverified=not t.verified,
+        )
     )
 
 

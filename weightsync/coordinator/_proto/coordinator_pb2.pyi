@@ -219,14 +219,16 @@ class RenewResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class TableSummary(_message.Message):
-    __slots__ = ("tensor_count", "total_bytes", "layout_digest")
+    __slots__ = ("tensor_count", "total_bytes", "layout_digest", "unverified")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     total_bytes: int
     layout_digest: str
-    def __init__(self, tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layout_digest: _Optional[str] = ...) -> None: ...
+    unverified: bool
+    def __init__(self, tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layout_digest: _Optional[str] = ..., unverified: _Optional[bool] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
     __slots__ = ("host", "port", "group", "secret", "generation", "rank", "world_size", "agent", "metadata", "epoch", "root")
