@@ -2,9 +2,11 @@
 
 Each child carries an ownerReference to its RLJob (controller, blocking owner
 deletion), so deleting the RLJob deletes every child through the garbage
-collector, and the annotation ``weightsync.io/spec-hash``: the reconciler writes
-a child only when it is missing or its hash differs, so a steady job costs reads,
-not writes.
+collector, and the annotation ``weightsync.io/spec-hash``. The reconciler writes
+a child when it is missing, when its hash differs (the spec changed), or when it
+drifted: someone changed a field the operator sets (``kubectl scale``, a new
+image by hand), which ``covers`` finds by comparing what the operator would write
+with the live object, field by field, ignoring what the API server adds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass
+
+from kubernetes.utils import parse_quantity
 
 from weightsync.resources import API_VERSION
 from weightsync.resources.rljob import RLJobSpec
@@ -64,6 +68,43 @@ def current_hash(obj: Obj | None) -> str | None:
         return None
     value = obj.get("metadata", {}).get("annotations", {}).get(names.HASH_ANNOTATION)
     return str(value) if value is not None else None
+
+
+def covers(live: object, want: object) -> bool:
+    """Whether ``live`` holds every field of ``want`` with its value; fields only ``live`` has (the server's
+    defaults, other managers' fields) do not count. Quantities compare by value (``1`` is ``"1"``, ``"1000m"``
+    is ``"1"``); a ``None`` the operator writes is a field it leaves unset, and a zero value (``false``, ``0``,
+    empty) is one the server may drop (Go's ``omitempty``)."""
+    if live is None and not want and want is not None:
+        return True
+    if isinstance(want, dict):
+        if not isinstance(live, dict):
+            return False
+        return all(covers(live.get(k), v) for k, v in want.items() if v is not None)
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(map(covers, live, want))
+    if want == live:
+        return True
+    if isinstance(want, bool) or isinstance(live, bool) or want is None or live is None:
+        return False
+    try:
+        return bool(parse_quantity(live) == parse_quantity(want))
+    except (ValueError, TypeError, ArithmeticError):
+        return False
+
+
+def containers(pod: Obj) -> list[tuple[str, str, list[str], list[str]]]:
+    """What a running pod may have had changed by hand (its images), with the commands that go with them: the
+    rest of a pod's spec is immutable, and admission adds to it (token volumes), so it is not compared."""
+    return [
+        (c.get("name", ""), c.get("image", ""), list(c.get("command") or []), list(c.get("args") or []))
+        for c in pod.get("spec", {}).get("containers", [])
+    ]
+
+
+def drifted(want: Obj, live: Obj | None) -> bool:
+    """The child must be written: missing, another spec (its hash), or changed by hand since."""
+    return live is None or current_hash(live) != current_hash(want) or not covers(live, want)
 
 
 def desired(owner: Owner, spec: RLJobSpec, coordinator_image: str, coordinator_role: str, parked: bool) -> list[Obj]:

@@ -1,42 +1,74 @@
-"""The kopf wiring: which events call the reconciler, and how kopf itself is configured.
+"""The kopf wiring: what wakes a job's reconcile, where its reads come from, and how kopf is configured.
 
-One level-triggered timer per RLJob runs ``reconciling.reconcile`` every
-``resync`` seconds (and at once when the operator starts or the object appears).
-kopf runs one timer per object at a time, so the reconciles of one job never
-overlap, and nothing depends on having seen a particular event: a missed or
-replayed event changes nothing, the next tick sees the world as it is.
+Event-driven. kopf watches every kind the operator manages, filtered on the
+server to objects with the job label (``settings.watching.label_selectors``), and
+keeps each in an index keyed by ``(namespace, job)``: the children, the trainer
+pods, the job's WeightVersions. Any event on one of them, or on the RLJob, wakes
+that job's reconcile loop (one async daemon per RLJob), which reads the world
+from those indexes (no API call) and writes what differs. The indexes are filled
+from a LIST before any handler runs, and an event is indexed before its handler
+runs, so a reconcile always sees at least what woke it.
 
-kopf keeps its own bookkeeping under our group: progress and diff-base
-annotations ``weightsync.io/...`` and the finalizer ``weightsync.io/cleanup``,
-which holds an RLJob's deletion until its WeightVersion objects are gone (the
-coordinator may not have set ownerReferences on them).
+A job left alone for ``resync_seconds`` gets one pass that reads the API itself:
+the safety net for what a watch cannot say (kopf re-lists after a watch expires
+but reports no deletion that happened in between). Secrets are not watched (the
+operator may only get and create them); the reconcile's ``Memory`` keeps which
+exist.
+
+One daemon per job never runs two reconciles of that job at once; the blocking
+API calls run on a small thread pool. Deleting an RLJob cancels its daemon at
+once (``cancellation_timeout``), so the deletion is not held by a reconcile in
+flight. kopf keeps its own bookkeeping under our group: diff-base annotations
+``weightsync.io/...`` and the finalizer ``weightsync.io/cleanup``, which holds an
+RLJob's deletion until its WeightVersion objects are gone (the coordinator may
+not have set ownerReferences on them).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
 
 from weightsync.metrics import OperatorMetrics
-from weightsync.resources import GROUP, VERSION, JobPhase
+from weightsync.resources import GROUP, JOB_LABEL, VERSION, JobPhase
 from weightsync_operator import names
-from weightsync_operator.kubeapi import Api
-from weightsync_operator.reconciling import Settings, reconcile
+from weightsync_operator.kubeapi import KINDS, Api, Kind, Obj
+from weightsync_operator.reconciling import Memory, Outcome, Settings, reconcile
 
 log = logging.getLogger(__name__)
 KIND = "RLJob"
 RESULTS = ("changed", "unchanged", "error")
 """``result`` label values of weightsync_operator_reconciles_total."""
+WATCHED = tuple(k for k in KINDS.values() if k.kind not in ("RLJob", "Secret"))
+"""Every kind a job owns or reads, but its Secrets: watched and indexed by job."""
+DEBOUNCE_S = 0.05
+"""A wake-up waits this long before it reconciles, so a burst of events (a StatefulSet scaled: several pods)
+costs one pass."""
+WORKERS = 8
 
 
 @dataclass(frozen=True)
 class Options:
     settings: Settings
-    resync_seconds: float = 5.0
+    resync_seconds: float = 600.0
+    """A job with no event for this long gets one reconcile that reads the API itself (the safety net)."""
+
+
+def _resource(kind: Kind) -> tuple[str, str, str]:
+    group, _, version = kind.api_version.rpartition("/")
+    return group, version, kind.plural
+
+
+def _index_id(kind: Kind) -> str:
+    return f"by_job_{kind.plural}"
 
 
 class PhaseCounts:
@@ -59,10 +91,58 @@ class PhaseCounts:
             self._metrics.jobs.labels(phase.value).set(sum(1 for p in self._phases.values() if p == phase))
 
 
+class IndexedReads:
+    """One job's world as the watches hold it: ``reconciling.Reads`` without API calls (Secrets aside)."""
+
+    def __init__(self, api: Api, objects: dict[str, list[Obj]]) -> None:
+        self._api, self._objects = api, objects
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        if kind == "Secret":  # not watched; Memory keeps those known to exist, so this is rare
+            return self._api.get(kind, namespace, name)
+        return next((o for o in self._objects.get(kind, []) if o["metadata"]["name"] == name), None)
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        wanted = dict(term.split("=", 1) for term in label_selector.split(",") if term)
+        return [
+            o
+            for o in self._objects.get(kind, [])
+            if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in wanted.items())
+        ]
+
+
+class Wakers:
+    """One event per job's daemon; set from the event handlers (all on kopf's loop, so no lock)."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+
+    def register(self, key: tuple[str, str]) -> asyncio.Event:
+        event = self._events[key] = asyncio.Event()
+        return event
+
+    def drop(self, key: tuple[str, str], event: asyncio.Event) -> None:
+        if self._events.get(key) is event:
+            del self._events[key]
+
+    def wake(self, key: tuple[str, str]) -> None:
+        event = self._events.get(key)
+        if event is not None:
+            event.set()
+
+
+def _snapshot(body: kopf.Body) -> Obj:
+    return copy.deepcopy(dict(body))
+
+
 def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers bound to ``api``, ``options`` and ``metrics``."""
     registry = kopf.OperatorRegistry()
     phases = PhaseCounts(metrics)
+    wakers = Wakers()
+    memory = Memory()
+    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="reconcile")
+    has_job = {JOB_LABEL: kopf.PRESENT}
 
     @kopf.on.login(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -74,35 +154,81 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled")
         settings.posting.level = logging.WARNING  # our own events say what changed
-        settings.watching.server_timeout = 300
+        settings.watching.server_timeout = 1800
+        settings.background.cancellation_polling = 1.0
+        for kind in WATCHED:
+            settings.watching.label_selectors[_resource(kind)] = JOB_LABEL
 
-    every = {"interval": options.resync_seconds, "initial_delay": 0.0}
+    def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Obj]:
+        obj = _snapshot(body)
+        obj.get("metadata", {}).pop("managedFields", None)
+        return {(str(body.metadata.namespace), str(body.metadata.labels[JOB_LABEL])): obj}
 
-    @kopf.timer(GROUP, VERSION, "rljobs", registry=registry, id="reconcile", **every)  # type: ignore[untyped-decorator,unused-ignore]
-    def tick(body: kopf.Body, **_: Any) -> None:
-        started = time.monotonic()
-        key = (str(body.metadata.namespace), str(body.metadata.name))
-        try:
-            outcome = reconcile(api, dict(body), options.settings)
-        except Exception:
-            metrics.reconciles_total.labels(KIND, "error").inc()
-            raise
-        finally:
-            metrics.reconcile_seconds.labels(KIND).observe(time.monotonic() - started)
-        metrics.reconciles_total.labels(KIND, "changed" if outcome.patched or outcome.writes else "unchanged").inc()
+    async def poke(body: kopf.Body, **_: Any) -> None:
+        wakers.wake((str(body.metadata.namespace), str(body.metadata.labels.get(JOB_LABEL, ""))))
+
+    for kind in WATCHED:
+        group, version, plural = _resource(kind)
+        kopf.index(group, version, plural, id=_index_id(kind), labels=has_job, registry=registry)(index)
+        kopf.on.event(group, version, plural, id=f"wake_on_{plural}", labels=has_job, registry=registry)(poke)
+
+    @kopf.on.event(GROUP, VERSION, "rljobs", registry=registry, id="wake_on_rljobs")  # type: ignore[untyped-decorator,unused-ignore]
+    async def job_changed(body: kopf.Body, **_: Any) -> None:
+        wakers.wake((str(body.metadata.namespace), str(body.metadata.name)))
+
+    def record(body: kopf.Body, key: tuple[str, str], outcome: Outcome, started: float) -> None:
+        changed = outcome.patched or outcome.writes
+        metrics.reconciles_total.labels(KIND, "changed" if changed else "unchanged").inc()
         phases.set(key, outcome.status.phase)
         for kind, reason, message in outcome.events:
             kopf.event(body, type=kind, reason=reason, message=message)
-        if outcome.patched or outcome.writes:
+        if changed:
             log.info(
                 "reconciled %s/%s: phase %s, %d writes, status %s in %.3f s",
-                body.metadata.namespace,
-                body.metadata.name,
+                *key,
                 outcome.status.phase,
                 outcome.writes,
                 "patched" if outcome.patched else "unchanged",
                 time.monotonic() - started,
             )
+
+    @kopf.daemon(  # type: ignore[untyped-decorator,unused-ignore]
+        GROUP, VERSION, "rljobs", registry=registry, id="reconcile", initial_delay=0.0, cancellation_timeout=1.0
+    )
+    async def run(body: kopf.Body, **kwargs: Any) -> None:
+        """Reconcile on every wake-up, from the indexes; from the API after a quiet ``resync_seconds``."""
+        key = (str(body.metadata.namespace), str(body.metadata.name))
+        loop = asyncio.get_running_loop()
+        wake = wakers.register(key)
+        from_api, backoff = True, 0.0  # the first pass after a start reads the API: it also learns the Secrets
+        try:
+            while not body.metadata.deletion_timestamp:
+                wake.clear()
+                reads = None
+                if not from_api:
+                    reads = IndexedReads(api, {k.kind: list(kwargs[_index_id(k)].get(key, ())) for k in WATCHED})
+                started = time.monotonic()
+                try:
+                    outcome = await loop.run_in_executor(
+                        pool, functools.partial(reconcile, api, _snapshot(body), options.settings, reads, memory)
+                    )
+                except Exception as err:  # noqa: BLE001 - the daemon must live on (kopf would not restart it)
+                    metrics.reconciles_total.labels(KIND, "error").inc()
+                    backoff = min(max(backoff * 2, 1.0), 30.0)
+                    log.warning("reconcile of %s/%s failed (retrying in %.0fs): %s", *key, backoff, err)
+                else:
+                    backoff = 0.0
+                    record(body, key, outcome, started)
+                finally:
+                    metrics.reconcile_seconds.labels(KIND).observe(time.monotonic() - started)
+                try:
+                    await asyncio.wait_for(wake.wait(), timeout=backoff or options.resync_seconds)
+                    from_api = False
+                except TimeoutError:
+                    from_api = not backoff  # a quiet period ended: the safety-net pass reads the API
+                await asyncio.sleep(DEBOUNCE_S)
+        finally:
+            wakers.drop(key, wake)
 
     @kopf.on.delete(GROUP, VERSION, "rljobs", registry=registry, id="cleanup")  # type: ignore[untyped-decorator,unused-ignore]
     def cleanup(body: kopf.Body, **_: Any) -> None:
@@ -111,6 +237,7 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
         for item in api.list("WeightVersion", namespace, selector):
             api.delete("WeightVersion", namespace, item["metadata"]["name"])
         phases.set((namespace, name), None)
+        memory.forget(namespace, name)
 
     @kopf.on.probe(id="rljobs", registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def alive(**_: Any) -> str:

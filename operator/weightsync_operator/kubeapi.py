@@ -33,7 +33,8 @@ class Kind:
 
     def path(self, namespace: str, name: str | None = None) -> str:
         base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
-        out = f"{base}/namespaces/{quote(namespace)}/{self.plural}"
+        # no namespace: every namespace (a list only)
+        out = f"{base}/namespaces/{quote(namespace)}/{self.plural}" if namespace else f"{base}/{self.plural}"
         return f"{out}/{quote(name)}" if name else out
 
 

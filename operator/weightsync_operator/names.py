@@ -19,6 +19,8 @@ MANAGER = "weightsync-operator"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 HASH_ANNOTATION = f"{GROUP}/spec-hash"
 RANK_LABEL = f"{GROUP}/rank"
+RESTART_ANNOTATION = f"{GROUP}/restart"
+"""On a trainer pod: its job's ``status.restarts`` when the pod was created (which gang it belongs to)."""
 CLEANUP_FINALIZER = f"{GROUP}/cleanup"
 
 COORDINATOR_PORT = 50051

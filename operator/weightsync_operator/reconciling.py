@@ -6,22 +6,50 @@ operator restarted halfway through converge on the same children (names are
 fixed, writes are server-side apply) and never count a restart twice (the status
 patch that counts one carries the resourceVersion it was computed from).
 
+Reads and writes are apart: ``reads`` answers get/list (the watches' caches, or
+the API itself on a resync), ``api`` takes every write. ``Memory`` is what the
+operator keeps between reconciles: Secrets it knows exist (it may not watch
+Secrets) and children whose live form the server normalises so that it never
+looks like what was applied (compared by hash only, logged once, never re-applied
+in a loop).
+
 Order matters in one place: the status patch that records a gang restart is
 written before the trainer pods are deleted. If the operator dies in between,
 the next reconcile sees the failed pod again but the count is already there and
-the pods are deleted then; the reverse order could lose a restart from the
-budget.
+the pods are deleted then (the pod was created under the previous count, so it
+is not counted twice: ``status.Verdict.CLEAR``); the reverse order could lose a
+restart from the budget.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from weightsync.resources.rljob import RLJobSpec, RLJobStatus
 from weightsync_operator import children, names, status, versions
-from weightsync_operator.kubeapi import Api
+from weightsync_operator.kubeapi import Api, Obj
 from weightsync_operator.names import Component
+
+log = logging.getLogger(__name__)
+
+
+class Reads(Protocol):
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]: ...
+
+
+@dataclass
+class Memory:
+    secrets: set[tuple[str, str, str]] = field(default_factory=set)
+    """(namespace, name, owner uid) of the token and TLS Secrets known to exist."""
+    hash_only: set[tuple[str, str, str, str | None]] = field(default_factory=set)
+    """(namespace, kind, name, spec hash) of children compared by hash alone (see the module docstring)."""
+
+    def forget(self, namespace: str, job: str) -> None:
+        self.secrets = {s for s in self.secrets if s[0] != namespace or not s[1].startswith(f"{job}-")}
 
 
 @dataclass(frozen=True)
@@ -40,24 +68,33 @@ class Outcome:
     writes: int = 0
 
 
-def reconcile(api: Api, body: dict[str, Any], settings: Settings) -> Outcome:
+def reconcile(
+    api: Api, body: dict[str, Any], settings: Settings, reads: Reads | None = None, memory: Memory | None = None
+) -> Outcome:
+    """One pass over ``body`` (the RLJob as last seen); ``reads`` defaults to the API itself."""
+    reads = reads if reads is not None else api
+    memory = memory if memory is not None else Memory()
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     owner = children.Owner(name, namespace, meta["uid"])
     spec = RLJobSpec.model_validate(body["spec"])
     old = RLJobStatus.model_validate(body.get("status") or {})
-    trainer = [status.PodView.of(p) for p in api.list("Pod", namespace, names.label_selector(name, Component.TRAINER))]
-    verdict = status.decide_trainer(spec, old, trainer)
+    pods = reads.list("Pod", namespace, names.label_selector(name))
+    views = [status.PodView.of(p) for p in pods]
+    trainer_pods = [p for p, v in zip(pods, views, strict=True) if v.component == Component.TRAINER]
+    trainer = [v for v in views if v.component == Component.TRAINER]
+    placed = sum(1 for p in views if p.component == Component.INFERENCE and p.placed and not p.deleting)
+    verdict = status.decide_trainer(spec, old, trainer, placed)
     parked = verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED)
 
-    writes = _ensure_children(api, owner, spec, settings, parked)
+    writes = _ensure_children(api, reads, memory, owner, spec, settings, parked)
     seen = status.Observed(generation=int(meta.get("generation", 0)))
-    seen.coordinator_ready = _ready(api.get("Deployment", namespace, names.child(name, Component.COORDINATOR)))
-    seen.inference_ready = _ready(api.get("StatefulSet", namespace, names.child(name, Component.INFERENCE)))
+    seen.coordinator_ready = _ready(reads.get("Deployment", namespace, names.child(name, Component.COORDINATOR)))
+    seen.inference_ready = _ready(reads.get("StatefulSet", namespace, names.child(name, Component.INFERENCE)))
     seen.trainer = trainer
-    seen.pods = [status.PodView.of(p) for p in api.list("Pod", namespace, names.label_selector(name))]
+    seen.pods = views
 
-    found = versions.parse(name, api.list("WeightVersion", namespace, names.label_selector(name)))
+    found = versions.parse(name, reads.list("WeightVersion", namespace, names.label_selector(name)), owner.uid)
     summary = versions.summarize(found)
     for stale in versions.beyond_retention(found, spec.sync.retention):
         writes += api.delete("WeightVersion", namespace, stale)
@@ -72,7 +109,7 @@ def reconcile(api: Api, body: dict[str, Any], settings: Settings) -> Outcome:
         api.patch_status("RLJob", namespace, name, new.to_wire(), guard)
         outcome.patched = True
         outcome.events += _transition_events(old, new, verdict)
-    outcome.writes += _drive_trainer(api, owner, spec, verdict, trainer)
+    outcome.writes += _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts)
     return outcome
 
 
@@ -80,31 +117,60 @@ def _ready(obj: dict[str, Any] | None) -> int:
     return int((obj or {}).get("status", {}).get("readyReplicas", 0) or 0)
 
 
-def _ensure_children(api: Api, owner: children.Owner, spec: RLJobSpec, settings: Settings, parked: bool) -> int:
-    """Apply each child that is missing or differs from the spec; create the token and TLS Secrets once.
+def _ensure_children(
+    api: Api, reads: Reads, memory: Memory, owner: children.Owner, spec: RLJobSpec, settings: Settings, parked: bool
+) -> int:
+    """Apply each child that is missing, differs from the spec or drifted; create the token and TLS Secrets once.
 
     The Secrets are made only when a read finds them missing, and ``create``
     keeps whatever exists (a racing reconcile's): never regenerated, never
     applied over. Returns writes."""
     writes = 0
-    if api.get("Secret", owner.namespace, names.token_secret(owner.name)) is None:
-        writes += api.create(children.token_secret(owner))
-    if api.get("Secret", owner.namespace, names.tls_secret(owner.name)) is None:
-        writes += api.create(children.tls_secret(owner))
+    for secret in (children.token_secret, children.tls_secret):
+        secret_name = (
+            names.token_secret(owner.name) if secret is children.token_secret else names.tls_secret(owner.name)
+        )
+        known = (owner.namespace, secret_name, owner.uid)
+        if known in memory.secrets:
+            continue
+        if reads.get("Secret", owner.namespace, secret_name) is None:
+            writes += api.create(secret(owner))
+        memory.secrets.add(known)
     for obj in children.desired(owner, spec, settings.coordinator_image, settings.coordinator_role, parked):
-        current = api.get(obj["kind"], owner.namespace, obj["metadata"]["name"])
-        if children.current_hash(current) != children.current_hash(obj):
-            api.apply(obj)
-            writes += 1
+        meta = obj["metadata"]
+        current = reads.get(obj["kind"], owner.namespace, meta["name"])
+        key = (owner.namespace, obj["kind"], meta["name"], children.current_hash(obj))
+        if key in memory.hash_only and current is not None:
+            if children.current_hash(current) == key[3]:
+                continue
+        elif not children.drifted(obj, current):
+            continue
+        applied = api.apply(obj)
+        writes += 1
+        if applied is not None and not children.covers(applied, obj):
+            log.warning(
+                "%s %s/%s: the server's form never matches what is applied; compared by hash from now on",
+                obj["kind"],
+                owner.namespace,
+                meta["name"],
+            )
+            memory.hash_only.add(key)
     return writes
 
 
 def _drive_trainer(
-    api: Api, owner: children.Owner, spec: RLJobSpec, verdict: status.Verdict, pods: list[status.PodView]
+    api: Api,
+    owner: children.Owner,
+    spec: RLJobSpec,
+    verdict: status.Verdict,
+    pods: list[status.PodView],
+    live: list[Obj],
+    restarts: int,
 ) -> int:
-    """Create missing ranks (RUN), or delete every rank (any other verdict but SUCCEED)."""
+    """Create missing ranks (RUN), each marked with ``restarts`` (the count it is created under), or delete every
+    rank (any other verdict but SUCCEED and WAIT)."""
     writes = 0
-    if verdict == status.Verdict.SUCCEED:
+    if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT):
         return 0
     if verdict != status.Verdict.RUN:
         for pod in pods:
@@ -112,12 +178,17 @@ def _drive_trainer(
                 writes += api.delete("Pod", owner.namespace, pod.name)
         return writes
     by_name = {p.name: p for p in pods}
+    bodies = {p["metadata"]["name"]: p for p in live}
     for desired in children.trainer_pods(owner, spec):
         existing = by_name.get(desired["metadata"]["name"])
         if existing is None:
+            desired["metadata"].setdefault("annotations", {})[names.RESTART_ANNOTATION] = str(restarts)
             writes += api.create(desired)
-        elif not existing.deleting and existing.spec_hash != children.current_hash(desired):
-            # a pod's spec is immutable: replace it (the next reconcile creates it again)
+        elif not existing.deleting and (
+            existing.spec_hash != children.current_hash(desired)
+            or children.containers(bodies[existing.name]) != children.containers(desired)
+        ):
+            # a pod's spec is immutable but for its images: replace it (the next reconcile creates it again)
             writes += api.delete("Pod", owner.namespace, existing.name)
     return writes
 

@@ -31,6 +31,7 @@ def run(
 ) -> None:
     """Block running the operator: watch ``namespaces`` (every namespace when empty)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level)  # also when something configured logging before us
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # a line per tick otherwise; we log changes
     metrics = OperatorMetrics.create()
     if metrics_port:

@@ -7,12 +7,19 @@ API server:
   out of it (a user re-creates the RLJob to run again).
 - A trainer rank that failed restarts the whole gang (ranks rendezvous
   together) while ``status.restarts < spec.failurePolicy.maxRestarts``; then the
-  job is Failed. The count lives in status and only grows.
+  job is Failed. The count lives in status and only grows. Each rank is
+  created with the count of its time (annotation ``weightsync.io/restart``), so
+  a failure is counted once: a failed rank created before the last counted
+  restart (the operator died between counting it and deleting the gang, or its
+  cache of pods lags the status it wrote) is deleted without counting again.
 - Every rank Succeeded means training finished: the job Succeeded.
 - Running is True when the coordinator, every trainer rank and every replica is
   ready; a pod the scheduler cannot place turns Scheduled False with the
   scheduler's own words (e.g. "0/3 nodes are available: 3 Insufficient
   nvidia.com/gpu").
+- The trainer's ranks are created only once every replica has a node: a job
+  whose replicas cannot be placed holds no trainer GPUs while it waits (ranks
+  that already run are left alone; a gang restart waits again).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ class PodView:
     unschedulable: str | None  # the scheduler's message when it cannot place the pod
     rank: int | None = None
     spec_hash: str | None = None
+    component: str | None = None
+    placed: bool = False  # the scheduler gave it a node
+    restart: int | None = None  # a trainer rank's gang: status.restarts when it was created
 
     @classmethod
     def of(cls, pod: dict[str, Any]) -> PodView:
@@ -52,6 +62,7 @@ class PodView:
             else None
         )
         rank = meta.get("labels", {}).get(names.RANK_LABEL)
+        restart = meta.get("annotations", {}).get(names.RESTART_ANNOTATION)
         return cls(
             name=meta.get("name", ""),
             phase=status.get("phase", "Pending"),
@@ -60,6 +71,9 @@ class PodView:
             unschedulable=unschedulable,
             rank=int(rank) if rank is not None else None,
             spec_hash=meta.get("annotations", {}).get(names.HASH_ANNOTATION),
+            component=meta.get("labels", {}).get(names.COMPONENT_LABEL),
+            placed=bool(pod.get("spec", {}).get("nodeName")),
+            restart=int(restart) if restart is not None and str(restart).isdigit() else None,
         )
 
 
@@ -67,8 +81,10 @@ class Verdict(enum.StrEnum):
     """What to do with the trainer gang."""
 
     RUN = "Run"  # create missing ranks
+    WAIT = "Wait"  # no rank yet and a replica without a node: hold no trainer GPUs until the replicas have theirs
     PARK = "Park"  # suspended or finished: no ranks
     RESTART = "Restart"  # a rank failed and budget is left: delete all, count one restart
+    CLEAR = "Clear"  # only ranks of a gang whose failure is counted already failed: delete all, count nothing
     FAIL = "Fail"  # a rank failed and the budget is spent
     SUCCEED = "Succeed"  # every rank exited 0
 
@@ -77,11 +93,16 @@ def terminal(status: RLJobStatus) -> bool:
     return is_true(status.conditions, ConditionType.FAILED) or is_true(status.conditions, ConditionType.SUCCEEDED)
 
 
-def decide_trainer(spec: RLJobSpec, status: RLJobStatus, trainer: list[PodView]) -> Verdict:
+def decide_trainer(spec: RLJobSpec, status: RLJobStatus, trainer: list[PodView], replicas_placed: int) -> Verdict:
     if terminal(status) or spec.suspend:
         return Verdict.PARK
     live = [p for p in trainer if not p.deleting]
-    if any(p.phase == "Failed" for p in live):
+    if not live and replicas_placed < spec.inference.replicas:
+        return Verdict.WAIT
+    failed = [p for p in live if p.phase == "Failed"]
+    if failed and all(p.restart is not None and p.restart < status.restarts for p in failed):
+        return Verdict.CLEAR
+    if failed:
         return Verdict.RESTART if status.restarts < spec.failure_policy.max_restarts else Verdict.FAIL
     ranks = {p.rank for p in live if p.phase == "Succeeded"}
     if len(ranks) == spec.trainer.world_size:
@@ -150,6 +171,8 @@ def next_status(
             f"coordinator {seen.coordinator_ready}/1, trainer {trainer_ready}/{spec.trainer.world_size}, "
             f"replicas {seen.inference_ready}/{spec.inference.replicas} ready"
         )
+        if verdict == Verdict.WAIT:
+            reason, message = "WaitingForReplicas", f"{message}; the trainer starts once every replica has a node"
         conds = set_condition(conds, ConditionType.RUNNING, FALSE, reason, message, gen)
 
     stuck = [p for p in seen.pods if p.unschedulable and not p.deleting]

@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from weightsync.resources.weightversion import WeightVersionSpec, WeightVersionStatus
+from weightsync.resources import JOB_LABEL
+from weightsync.resources.weightversion import WeightVersionSpec, WeightVersionStatus, version_name
 from weightsync.vocabulary import VersionState
 
 READY, FAILED, STAGING = VersionState.READY.phase, VersionState.FAILED.phase, VersionState.STAGING.phase
@@ -40,8 +41,11 @@ class VersionSummary:
     newest_phase: str = ""
 
 
-def parse(job: str, items: list[dict[str, Any]]) -> list[Seen]:
-    """The job's versions, newest first; objects that do not parse or belong elsewhere are skipped."""
+def parse(job: str, items: list[dict[str, Any]], uid: str = "") -> list[Seen]:
+    """The job's versions, newest first. Skipped: objects that do not parse, and any that does not belong to
+    this job in every way it can say so (``spec.job``, the job label, the name ``<job>-v<version>``, and an
+    RLJob owner, when it has one, of this job's ``uid``): another job's coordinator cannot pass a version off
+    as this job's, nor can one left by an earlier job of the same name."""
     out = []
     for item in items:
         try:
@@ -49,8 +53,15 @@ def parse(job: str, items: list[dict[str, Any]]) -> list[Seen]:
             status = WeightVersionStatus.model_validate(item.get("status") or {})
         except ValidationError:
             continue
-        if spec.job == job:
-            out.append(Seen(item["metadata"]["name"], spec, status))
+        meta = item.get("metadata", {})
+        owners = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == "RLJob"]
+        if (
+            spec.job == job
+            and (meta.get("labels") or {}).get(JOB_LABEL) == job
+            and meta.get("name") == version_name(job, spec.version)
+            and all(r.get("name") == job and (not uid or r.get("uid") == uid) for r in owners)
+        ):
+            out.append(Seen(meta["name"], spec, status))
     return sorted(out, key=lambda s: s.spec.version, reverse=True)
 
 

@@ -13,6 +13,8 @@ Fixtures (reuse them in later e2e tests: operator, helm install, ...):
   ``helm`` runners and polling helpers.
 - ``namespace`` (function): a fresh namespace per test, deleted afterwards.
 - ``timeouts``: :class:`Timeouts`, named timeouts in seconds.
+- ``operator`` (module): the chart helm-installed and the operator running under its
+  ServiceAccount (:mod:`tests.e2e.chart`).
 
 On a failing e2e test the report gets a section with the namespace's pods,
 events and the tail of every component's log, and the same text is written
@@ -361,6 +363,14 @@ def kube(e2e_cluster: ClusterInfo) -> Kube:
 @pytest.fixture(scope="session")
 def timeouts() -> type[Timeouts]:
     return Timeouts
+
+
+@pytest.fixture(scope="module")
+def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from tests.e2e.chart import installed
+
+    with installed(kube, tmp_path_factory.mktemp("operator")) as op:
+        yield op
 
 
 def _slug(text: str, limit: int = 40) -> str:

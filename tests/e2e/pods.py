@@ -21,6 +21,10 @@ a process started from the Pod object as the API server returned it:
   value that names a path under a container's ``mountPath`` is rewritten to that pod's folder:
   the only rewriting there is. Ports, addresses and DNS names are the pod's own.
 
+Pods can also be handed over later (:meth:`Kubelet.add`: e.g. a pod its controller created again under the same
+name), and :meth:`Kubelet.report_exit` writes the end of a pod's containers to the API server as a kubelet does
+(phase, conditions, ``state.terminated`` with the exit code); KWOK itself only ever marks pods Running.
+
 :meth:`Kubelet.service_names` gives the DNS names a cluster's DNS would serve for the namespace's
 Services (``<svc>.<ns>.svc`` of a Service that selects one pod, ``<hostname>.<subdomain>.<ns>.svc``
 of a headless Service's pods), for :meth:`tests.netns.Hosts.resolve`.
@@ -42,6 +46,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -54,6 +59,10 @@ IMAGE_COMMANDS: dict[str, list[str]] = {
     "python3": [sys.executable],
 }
 """What a container's first word runs here (the images are this repository's packages)."""
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _base_env() -> dict[str, str]:
@@ -76,6 +85,8 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     log: IO[bytes]
+    uid: str = ""  # of the pod it ran for (a pod re-created under its name has another)
+    started_at: str = ""  # RFC 3339, as a container status says it
 
     @property
     def name(self) -> str:
@@ -109,7 +120,8 @@ class _PodState:
 
 
 class Kubelet:
-    """Starts containers of ``pods`` (V1Pod objects of ``namespace``), each pod in the ``hosts`` host named after it."""
+    """Starts containers of ``pods`` (V1Pod objects of ``namespace``; more with :meth:`add`), each pod in the
+    ``hosts`` host named after it."""
 
     def __init__(self, kube: Any, namespace: str, hosts: netns.Hosts, pods: Sequence[Any], work: Path) -> None:
         self.kube, self.namespace, self.hosts, self.work = kube, namespace, hosts, work
@@ -118,17 +130,39 @@ class Kubelet:
         self._pods: dict[str, _PodState] = {}
         try:
             for pod in pods:
-                name = pod.metadata.name
-                assert name in hosts.names, f"no host plays pod {name} (hosts: {hosts.names})"
-                assert pod.spec.node_name, f"pod {name} is not bound to a node yet"
-                root = work / name
-                root.mkdir(parents=True)
-                self._pods[name] = state = _PodState(pod, root)
-                for volume in pod.spec.volumes or []:
-                    state.volumes[volume.name] = self._materialize(state, volume)
+                self.add(pod)
         except BaseException:
             self.close()
             raise
+
+    def add(self, pod: Any) -> None:
+        """Take one more pod (a V1Pod bound to a node), e.g. one its controller created after this kubelet started.
+
+        A pod re-created under a name played before (a new uid: a controller deleted the old pod and made it
+        again) takes the old one's place on the same host once the old one's processes have ended; it gets fresh
+        volumes under ``<work>/<name>.<n>`` (the first pod of a name has ``<work>/<name>``).
+        """
+        name, uid = pod.metadata.name, pod.metadata.uid
+        assert name in self.hosts.names, f"no host plays pod {name} (hosts: {self.hosts.names})"
+        assert pod.spec.node_name, f"pod {name} is not bound to a node yet"
+        previous = self._pods.get(name)
+        if previous is not None:
+            assert previous.pod.metadata.uid != uid, f"pod {name} ({uid}) is played already"
+            running = [p.name for p in self.procs if p.pod == name and p.running()]
+            assert not running, f"{running} of the previous pod {name} still run"
+        root, n = self.work / name, 1
+        while root.exists():
+            n += 1
+            root = self.work / f"{name}.{n}"
+        root.mkdir(parents=True)
+        state = _PodState(pod, root)
+        for volume in pod.spec.volumes or []:
+            state.volumes[volume.name] = self._materialize(state, volume)
+        self._pods[name] = state
+
+    def pod(self, name: str) -> Any:
+        """The V1Pod this kubelet plays under ``name`` (the newest one given that name)."""
+        return self._pods[name].pod
 
     # -- volumes
 
@@ -318,7 +352,7 @@ class Kubelet:
             cwd=tmp,
             start_new_session=True,
         )
-        proc = Proc(pod, container, popen, log_path, log)
+        proc = Proc(pod, container, popen, log_path, log, self._pods[pod].pod.metadata.uid, _now())
         self.procs.append(proc)
         return proc
 
@@ -329,6 +363,62 @@ class Kubelet:
     def proc(self, pod: str, container: str) -> Proc:
         """The newest process of that container."""
         return [p for p in self.procs if p.pod == pod and p.container == container][-1]
+
+    def report_exit(self, pod: str) -> Any:
+        """Tell the API server that every container of ``pod`` exited, as a kubelet's status manager does.
+
+        A strategic-merge patch of the pod's ``status`` subresource with ``metadata.uid`` as a precondition (a pod
+        re-created under the name is never patched by mistake): phase ``Succeeded`` when every container exited 0,
+        else ``Failed`` (``restartPolicy: Never`` only: other policies restart the container instead); conditions
+        Ready and ContainersReady False with reason PodCompleted; each container's ``state.terminated`` with its exit
+        code (128 + the signal for a killed one) and reason ``Completed`` or ``Error``. Each container's newest process
+        for this pod must have exited. Returns the patched V1Pod.
+        """
+        state = self._pods[pod]
+        spec, uid = state.pod.spec, state.pod.metadata.uid
+        assert spec.restart_policy == "Never", f"pod {pod}: restartPolicy {spec.restart_policy} is not played here"
+        now = _now()
+        statuses = []
+        for c in spec.containers:
+            procs = [p for p in self.procs if p.pod == pod and p.container == c.name and p.uid == uid]
+            assert procs, f"{pod}/{c.name} was never started"
+            code = procs[-1].popen.poll()
+            assert code is not None, f"{pod}/{c.name} still runs"
+            code = 128 - code if code < 0 else code
+            terminated = {
+                "exitCode": code,
+                "reason": "Completed" if code == 0 else "Error",
+                "startedAt": procs[-1].started_at,
+                "finishedAt": now,
+                "containerID": f"weightsync-e2e://{procs[-1].popen.pid}",
+            }
+            statuses.append(
+                {
+                    "name": c.name,
+                    "image": c.image,
+                    "imageID": "",
+                    "ready": False,
+                    "started": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            )
+        failed = any(s["state"]["terminated"]["exitCode"] != 0 for s in statuses)
+        conditions = [
+            {"type": t, "status": "False", "reason": "PodCompleted", "lastTransitionTime": now}
+            for t in ("Ready", "ContainersReady")
+        ]
+        body = {
+            "metadata": {"uid": uid},
+            "status": {
+                "phase": "Failed" if failed else "Succeeded",
+                "conditions": conditions,
+                "containerStatuses": statuses,
+            },
+        }
+        return self.kube.core.patch_namespaced_pod_status(
+            pod, self.namespace, body, _content_type="application/strategic-merge-patch+json"
+        )
 
     def crashed(self) -> list[Proc]:
         """Containers whose newest process exited with an error (a trainer that finished is not one)."""

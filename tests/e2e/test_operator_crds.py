@@ -74,8 +74,9 @@ def test_invalid_specs_are_rejected_naming_the_field(
         ({"spec.trainer.worldSize": 4}, "spec.trainer.worldSize"),
         ({"spec.placement.mode": "Colocate"}, "spec.placement.mode"),
         ({"spec.sync.checkpointVolume": {"size": "1Ti"}}, "spec.sync.checkpointVolume"),
+        ({"spec.inference.model": "Qwen/Qwen3-8B"}, "spec.inference.model"),
     ],
-    ids=["world-size", "placement-mode", "checkpoint-volume"],
+    ids=["world-size", "placement-mode", "checkpoint-volume", "model"],
 )
 def test_immutable_fields_cannot_change(
     kube: Kube, namespace: str, crds_installed: None, change: dict[str, Any], field: str

@@ -1,109 +1,25 @@
 """The operator on the real control plane: helm install, an RLJob's life, and the operator's own RBAC.
 
-The chart is installed with helm; KWOK runs no containers, so the operator runs
-here as a local process with the *chart's* ServiceAccount token (so the RBAC the
-chart grants is exactly what it gets), and this test writes WeightVersion objects
-with the token of the job's coordinator ServiceAccount, as the coordinator would.
+The operator runs under the chart's ServiceAccount (:mod:`tests.e2e.chart`), and this test
+writes WeightVersion objects with the token of the job's coordinator ServiceAccount, as the
+coordinator would.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from tests.e2e.chart import EXAMPLE_JOB, REPO, Operator, example, rljob, wait_phase
 from tests.e2e.conftest import Kube, Timeouts
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
-JOB = EXAMPLE["metadata"]["name"]
-RUN_OPERATOR = (
-    "import argparse, sys; from weightsync.cli import operator as o; p = argparse.ArgumentParser(); "
-    "o.add_arguments(p); sys.exit(o.run(p.parse_args(sys.argv[1:])))"
-)
-
-
-class Operator:
-    """The operator as a local process under the chart's ServiceAccount."""
-
-    def __init__(self, kubeconfig: Path, role: str, log: Path) -> None:
-        self.kubeconfig, self.role, self.log = kubeconfig, role, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-        args = [
-            "--resync-seconds",
-            "1",
-            "--coordinator-role",
-            self.role,
-            "--metrics-port",
-            "0",
-            "--liveness-port",
-            "18981",
-        ]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
-            )
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-
-
-@pytest.fixture(scope="module")
-def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    release = f"ws-{uuid.uuid4().hex[:5]}"
-    system = f"{release}-system"
-    kube.helm("install", release, str(REPO / "helm" / "weightsync"), "-n", system, "--create-namespace", "--wait=false")
-    kube.wait_for(
-        lambda: kube.core.read_namespaced_service_account("default", system),
-        Timeouts.NAMESPACE_READY,
-        "system namespace",
-    )
-    tmp = tmp_path_factory.mktemp("operator")
-    kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
-    op = Operator(kubeconfig, f"{release}-weightsync-coordinator", tmp / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    print((tmp / "operator.log").read_text()[-4000:])
-    kube.helm("uninstall", release, "-n", system, check=False)
-    kube.core.delete_namespace(system)
-
-
-def _rljob(kube: Kube, namespace: str, name: str = JOB) -> dict[str, Any]:
-    obj: dict[str, Any] = kube.custom.get_namespaced_custom_object(
-        "weightsync.io", "v1alpha1", namespace, "rljobs", name
-    )
-    return obj
-
-
-def _phase(kube: Kube, namespace: str, phase: str, name: str = JOB) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        job = _rljob(kube, namespace, name)
-        return job if job.get("status", {}).get("phase") == phase else None
-
-    found = kube.wait_for(check, Timeouts.POD_RUNNING, f"RLJob {namespace}/{name} phase {phase}")
-    assert found is not None
-    return found
+JOB = EXAMPLE_JOB
 
 
 def _children(kube: Kube, namespace: str) -> dict[str, list[str]]:
@@ -166,7 +82,7 @@ def _version(kube: Kube, kubeconfig: Path, namespace: str, version: int, phase: 
 def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_path: Path) -> None:
     kube.prebind_checkpoint_volume(namespace, JOB)
     kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
-    job = _phase(kube, namespace, "Running")
+    job = wait_phase(kube, namespace, JOB, "Running")
     assert job["status"]["ready"] == "2/2" and job["status"]["trainerReady"] == 2
 
     # children: GPU requests, scheduled on the fake GPU nodes, policies accepted
@@ -186,11 +102,11 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     for version in range(1, 6):
         _version(kube, coordinator, namespace, version, "Failed" if version == 5 else "Ready")
     kube.wait_for(
-        lambda: _rljob(kube, namespace)["status"].get("lastFailedVersion") == 5,
+        lambda: rljob(kube, namespace, JOB)["status"].get("lastFailedVersion") == 5,
         Timeouts.POD_RUNNING,
         "version 5 reflected",
     )
-    status = _rljob(kube, namespace)["status"]
+    status = rljob(kube, namespace, JOB)["status"]
     assert status["currentVersion"] == 4 and status["replicasLoaded"] == 2 and status["lastSyncSeconds"] == 0.25
     kube.wait_for(
         lambda: (
@@ -220,14 +136,14 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
 
     # suspend removes every pod; resume brings them back
     kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": true}}')
-    _phase(kube, namespace, "Suspended")
+    wait_phase(kube, namespace, JOB, "Suspended")
     kube.wait_for(
         lambda: not kube.core.list_namespaced_pod(namespace, label_selector=f"weightsync.io/job={JOB}").items,
         Timeouts.DELETE,
         "pods gone",
     )
     kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": false}}')
-    _phase(kube, namespace, "Running")
+    wait_phase(kube, namespace, JOB, "Running")
 
     # the TLS Secret: a CA and the coordinator's certificate, owned by the job, mounted by every pod
     tls = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
@@ -248,12 +164,12 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
         Timeouts.POD_RUNNING,
         "children back",
     )
-    _phase(kube, namespace, "Running")
+    wait_phase(kube, namespace, JOB, "Running")
     after = _children(kube, namespace)
     assert {k: v for k, v in after.items() if k != "Pod"} == {k: v for k, v in before.items() if k != "Pod"}
     kept = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
     assert kept.metadata.uid == tls.metadata.uid and kept.data == tls.data
-    assert _rljob(kube, namespace)["status"]["restarts"] == 0
+    assert rljob(kube, namespace, JOB)["status"]["restarts"] == 0
 
     # deleting the RLJob removes every child (and its WeightVersions, via the finalizer)
     kube.kubectl("delete", "rlj", JOB, "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s")
@@ -266,19 +182,18 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
 
 
 def test_unschedulable_job_says_why(kube: Kube, namespace: str, operator: Operator) -> None:
-    body = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
-    body["metadata"]["name"] = "too-big"
+    body = example("too-big")
     body["spec"]["inference"]["gpusPerReplica"] = 16
     kube.prebind_checkpoint_volume(namespace, "too-big")
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
     def scheduled_false() -> dict[str, Any] | None:
-        conds = _rljob(kube, namespace, "too-big").get("status", {}).get("conditions", [])
+        conds = rljob(kube, namespace, "too-big").get("status", {}).get("conditions", [])
         return next((c for c in conds if c["type"] == "Scheduled" and c["status"] == "False"), None)
 
     cond = kube.wait_for(scheduled_false, Timeouts.POD_UNSCHEDULABLE, "Scheduled=False")
     assert cond is not None
     assert cond["reason"] == "Unschedulable" and "pod too-big-inference-" in cond["message"]
     assert "Insufficient nvidia.com/gpu" in cond["message"], cond["message"]
-    assert _rljob(kube, namespace, "too-big")["status"]["phase"] == "Pending"
+    assert rljob(kube, namespace, "too-big")["status"]["phase"] == "Pending"
     kube.kubectl("delete", "pv", f"{namespace}-too-big", "--wait=false", check=False)

@@ -50,11 +50,8 @@ import json
 import os
 import re
 import socket
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,9 +62,9 @@ import torch
 import yaml
 
 from tests import netns, support
+from tests.e2e.chart import Operator
 from tests.e2e.conftest import Kube, Timeouts
 from tests.e2e.pods import Kubelet, TcpForwarder
-from weightsync.cli._localfleet import free_port, spawn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -78,10 +75,6 @@ VERSIONS = 3
 RETENTION = 2
 GROUP, API = "weightsync.io", "v1alpha1"
 FINAL_WEIGHTS = "/tmp/final-weights"  # in the trainer pod's /tmp (an emptyDir)
-RUN_OPERATOR = (
-    "import argparse, sys; from weightsync.cli import operator as o; p = argparse.ArgumentParser(); "
-    "o.add_arguments(p); sys.exit(o.run(p.parse_args(sys.argv[1:])))"
-)
 # The trainer rank's command, as a user would put it in the RLJob (README, "Using it from a trainer"): everything
 # it needs comes from the pod's env the operator wrote.
 TRAINER = """
@@ -112,29 +105,6 @@ dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------- the operator and the job
-
-
-@pytest.fixture(scope="module")
-def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """helm install the chart; run the operator locally under the chart's ServiceAccount. Yields the release."""
-    release = f"wsync-{uuid.uuid4().hex[:5]}"
-    system = f"{release}-system"
-    kube.helm("install", release, str(REPO / "helm" / "weightsync"), "-n", system, "--create-namespace", "--wait=false")
-    kube.wait_for(lambda: kube.core.read_namespaced_service_account(f"{release}-weightsync", system),
-                  Timeouts.NAMESPACE_READY, "the chart's ServiceAccount")  # fmt: skip
-    tmp = tmp_path_factory.mktemp("operator")
-    kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
-    args = ["--resync-seconds", "1", "--coordinator-role", f"{release}-weightsync-coordinator"]
-    args += ["--metrics-port", "0", "--liveness-port", str(free_port())]
-    env = {"KUBECONFIG": str(kubeconfig), "PYTHONPATH": str(REPO)}
-    proc = spawn("operator", [sys.executable, "-c", RUN_OPERATOR, *args], tmp, env)
-    try:
-        yield release
-    finally:
-        proc.stop()
-        print((tmp / "operator.log").read_text()[-3000:])
-        kube.helm("uninstall", release, "-n", system, check=False)
-        kube.core.delete_namespace(system)
 
 
 def _cpu_job(model: Path) -> dict[str, Any]:
@@ -296,7 +266,9 @@ def _agrees(model: Any, got: Greedy, what: str) -> None:
 # --------------------------------------------------------------------- the test
 
 
-def test_weights_reach_every_replica_across_hosts(kube: Kube, namespace: str, operator: str, tmp_path: Path) -> None:
+def test_weights_reach_every_replica_across_hosts(
+    kube: Kube, namespace: str, operator: Operator, tmp_path: Path
+) -> None:
     import transformers
 
     netns.require()

@@ -67,6 +67,9 @@ def test_rules_and_immutable_fields_are_in_the_schema() -> None:
         "self == oldSelf"
     )
     assert spec["properties"]["sync"]["properties"]["checkpointVolume"]["x-kubernetes-validations"]
+    assert spec["properties"]["inference"]["properties"]["model"]["x-kubernetes-validations"][0]["rule"] == (
+        "self == oldSelf"
+    )
     channels = spec["properties"]["sync"]["properties"]["channels"]
     assert channels["items"]["enum"] == [c.value for c in Channel]
 

@@ -59,6 +59,12 @@ def test_default_render() -> None:
     assert ("ServiceMonitor", "ws-weightsync") not in docs
     dashboards = [d for d in docs.values() if d["kind"] == "ConfigMap"]
     assert len(dashboards) == 2 and all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    # helm uninstall first runs the check that refuses while RLJobs exist, as the operator's ServiceAccount
+    hook = docs[("Job", "ws-weightsync-uninstall-check")]
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    check = hook["spec"]["template"]["spec"]
+    assert check["containers"][0]["command"] == ["weightsync", "operator", "--check-uninstall"]
+    assert check["serviceAccountName"] == pod["serviceAccountName"] and check["securityContext"]["runAsNonRoot"]
 
 
 def test_gpu_values_render() -> None:

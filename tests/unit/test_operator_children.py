@@ -177,3 +177,49 @@ def test_rdma_and_colocated_ipc_get_what_their_channels_need() -> None:
         assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     agent = _containers(objs[("StatefulSet", "grpo-inference")])["agent"]
     assert "add" not in agent["securityContext"]["capabilities"]  # only what registers memory gets IPC_LOCK
+
+
+def _as_served(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` as the API server would hand it back: defaults and bookkeeping added, quantities normalised."""
+    import copy
+
+    live = copy.deepcopy(obj)
+    live["metadata"] |= {"uid": "u", "resourceVersion": "7", "creationTimestamp": "2026-11-26T00:00:00Z"}
+    live["status"] = {"readyReplicas": 0}
+    spec = live.get("spec", {})
+    template = spec.get("template", {}).get("spec", {})
+    for c in template.get("containers", []):
+        c |= {"terminationMessagePath": "/dev/termination-log", "imagePullPolicy": "IfNotPresent"}
+        for key, value in c.get("resources", {}).get("limits", {}).items():
+            c["resources"]["limits"][key] = str(value)
+        for mount in c.get("volumeMounts", []):
+            if mount.get("readOnly") is False:
+                del mount["readOnly"]  # omitempty: the server drops a false it was sent
+    for port in spec.get("ports", []):
+        port.setdefault("protocol", "TCP")
+    return live
+
+
+def test_a_child_as_the_server_keeps_it_has_not_drifted_and_a_hand_edit_has() -> None:
+    by = _by_kind()
+    for obj in by.values():
+        assert not children.drifted(obj, _as_served(obj)), obj["metadata"]["name"]
+    sts = _as_served(by[("StatefulSet", "grpo-inference")])
+    assert not children.drifted(by[("StatefulSet", "grpo-inference")], sts)
+    scaled = _as_served(by[("StatefulSet", "grpo-inference")])
+    scaled["spec"]["replicas"] = 5  # kubectl scale
+    assert children.drifted(by[("StatefulSet", "grpo-inference")], scaled)
+    patched = _as_served(by[("Deployment", "grpo-coordinator")])
+    patched["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"  # kubectl set image
+    assert children.drifted(by[("Deployment", "grpo-coordinator")], patched)
+    assert children.drifted(by[("Deployment", "grpo-coordinator")], None)
+
+
+def test_covers_compares_quantities_by_value_and_ignores_what_is_not_set() -> None:
+    assert children.covers({"cpu": "1", "memory": "1Gi"}, {"cpu": "1000m", "memory": "1Gi"})
+    assert children.covers({"nvidia.com/gpu": "1"}, {"nvidia.com/gpu": 1})
+    assert children.covers({"a": 1, "b": 2}, {"a": 1, "c": None})
+    assert not children.covers({"image": "a:1"}, {"image": "a:2"})
+    assert not children.covers([1, 2, 3], [1, 2])
+    assert not children.covers({"enabled": True}, {"enabled": "true"})
+    assert children.covers({}, {"readOnly": False, "args": []}) and not children.covers({}, {"readOnly": True})

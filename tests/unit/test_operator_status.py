@@ -56,19 +56,30 @@ def test_failed_rank_restarts_the_gang_until_the_budget_is_spent() -> None:
     old = RLJobStatus()
     failed = [_pod(0, "Failed", False), _pod(1)]
     for expected in range(1, SPEC.failure_policy.max_restarts + 1):
-        verdict = status.decide_trainer(SPEC, old, failed)
+        verdict = status.decide_trainer(SPEC, old, failed, 2)
         assert verdict == Verdict.RESTART
         old = status.next_status(SPEC, old, _all_up(), verdict, NONE)
         assert old.restarts == expected
-    assert status.decide_trainer(SPEC, old, failed) == Verdict.FAIL
+    assert status.decide_trainer(SPEC, old, failed, 2) == Verdict.FAIL
     final = status.next_status(SPEC, old, _all_up(), Verdict.FAIL, NONE)
     assert final.phase == "Failed" and final.restarts == SPEC.failure_policy.max_restarts
+
+
+def test_the_trainer_waits_for_every_replica_to_have_a_node() -> None:
+    assert status.decide_trainer(SPEC, RLJobStatus(), [], 1) == Verdict.WAIT
+    assert status.decide_trainer(SPEC, RLJobStatus(), [], 2) == Verdict.RUN
+    assert status.decide_trainer(SPEC, RLJobStatus(), [_pod(0)], 0) == Verdict.RUN  # running ranks stay
+    seen = _all_up()
+    seen.trainer, seen.inference_ready = [], 0
+    waiting = status.next_status(SPEC, RLJobStatus(), seen, Verdict.WAIT, NONE)
+    running = find(waiting.conditions, "Running")
+    assert waiting.phase == "Pending" and running is not None and running.reason == "WaitingForReplicas"
 
 
 def test_terminal_is_sticky_and_parks_the_job() -> None:
     done = status.next_status(SPEC, RLJobStatus(), _all_up(), Verdict.SUCCEED, NONE)
     assert done.phase == "Succeeded"
-    assert status.decide_trainer(SPEC, done, [_pod(0, "Failed", False)]) == Verdict.PARK
+    assert status.decide_trainer(SPEC, done, [_pod(0, "Failed", False)], 2) == Verdict.PARK
     later = status.next_status(SPEC, done, _all_up(), Verdict.PARK, NONE)
     assert later.phase == "Succeeded" and find(later.conditions, "Running").status == "False"  # type: ignore[union-attr]
 
@@ -76,7 +87,7 @@ def test_terminal_is_sticky_and_parks_the_job() -> None:
 def test_suspend_and_resume() -> None:
     spec = SPEC.model_copy(deep=True)
     spec.suspend = True
-    assert status.decide_trainer(spec, RLJobStatus(), [_pod(0)]) == Verdict.PARK
+    assert status.decide_trainer(spec, RLJobStatus(), [_pod(0)], 2) == Verdict.PARK
     suspended = status.next_status(spec, RLJobStatus(), Observed(generation=2), Verdict.PARK, NONE)
     assert suspended.phase == "Suspended"
     resumed = status.next_status(SPEC, suspended, _all_up(), Verdict.RUN, NONE)
@@ -85,7 +96,7 @@ def test_suspend_and_resume() -> None:
 
 def _wv(version: int, phase: str, loaded: int = 0, total: float | None = None) -> dict[str, object]:
     return {
-        "metadata": {"name": f"j-v{version}"},
+        "metadata": {"name": f"j-v{version}", "labels": {"weightsync.io/job": "j"}},
         "spec": {"job": "j", "version": version, "step": version * 4, "bytes": 10},
         "status": {"phase": phase, "replicasLoaded": loaded, "phaseSeconds": {"total": total}},
     }
@@ -103,9 +114,27 @@ def test_versions_reflect_current_and_prune_beyond_retention() -> None:
     seen = versions.parse("j", items)
     summary = versions.summarize(seen)
     assert (summary.current, summary.replicas_loaded, summary.last_sync_seconds) == (3, 2, 0.25)
+    assert [s.spec.version for s in seen] == [5, 4, 3, 2, 1]
     assert (summary.newest, summary.newest_phase, summary.last_failed) == (5, "Staging", 4)
     assert versions.beyond_retention(seen, 2) == ["j-v2", "j-v1"]  # v3 is current: kept
     new = status.next_status(SPEC, RLJobStatus(), _all_up(), Verdict.RUN, summary)
     assert new.current_version == 3 and find(new.conditions, "Synced").status == "False"  # type: ignore[union-attr]
     reasons = [e[1] for e in versions.events(None, None, summary)]
     assert reasons == ["VersionReady", "VersionFailed"] and versions.events(3, 4, summary) == []
+
+
+def test_a_version_counts_only_when_it_belongs_to_the_job_in_every_way() -> None:
+    """Another job's coordinator (or a leftover of an earlier job of the same name) cannot pass a version off."""
+    mine = _wv(7, "Ready", 2)
+    owned = {**mine, "metadata": {**mine["metadata"], "ownerReferences": [{"kind": "RLJob", "name": "j", "uid": "u1"}]}}  # type: ignore[dict-item]
+    assert [s.spec.version for s in versions.parse("j", [owned], uid="u1")] == [7]
+    fakes = [
+        {**mine, "metadata": {"name": "j-v7", "labels": {"weightsync.io/job": "k"}}},  # another job's label
+        {**mine, "metadata": {"name": "j-v7"}},  # no label
+        {**mine, "metadata": {"name": "k-v7", "labels": {"weightsync.io/job": "j"}}},  # not <job>-v<version>
+        {**mine, "metadata": {"name": "j-v8", "labels": {"weightsync.io/job": "j"}}},  # the name names v8
+        {**owned, "metadata": {**owned["metadata"], "ownerReferences": [{"kind": "RLJob", "name": "j", "uid": "old"}]}},  # type: ignore[dict-item]
+        {**owned, "metadata": {**owned["metadata"], "ownerReferences": [{"kind": "RLJob", "name": "k", "uid": "u1"}]}},  # type: ignore[dict-item]
+    ]
+    for fake in fakes:
+        assert versions.parse("j", [fake], uid="u1") == [], fake

@@ -188,7 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.kubernetes_namespace:  # the Kubernetes client and the CRD models load only for this store
         from weightsync.coordinator import kubestore
 
-        store = kubestore.around(args.kubernetes_namespace, config.volumes)
+        store = kubestore.around(args.kubernetes_namespace, config.volumes, args.job)
     coordinator = server.CoordinatorServer(config, store=store).start()
     if store is not None:
         store.attach(coordinator.core)

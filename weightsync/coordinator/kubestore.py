@@ -106,12 +106,15 @@ class KubeStore:
         namespace: str,
         inner: VersionStore | None = None,
         *,
+        job: str = "",
         api: Any | None = None,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
+        """``job``: the one job this coordinator serves (an RLJob's coordinator), whose versions alone it
+        recovers; other jobs' versions in the namespace are not its to read back or write."""
         from kubernetes import client
 
-        self.namespace = namespace
+        self.namespace, self.job = namespace, job
         self.inner: VersionStore = inner if inner is not None else MemoryStore()
         self.api = client.CustomObjectsApi(api if api is not None else api_client())
         self.timeout = request_timeout_s
@@ -141,7 +144,7 @@ class KubeStore:
     def jobs(self) -> list[str]:
         found = set(self.inner.jobs())
         try:
-            items = self._list(JOB_LABEL)
+            items = self._list(f"{JOB_LABEL}={self.job}" if self.job else JOB_LABEL)
         except Exception as e:  # noqa: BLE001 - recovery degrades to the wrapped store, loudly
             log.warning(
                 "cannot list WeightVersions in %s (%s); recovering from the local store only", self.namespace, e
@@ -411,6 +414,7 @@ def _from_object(job: str, item: Mapping[str, Any]) -> VersionInfo | None:
     )
 
 
-def around(namespace: str, volumes: Mapping[str, Path]) -> KubeStore:
-    """The coordinator's store with ``--kubernetes-namespace``: WeightVersions over the volume journal (if any)."""
-    return KubeStore(namespace, VolumeStore(volumes) if volumes else MemoryStore())
+def around(namespace: str, volumes: Mapping[str, Path], job: str = "") -> KubeStore:
+    """The coordinator's store with ``--kubernetes-namespace``: WeightVersions over the volume journal (if any),
+    for ``job`` alone when given."""
+    return KubeStore(namespace, VolumeStore(volumes) if volumes else MemoryStore(), job=job)

@@ -67,7 +67,11 @@ class Inference(Model):
     image: str = Field(
         description="Inference image (vLLM with weightsync[inference]).", min_length=1, max_length=IMAGE_LENGTH
     )
-    model: str = Field(description="Model name or path vLLM serves.", min_length=1, max_length=ARG_LENGTH)
+    model: str = immutable(
+        "Model name or path vLLM serves; immutable, since the trainer trains this one model.",
+        min_length=1,
+        max_length=ARG_LENGTH,
+    )
     replicas: int = Field(default=1, ge=1, le=1024, description="Number of vLLM replicas.")
     gpus_per_replica: int = Field(default=1, ge=0, le=64, description="nvidia.com/gpu per replica; 0 for CPU vLLM.")
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM --tensor-parallel-size.")

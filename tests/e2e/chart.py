@@ -1,0 +1,109 @@
+"""The chart installed with helm and the operator run under its ServiceAccount, shared by the operator e2e tests.
+
+KWOK runs no containers, so the operator runs here as a local process with the *chart's*
+ServiceAccount token: the RBAC the chart grants is exactly what it gets. It gets no short
+resync, so every reaction a test waits for comes from an event.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.e2e.conftest import Kube, Timeouts
+from weightsync.cli._localfleet import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "rljob.yaml"
+EXAMPLE_JOB: str = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+GROUP, API = "weightsync.io", "v1alpha1"
+RUN_OPERATOR = (
+    "import argparse, sys; from weightsync.cli import operator as o; p = argparse.ArgumentParser(); "
+    "o.add_arguments(p); sys.exit(o.run(p.parse_args(sys.argv[1:])))"
+)
+
+
+class Operator:
+    """The operator as a local process under the chart's ServiceAccount; stop and start it at will."""
+
+    def __init__(self, release: str, system: str, kubeconfig: Path, log: Path) -> None:
+        self.release, self.system, self.kubeconfig, self.log = release, system, kubeconfig, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        args = ["--coordinator-role", f"{self.release}-weightsync-coordinator"]
+        args += ["--metrics-port", "0", "--liveness-port", str(free_port())]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def check_uninstall(self, namespace: str) -> subprocess.CompletedProcess[str]:
+        """The chart's pre-delete hook command, scoped to ``namespace``."""
+        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+        argv = [sys.executable, "-c", RUN_OPERATOR, "--check-uninstall", f"--namespace={namespace}"]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@contextmanager
+def installed(kube: Kube, tmp: Path) -> Iterator[Operator]:
+    """helm install the chart into its own namespace and run the operator; uninstall afterwards."""
+    release = f"ws-{uuid.uuid4().hex[:5]}"
+    system = f"{release}-system"
+    kube.helm("install", release, str(REPO / "helm" / "weightsync"), "-n", system, "--create-namespace", "--wait=false")
+    kube.wait_for(
+        lambda: kube.core.read_namespaced_service_account(f"{release}-weightsync", system),
+        Timeouts.NAMESPACE_READY,
+        "the chart's ServiceAccount",
+    )
+    kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
+    op = Operator(release, system, kubeconfig, tmp / "operator.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(op.log.read_text()[-4000:])
+        kube.helm("uninstall", release, "-n", system, check=False)
+        kube.core.delete_namespace(system)
+
+
+def example(name: str) -> dict[str, Any]:
+    """examples/rljob.yaml under another name."""
+    body: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"]["name"] = name
+    return body
+
+
+def rljob(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = kube.custom.get_namespaced_custom_object(GROUP, API, namespace, "rljobs", name)
+    return obj
+
+
+def wait_phase(
+    kube: Kube, namespace: str, name: str, phase: str, timeout: float = Timeouts.POD_RUNNING
+) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        job = rljob(kube, namespace, name)
+        return job if job.get("status", {}).get("phase") == phase else None
+
+    found: dict[str, Any] = kube.wait_for(check, timeout, f"RLJob {namespace}/{name} phase {phase}")
+    return found
