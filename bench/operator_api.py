@@ -5,7 +5,8 @@
 On the e2e control plane (``e2e/cluster.sh``: kube-apiserver, kine, scheduler,
 controller-manager, KWOK GPU nodes; brought up if it is not), the chart is helm-installed and
 the operator runs under the chart's ServiceAccount as in the e2e tests (``tests/e2e/chart.py``).
-For each job count, that many copies of ``examples/rljob.yaml`` run in one namespace; once every
+For each job count, that many copies of ``examples/rljob.yaml`` (without GPUs and with small requests, so
+50 jobs fit the fake nodes) run in one namespace; once every
 job is Running and quiet, ``apiserver_request_total`` (summed over every verb and resource) is
 read before and after a window with the operator running, then with it stopped: the difference
 per second, divided by the jobs, is what an idle RLJob costs. The remaining load (the
@@ -98,6 +99,15 @@ def proc_stats(pid: int) -> dict[str, float]:
     return {"rss_mib": rss_kib / 1024, "cpu_seconds": cpu}
 
 
+def small(name: str) -> dict[str, Any]:
+    """examples/rljob.yaml without GPUs and with small requests, so 50 jobs fit the fake nodes (16 GPUs)."""
+    body = example(name)
+    tiny = {"cpu": "100m", "memory": "256Mi"}
+    body["spec"]["trainer"].update(gpusPerWorker=0, resources=tiny)
+    body["spec"]["inference"].update(gpusPerReplica=0, resources=tiny)
+    return body
+
+
 def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: float, changes: bool) -> dict[str, Any]:
     namespace = f"bench-{jobs}-{uuid.uuid4().hex[:5]}"
     kube.kubectl("create", "namespace", namespace)
@@ -106,7 +116,7 @@ def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: 
     try:
         for name in names:
             kube.prebind_checkpoint_volume(namespace, name)
-            kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example(name)))
+            kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(small(name)))
         t0 = time.monotonic()
         wait_all(kube, namespace, names, "Running", 120 + 6 * jobs)
         row: dict[str, Any] = {"jobs": jobs, "all_running_s": time.monotonic() - t0}
