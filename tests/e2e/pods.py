@@ -22,12 +22,17 @@ a process started from the Pod object as the API server returned it:
   the only rewriting there is. Ports, addresses and DNS names are the pod's own.
 
 Pods can also be handed over later (:meth:`Kubelet.add`: e.g. a pod its controller created again under the same
-name), and :meth:`Kubelet.report_exit` writes the end of a pod's containers to the API server as a kubelet does
-(phase, conditions, ``state.terminated`` with the exit code); KWOK itself only ever marks pods Running.
+name, or a Deployment's new pod under a new name, played on a spare host of the run), :meth:`Kubelet.terminate` does
+what a kubelet does when a pod is deleted (SIGTERM to its containers, SIGKILL after the grace period; the pod is
+then gone for DNS and its host free), and :meth:`Kubelet.report_exit` writes the end of a pod's containers to the
+API server as a kubelet does (phase, conditions, ``state.terminated`` with the exit code); KWOK itself only ever
+marks pods Running, and its pod-delete stage removes a deleted pod's object at once.
 
 :meth:`Kubelet.service_names` gives the DNS names a cluster's DNS would serve for the namespace's
 Services (``<svc>.<ns>.svc`` of a Service that selects one pod, ``<hostname>.<subdomain>.<ns>.svc``
-of a headless Service's pods), for :meth:`tests.netns.Hosts.resolve`.
+of a headless Service's pods), for :meth:`tests.netns.Hosts.resolve`; after a pod was terminated or another one
+added, calling both again points the names at the pods now played (running processes see the change: the hosts
+files are rewritten in place).
 
 :class:`TcpForwarder` forwards a port on the bridge address (the namespaces' way to the test's host
 network) to a loopback-only server, e.g. the kube-apiserver.
@@ -44,6 +49,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -87,6 +93,7 @@ class Proc:
     log: IO[bytes]
     uid: str = ""  # of the pod it ran for (a pod re-created under its name has another)
     started_at: str = ""  # RFC 3339, as a container status says it
+    stopped: bool = False  # stopped on purpose (stop(), a deleted pod): its exit is no crash
 
     @property
     def name(self) -> str:
@@ -96,6 +103,7 @@ class Proc:
         return self.popen.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> None:
+        self.stopped = True
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, sig)
@@ -116,12 +124,14 @@ class Proc:
 class _PodState:
     pod: Any
     root: Path
+    host: str  # the Hosts host that plays it
     volumes: dict[str, Path] = field(default_factory=dict)
+    gone: bool = False  # terminated: deleted from the API server, its processes ended
 
 
 class Kubelet:
     """Starts containers of ``pods`` (V1Pod objects of ``namespace``; more with :meth:`add`), each pod in the
-    ``hosts`` host named after it."""
+    ``hosts`` host named after it (or the host :meth:`add` was given)."""
 
     def __init__(self, kube: Any, namespace: str, hosts: netns.Hosts, pods: Sequence[Any], work: Path) -> None:
         self.kube, self.namespace, self.hosts, self.work = kube, namespace, hosts, work
@@ -135,34 +145,56 @@ class Kubelet:
             self.close()
             raise
 
-    def add(self, pod: Any) -> None:
+    def add(self, pod: Any, host: str | None = None) -> None:
         """Take one more pod (a V1Pod bound to a node), e.g. one its controller created after this kubelet started.
 
-        A pod re-created under a name played before (a new uid: a controller deleted the old pod and made it
-        again) takes the old one's place on the same host once the old one's processes have ended; it gets fresh
+        ``host`` is the host of ``hosts`` that plays it: by default the one named after the pod, or, for a name
+        played before, the host that played it. A pod re-created under a name played before (a new uid: a
+        controller deleted the old pod and made it again) takes the old one's place once the old one's processes
+        have ended. A pod under a new name (a Deployment's replacement pod) can be given a spare host of the run,
+        one that plays no pod or only pods whose processes have ended (:meth:`terminate`). Every pod gets fresh
         volumes under ``<work>/<name>.<n>`` (the first pod of a name has ``<work>/<name>``).
         """
         name, uid = pod.metadata.name, pod.metadata.uid
-        assert name in self.hosts.names, f"no host plays pod {name} (hosts: {self.hosts.names})"
-        assert pod.spec.node_name, f"pod {name} is not bound to a node yet"
         previous = self._pods.get(name)
+        host = host or (previous.host if previous is not None else name)
+        assert host in self.hosts.names, f"no host {host} to play pod {name} (hosts: {self.hosts.names})"
+        assert pod.spec.node_name, f"pod {name} is not bound to a node yet"
         if previous is not None:
             assert previous.pod.metadata.uid != uid, f"pod {name} ({uid}) is played already"
-            running = [p.name for p in self.procs if p.pod == name and p.running()]
-            assert not running, f"{running} of the previous pod {name} still run"
+        others = {n for n, s in self._pods.items() if s.host == host}
+        running = [p.name for p in self.procs if p.pod in others | {name} and p.running()]
+        assert not running, f"{running} still run on host {host}"
+        live = [n for n in others - {name} if not self._pods[n].gone]
+        assert not live, f"host {host} plays pod(s) {live} already"
         root, n = self.work / name, 1
         while root.exists():
             n += 1
             root = self.work / f"{name}.{n}"
         root.mkdir(parents=True)
-        state = _PodState(pod, root)
-        for volume in pod.spec.volumes or []:
-            state.volumes[volume.name] = self._materialize(state, volume)
-        self._pods[name] = state
+        state = _PodState(pod, root, host)
+        self._pods[name] = state  # before the volumes: the downward API reads its host's address
+        try:
+            for volume in pod.spec.volumes or []:
+                state.volumes[volume.name] = self._materialize(state, volume)
+        except BaseException:
+            if previous is not None:
+                self._pods[name] = previous
+            else:
+                del self._pods[name]
+            raise
 
     def pod(self, name: str) -> Any:
         """The V1Pod this kubelet plays under ``name`` (the newest one given that name)."""
         return self._pods[name].pod
+
+    def host(self, pod: str) -> str:
+        """The host of ``hosts`` that plays pod ``pod``."""
+        return self._pods[pod].host
+
+    def address(self, pod: str) -> str:
+        """Pod ``pod``'s IP: the address of the host playing it (``status.podIP``)."""
+        return self.hosts.address(self.host(pod))
 
     # -- volumes
 
@@ -248,7 +280,7 @@ class Kubelet:
             "metadata.uid": pod.metadata.uid,
             "spec.nodeName": pod.spec.node_name,
             "spec.serviceAccountName": pod.spec.service_account_name or "default",
-            "status.podIP": self.hosts.address(pod.metadata.name),
+            "status.podIP": self.address(pod.metadata.name),
         }
         if path not in fields:
             raise NotImplementedError(f"downward API field {path}")
@@ -343,7 +375,7 @@ class Kubelet:
         log_path = self._pods[pod].root / f"{container}.log"
         log = log_path.open("ab")
         popen = self.hosts.popen(
-            pod,
+            self.host(pod),
             self.command(pod, c) + list(extra_args),
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -420,10 +452,42 @@ class Kubelet:
             pod, self.namespace, body, _content_type="application/strategic-merge-patch+json"
         )
 
+    def terminate(self, pod: str, grace_s: float | None = None) -> list[Proc]:
+        """What a kubelet does when pod ``pod`` is deleted: SIGTERM to every running container of it at once, SIGKILL
+        to those still running after the grace period (``grace_s``, by default the pod's
+        ``terminationGracePeriodSeconds``, 30 when unset), each in its whole process group. Returns the processes
+        it stopped, all ended.
+
+        The pod is gone afterwards: :meth:`service_names` no longer answers for it, its containers' exits are no
+        crash, and its host may play another pod (:meth:`add`). The API server's side is not played here: KWOK's
+        pod-delete stage removes the deleted object without waiting for the processes to end.
+        """
+        state = self._pods[pod]
+        if grace_s is None:
+            period = state.pod.spec.termination_grace_period_seconds
+            grace_s = float(30 if period is None else period)
+        procs = [p for p in self.procs if p.pod == pod and p.uid == state.pod.metadata.uid and p.running()]
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 15.0)):
+            for p in procs:
+                p.stopped = True
+                if p.running():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.popen.pid, sig)
+            deadline = time.monotonic() + wait_s
+            while any(p.running() for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        left = [p.name for p in procs if p.running()]
+        assert not left, f"{left} outlived SIGKILL"
+        for p in procs:
+            p.stop()  # reaps, closes the log
+        state.gone = True
+        return procs
+
     def crashed(self) -> list[Proc]:
-        """Containers whose newest process exited with an error (a trainer that finished is not one)."""
+        """Containers whose newest process exited with an error (a trainer that finished is not one, nor a process
+        stopped on purpose: :meth:`Proc.stop`, :meth:`terminate`)."""
         newest = {p.name: p for p in self.procs}
-        return [p for p in newest.values() if p.popen.poll() not in (None, 0)]
+        return [p for p in newest.values() if not p.stopped and p.popen.poll() not in (None, 0)]
 
     def tails(self, chars: int = 3000) -> str:
         """The tail of every process's log, for a failure report."""
@@ -435,18 +499,31 @@ class Kubelet:
         for path in self._created:
             shutil.rmtree(path, ignore_errors=True)
 
+    def __enter__(self) -> Kubelet:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Print every process's log tail when the block failed (always with ``WEIGHTSYNC_E2E_PRINT_LOGS=1``),
+        then stop the pods' processes."""
+        if exc_type is not None or os.environ.get("WEIGHTSYNC_E2E_PRINT_LOGS") == "1":
+            print(self.tails())
+        self.close()
+
     # -- DNS
 
     def service_names(self) -> dict[str, str]:
-        """DNS name -> pod (host name) for the namespace's Services, as cluster DNS would answer them here.
+        """DNS name -> the host playing the pod it names, for the namespace's Services, as cluster DNS would answer
+        them here (for :meth:`tests.netns.Hosts.resolve`).
 
         A Service that selects one of these pods gets ``<svc>.<ns>.svc`` (its ports must reach the same port
         of the pod, since the name resolves to the pod itself here); a headless Service gets
         ``<hostname>.<svc>.<ns>.svc`` for each selected pod whose subdomain it is. A Service over several pods
-        (a load balancer) is left out.
+        (a load balancer) is left out. Terminated pods are not selected (their endpoints are gone).
         """
         names: dict[str, str] = {}
-        pods = [s.pod for s in self._pods.values()]
+        pods = [s.pod for s in self._pods.values() if not s.gone]
         for svc in self.kube.core.list_namespaced_service(self.namespace).items:
             selector = svc.spec.selector or {}
             if not selector:
@@ -456,16 +533,16 @@ class Kubelet:
             if svc.spec.cluster_ip == "None":
                 for p in chosen:
                     if p.spec.hostname and p.spec.subdomain == svc.metadata.name:
-                        names[f"{p.spec.hostname}.{base}"] = p.metadata.name
-                        names[f"{p.spec.hostname}.{base}.cluster.local"] = p.metadata.name
+                        names[f"{p.spec.hostname}.{base}"] = self.host(p.metadata.name)
+                        names[f"{p.spec.hostname}.{base}.cluster.local"] = self.host(p.metadata.name)
             elif len(chosen) == 1:
                 for port in svc.spec.ports or []:
                     assert self._target_port(chosen[0], port.target_port) == port.port, (
                         f"Service {svc.metadata.name} maps port {port.port} to {port.target_port}: "
                         "resolving its name to the pod would skip that mapping"
                     )
-                names[base] = chosen[0].metadata.name
-                names[f"{base}.cluster.local"] = chosen[0].metadata.name
+                names[base] = self.host(chosen[0].metadata.name)
+                names[f"{base}.cluster.local"] = self.host(chosen[0].metadata.name)
         return names
 
     @staticmethod

@@ -18,7 +18,6 @@ no later state of a failed pod is anything but Failed with exit code 3.
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -173,88 +172,80 @@ def test_a_trainer_that_exits_non_zero_counts_against_the_restart_budget_and_the
         first = kube.wait_for(lambda: _bound_trainer(kube, namespace, set()), Timeouts.POD_RUNNING, "a bound trainer")
         name = first.metadata.name
         played: list[str] = []
-        with netns.Hosts([name]) as hosts:
-            kubelet = Kubelet(kube, namespace, hosts, [], tmp_path / "pods")
-            passed = False
-            try:
-                for attempt in (1, 2):
-                    pod = first if attempt == 1 else kube.wait_for(
-                        lambda: _bound_trainer(kube, namespace, set(played)),
+        with netns.Hosts([name]) as hosts, Kubelet(kube, namespace, hosts, [], tmp_path / "pods") as kubelet:
+            for attempt in (1, 2):
+                pod = first if attempt == 1 else kube.wait_for(
+                    lambda: _bound_trainer(kube, namespace, set(played)),
+                    Timeouts.POD_RUNNING,
+                    f"trainer pod {attempt} bound to a node",
+                )  # fmt: skip
+                assert pod.metadata.name == name and pod.spec.restart_policy == "Never", pod.spec
+                assert pod.spec.node_name.startswith("gpu-node-"), pod.spec.node_name
+                # the gang it belongs to: status.restarts when the operator created it (a failure counts once)
+                assert pod.metadata.annotations["weightsync.io/restart"] == str(attempt - 1), pod.metadata
+                played.append(pod.metadata.uid)
+
+                # the kubelet's part: run the container, wait for it to end, report the end
+                kubelet.add(pod)
+                proc = kubelet.start(name, "trainer")
+                assert proc.popen.wait(timeout=PROCESS_S) == EXIT_CODE, proc.tail()
+                assert proc.tail().strip() == "training", proc.tail()
+                kube.wait_for(lambda p=pod: _marked_running(kube, namespace, p), Timeouts.POD_RUNNING,
+                              f"KWOK marking trainer pod {attempt} Running")  # fmt: skip
+                reported = kubelet.report_exit(name)
+                assert reported.metadata.uid == pod.metadata.uid and reported.status.phase == "Failed"
+                terminated = reported.status.container_statuses[0].state.terminated
+                assert terminated.exit_code == EXIT_CODE and terminated.reason == "Error", terminated
+
+                # the operator takes the failed pod away (KWOK never turned it back: it stays Failed, exit 3)
+                kube.wait_for(lambda u=pod.metadata.uid: any(t == "DELETED" for t, _ in watch.of(u)),
+                              Timeouts.DELETE, f"trainer pod {attempt} deleted")  # fmt: skip
+                assert _stays_failed(watch, pod.metadata.uid)[-1] == "DELETED"
+
+                if attempt == 1:
+                    # within the budget: the gang restarts, counted once, and the job goes on
+                    job = kube.wait_for(
+                        lambda: (j := rljob(kube, namespace, JOB)).get("status", {}).get("restarts") == 1 and j,
                         Timeouts.POD_RUNNING,
-                        f"trainer pod {attempt} bound to a node",
-                    )  # fmt: skip
-                    assert pod.metadata.name == name and pod.spec.restart_policy == "Never", pod.spec
-                    assert pod.spec.node_name.startswith("gpu-node-"), pod.spec.node_name
-                    # the gang it belongs to: status.restarts when the operator created it (a failure counts once)
-                    assert pod.metadata.annotations["weightsync.io/restart"] == str(attempt - 1), pod.metadata
-                    played.append(pod.metadata.uid)
+                        "status.restarts 1",
+                    )
+                    assert job["status"]["phase"] != "Failed", job["status"]
+                    restarted = kube.wait_for(
+                        lambda: [e for e in _events(kube, namespace) if e["reason"] == "TrainerRestarted"],
+                        Timeouts.POD_RUNNING,
+                        "a TrainerRestarted event",
+                    )
+                    assert [(e["type"], e["message"]) for e in restarted] == [
+                        ("Warning", "a trainer rank failed; restarting the gang (restart 1)")
+                    ], restarted
+                    wide = _columns(kube.kubectl("get", "rlj", JOB, "-n", namespace, "-o", "wide").stdout, JOB)
+                    assert wide["RESTARTS"] == "1" and wide["PHASE"] != "Failed", wide
 
-                    # the kubelet's part: run the container, wait for it to end, report the end
-                    kubelet.add(pod)
-                    proc = kubelet.start(name, "trainer")
-                    assert proc.popen.wait(timeout=PROCESS_S) == EXIT_CODE, proc.tail()
-                    assert proc.tail().strip() == "training", proc.tail()
-                    kube.wait_for(lambda p=pod: _marked_running(kube, namespace, p), Timeouts.POD_RUNNING,
-                                  f"KWOK marking trainer pod {attempt} Running")  # fmt: skip
-                    reported = kubelet.report_exit(name)
-                    assert reported.metadata.uid == pod.metadata.uid and reported.status.phase == "Failed"
-                    terminated = reported.status.container_statuses[0].state.terminated
-                    assert terminated.exit_code == EXIT_CODE and terminated.reason == "Error", terminated
+            # the budget is spent: Failed, with the reason and the budget named; nothing of the trainer is left
+            job = wait_phase(kube, namespace, JOB, "Failed")
+            status = job["status"]
+            failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+            assert failed["status"] == "True" and failed["reason"] == "RestartBudgetExhausted", failed
+            assert f"maxRestarts={MAX_RESTARTS}" in failed["message"], failed
+            assert status["restarts"] == MAX_RESTARTS, status
+            kube.wait_for(lambda: not _trainer_pods(kube, namespace), Timeouts.DELETE, "no trainer pods left")
+            table = kube.kubectl("get", "rlj", JOB, "-n", namespace, "-o", "wide").stdout
+            wide = _columns(table, JOB)
+            assert wide["PHASE"] == "Failed" and wide["RESTARTS"] == str(MAX_RESTARTS), table
+            kube.wait_for(lambda: _event(kube, namespace, "Warning", "PhaseFailed"), Timeouts.POD_RUNNING,
+                          "a PhaseFailed Warning event")  # fmt: skip
 
-                    # the operator takes the failed pod away (KWOK never turned it back: it stays Failed, exit 3)
-                    kube.wait_for(lambda u=pod.metadata.uid: any(t == "DELETED" for t, _ in watch.of(u)),
-                                  Timeouts.DELETE, f"trainer pod {attempt} deleted")  # fmt: skip
-                    assert _stays_failed(watch, pod.metadata.uid)[-1] == "DELETED"
-
-                    if attempt == 1:
-                        # within the budget: the gang restarts, counted once, and the job goes on
-                        job = kube.wait_for(
-                            lambda: (j := rljob(kube, namespace, JOB)).get("status", {}).get("restarts") == 1 and j,
-                            Timeouts.POD_RUNNING,
-                            "status.restarts 1",
-                        )
-                        assert job["status"]["phase"] != "Failed", job["status"]
-                        restarted = kube.wait_for(
-                            lambda: [e for e in _events(kube, namespace) if e["reason"] == "TrainerRestarted"],
-                            Timeouts.POD_RUNNING,
-                            "a TrainerRestarted event",
-                        )
-                        assert [(e["type"], e["message"]) for e in restarted] == [
-                            ("Warning", "a trainer rank failed; restarting the gang (restart 1)")
-                        ], restarted
-                        wide = _columns(kube.kubectl("get", "rlj", JOB, "-n", namespace, "-o", "wide").stdout, JOB)
-                        assert wide["RESTARTS"] == "1" and wide["PHASE"] != "Failed", wide
-
-                # the budget is spent: Failed, with the reason and the budget named; nothing of the trainer is left
-                job = wait_phase(kube, namespace, JOB, "Failed")
-                status = job["status"]
-                failed = next(c for c in status["conditions"] if c["type"] == "Failed")
-                assert failed["status"] == "True" and failed["reason"] == "RestartBudgetExhausted", failed
-                assert f"maxRestarts={MAX_RESTARTS}" in failed["message"], failed
-                assert status["restarts"] == MAX_RESTARTS, status
-                kube.wait_for(lambda: not _trainer_pods(kube, namespace), Timeouts.DELETE, "no trainer pods left")
-                table = kube.kubectl("get", "rlj", JOB, "-n", namespace, "-o", "wide").stdout
-                wide = _columns(table, JOB)
-                assert wide["PHASE"] == "Failed" and wide["RESTARTS"] == str(MAX_RESTARTS), table
-                kube.wait_for(lambda: _event(kube, namespace, "Warning", "PhaseFailed"), Timeouts.POD_RUNNING,
-                              "a PhaseFailed Warning event")  # fmt: skip
-
-                # and it stays so: no trainer pod comes back, the count does not move
-                time.sleep(QUIET_S)
-                assert watch.uids() == played, (played, watch.uids())
-                assert not _trainer_pods(kube, namespace)
-                later = rljob(kube, namespace, JOB)["status"]
-                assert later["phase"] == "Failed" and later["restarts"] == MAX_RESTARTS, later
-                reasons = [e["reason"] for e in _events(kube, namespace)]
-                assert reasons.count("TrainerRestarted") == 1, reasons
-                assert watch.error is None, watch.error
-                histories = "\n".join(f"  trainer pod {i}: {_history(watch, u)}" for i, u in enumerate(played, 1))
-                print(f"\ntook {time.monotonic() - t0:.0f}s\n{histories}\n{table}")
-                passed = True
-            finally:
-                if not passed or os.environ.get("WEIGHTSYNC_E2E_PRINT_LOGS") == "1":
-                    print(kubelet.tails())
-                kubelet.close()
+            # and it stays so: no trainer pod comes back, the count does not move
+            time.sleep(QUIET_S)
+            assert watch.uids() == played, (played, watch.uids())
+            assert not _trainer_pods(kube, namespace)
+            later = rljob(kube, namespace, JOB)["status"]
+            assert later["phase"] == "Failed" and later["restarts"] == MAX_RESTARTS, later
+            reasons = [e["reason"] for e in _events(kube, namespace)]
+            assert reasons.count("TrainerRestarted") == 1, reasons
+            assert watch.error is None, watch.error
+            histories = "\n".join(f"  trainer pod {i}: {_history(watch, u)}" for i, u in enumerate(played, 1))
+            print(f"\ntook {time.monotonic() - t0:.0f}s\n{histories}\n{table}")
     finally:
         watch.stop()
         kube.kubectl("delete", "pv", f"{namespace}-{JOB}", "--wait=false", check=False)

@@ -1,4 +1,5 @@
-"""Weights reach every replica across hosts: examples/rljob.yaml on the real control plane, each pod on its own host.
+"""Weights reach every replica across hosts, through pod deletions: examples/rljob.yaml on the real control plane,
+each pod on its own host.
 
 What runs where:
 
@@ -9,7 +10,8 @@ What runs where:
   ``[cpu, volume]``, retention 2. The operator makes its children; the scheduler binds the pods to
   KWOK's nodes, which run no containers;
 - so each of the job's pods -- the coordinator Deployment's pod, the two StatefulSet replicas and the
-  trainer rank -- is played by its own network namespace (``tests.netns``, named after the pod), and
+  trainer rank -- is played by its own network namespace (``tests.netns``, named after the pod; one more,
+  the spare host, plays the coordinator pod the Deployment makes after the first one is deleted), and
   its containers run there as processes started from the *Pod object* by ``tests/e2e/pods.py``
   (a stand-in kubelet): command, args and env as the operator wrote them (secrets from the API server,
   the downward API resolved: ``POD_IP`` is the namespace's address, ``NODE_NAME`` the node the
@@ -17,7 +19,9 @@ What runs where:
   share the replica's namespace, as a pod's containers share its network;
 - names resolve as cluster DNS would: the coordinator Service ``<job>-coordinator.<ns>.svc``, the
   trainer's headless name in ``MASTER_ADDR`` (the trainer's gloo group rendezvouses through it), the
-  replicas' headless names, each to the namespace playing that pod; ``kubernetes.default.svc`` to the
+  replicas' headless names, each to the namespace playing that pod (so the Service's name moves to the
+  new address when its pod is replaced: re-resolved by the clients' gRPC channels, which re-resolve at
+  most every 30 s, a delay a ClusterIP would not add); ``kubernetes.default.svc`` to the
   bridge address, where a forwarder in the test process carries the coordinator's KubeStore traffic
   to the apiserver's loopback port (TLS end to end: the apiserver's certificate names
   kubernetes.default.svc). The coordinator authenticates as its ServiceAccount with the token of its
@@ -31,27 +35,59 @@ What runs where:
   per-pod symlink to its PersistentVolume's hostPath, so no process can assume another's path).
 
 The trainer's command (in the RLJob, as a user writes it) follows the README: ``Publisher.from_env``
-on a model it trains with AdamW, ``publish(step)`` every ``everySteps``; it saves its final weights
-under its pod's /tmp. The test process reaches each replica's proxy at the replica's address and the
-proxy's containerPort, through the bridge.
+on a model it trains with AdamW, ``publish(step)`` every step (``everySteps`` 1) for 20 steps, each step
+1.5 s longer (a sleep, ``STEP_SECONDS`` in its env) so that the faults land while it publishes; it
+saves its final weights under its pod's /tmp. The test process reaches each replica's proxy at the
+replica's address and the proxy's containerPort, through the bridge.
 
-Checked: greedy generations through both proxies change after the syncs to what transformers gives
-for the trainer's final weights; every version became a WeightVersion that reached Ready and durable
-with both replicas loaded on the cpu channel (``status.replicas`` / ``replicaStates``, and the
-REPLICAS column of ``kubectl get wv``), written a few times each (not once per ack); the RLJob's status
-and ``kubectl get rljobs`` show the newest one; retention (2) pruned the oldest WeightVersion and
-volume copy; and a coordinator restarted with no local state recovers the newest READY version from
-the API server.
+The faults, while the trainer publishes (each triggered by a WeightVersion appearing, i.e. as a version
+is opened; whether that version is still in flight when the pod goes is up to timing):
+
+1. when v4 is opened, ``kubectl delete pod`` of the coordinator: the test's kubelet stops it as a kubelet
+   does (SIGTERM, SIGKILL after the grace period; on SIGTERM the coordinator flushes its WeightVersion
+   writes); the Deployment makes a new pod under a new name, played on the spare host (a new address);
+   the Service's name is pointed at it, and the new coordinator starts with no state but the checkpoint
+   volume and the API server. The trainer's publish waits for it (the client retries; the new coordinator
+   holds opens for one lease TTL), the agents register again (one whose channel re-resolved the name late
+   is left out of the versions opened meanwhile and catches up from the volume);
+2. at the next version opened once a version after the restart went Ready, ``kubectl delete pod
+   <job>-inference-1``: the kubelet stops the pod's three processes (vLLM outlives SIGTERM: the grace
+   period of 30 s runs out); the StatefulSet makes the pod again under its name (a new uid), and once the
+   scheduler bound it the kubelet starts its containers on the same host with fresh volumes. The fleet
+   goes on with one replica meanwhile (the dead one is dropped from a version it was planned for when its
+   lease expires), and the replica catches up when its vLLM is up (usually after the trainer finished).
+
+Checked:
+
+- before the faults, v1..v3: greedy generations through both proxies are the base model's; each version
+  became a WeightVersion that reached Ready and durable with both replicas loaded on the cpu channel
+  (``status.replicas`` / ``replicaStates``), written a few times each (not once per ack);
+- the new coordinator recovered the WeightVersions the old one left: their newest Ready version is its
+  newest READY, a version left Staging is written back Failed, the version counter goes on; both agents
+  registered with it again, and so did the trainer: every step was published, and every version the new
+  coordinator opened is READY, those after the replica's deletion too (the one in flight at the
+  coordinator's deletion may be FAILED or have no verdict; versions opened after the trainer was back but
+  before any agent was fail, planned for no replica: the agents' channels may wait out gRPC's 30 s between
+  re-resolutions, the new coordinator holds opens for one lease TTL only; volume copies the trainer could
+  not report durable are listed by it and are of those versions only);
+- the re-created replica comes back and catches up (from the volume, or live when it is back before the
+  trainer ends): both replicas report serving the newest version to the coordinator, and their greedy
+  generations changed to what transformers gives for the trainer's final weights;
+- what they serve is what the API says: the newest WeightVersion is Ready and durable with both replicas
+  loaded (and the REPLICAS column of ``kubectl get wv``), the RLJob's status and ``kubectl get rljobs``
+  show it as current with both replicas loaded and READY 2/2; retention (2) left the two newest
+  WeightVersions and volume copies (besides a copy whose durable mark reached no coordinator: nothing
+  prunes those; the test prints them).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,20 +101,26 @@ from tests import netns, support
 from tests.e2e.chart import Operator
 from tests.e2e.conftest import Kube, Timeouts
 from tests.e2e.pods import Kubelet, TcpForwarder
+from weightsync.coordinator.kubestore import RESTARTED
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "sync-e2e"
 REPLICAS = 2
-VERSIONS = 3
+VERSIONS = 3  # versions published before the faults (checked in full)
+STEPS = 20  # the trainer publishes every step
+STEP_SECONDS = 1.5  # how much longer each training step takes (a sleep): the faults land while it publishes
+COORDINATOR_FAULT_AT = VERSIONS + 1  # the coordinator's pod is deleted when this version is opened
+AFTER_REPLICA_FAULT = 3  # versions, at least, the trainer publishes after the replica's pod is deleted
+SPARE_HOST = "spare-host"  # plays the coordinator's replacement pod: a new address
 RETENTION = 2
 GROUP, API = "weightsync.io", "v1alpha1"
 FINAL_WEIGHTS = "/tmp/final-weights"  # in the trainer pod's /tmp (an emptyDir)
 # The trainer rank's command, as a user would put it in the RLJob (README, "Using it from a trainer"): everything
 # it needs comes from the pod's env the operator wrote.
 TRAINER = """
-import json, os
+import json, os, time
 from pathlib import Path
 import torch, torch.distributed as dist, transformers
 from weightsync_trainer import reference
@@ -92,6 +134,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 publisher = Publisher.from_env(ModuleSource(model))
 for step in range(1, int(os.environ["STEPS"]) + 1):
     loss = reference.train_step(model, optimizer, model.config.vocab_size, seed=step)
+    time.sleep(float(os.environ["STEP_SECONDS"]))  # a longer step of a real trainer
     if step % publisher.every_steps == 0:
         report = publisher.publish(step)
         print(json.dumps({"step": step, "loss": loss, "version": report.version, "state": report.state.value,
@@ -116,7 +159,8 @@ def _cpu_job(model: Path) -> dict[str, Any]:
     small = {"cpu": "1", "memory": "2Gi"}
     spec["trainer"].update(
         command=["python", "-c", TRAINER], worldSize=1, gpusPerWorker=0, resources=small,
-        env=[{"name": "STEPS", "value": str(VERSIONS)}, {"name": "FINAL_WEIGHTS", "value": FINAL_WEIGHTS}],
+        env=[{"name": "STEPS", "value": str(STEPS)}, {"name": "STEP_SECONDS", "value": str(STEP_SECONDS)},
+             {"name": "FINAL_WEIGHTS", "value": FINAL_WEIGHTS}],
     )  # fmt: skip
     spec["inference"].update(
         model=str(model), gpusPerReplica=0, resources=small,
@@ -185,7 +229,7 @@ class VersionWatch:
 
     def _run(self, kube: Kube, namespace: str) -> None:
         stream = self._watch.stream(
-            kube.custom.list_namespaced_custom_object, GROUP, API, namespace, "weightversions", timeout_seconds=600
+            kube.custom.list_namespaced_custom_object, GROUP, API, namespace, "weightversions", timeout_seconds=1500
         )
         try:
             for event in stream:
@@ -204,7 +248,7 @@ def _proxy(kubelet: Kubelet, replica: str) -> httpx.Client:
     """A client of the replica's OpenAI proxy: the replica's address, the proxy's containerPort."""
     ports = kubelet.container(replica, "proxy").ports
     port = next(p.container_port for p in ports if p.name == "openai")
-    return httpx.Client(base_url=f"http://{kubelet.hosts.address(replica)}:{port}", trust_env=False)
+    return httpx.Client(base_url=f"http://{kubelet.address(replica)}:{port}", trust_env=False)
 
 
 def _alive(kubelet: Kubelet) -> None:
@@ -225,9 +269,10 @@ def _wait_serving(kubelet: Kubelet, replicas: list[str], timeout: float) -> None
 
 def _wait_registered(
     kubelet: Kubelet, coordinator: str, replicas: list[str], timeout: float, serving: int | None = None
-) -> None:
+) -> Any:
     """The replicas registered (and, given ``serving``, report serving that version), asked from the test's host
-    network: the coordinator pod's address, TLS verified against the job's CA under the Service's name."""
+    network: the coordinator pod's address, TLS verified against the job's CA under the Service's name. Returns
+    the job as the coordinator then saw it (a ``JobInfo``)."""
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.coordinator.tls import TlsConfig
 
@@ -235,15 +280,17 @@ def _wait_registered(
     service, port = env["WEIGHTSYNC_COORDINATOR"].rsplit(":", 1)
     ca = kubelet.volume(coordinator, "config") / "tls" / "ca.crt"
     tls = TlsConfig(ca_file=str(ca), server_name=service)
-    address = f"{kubelet.hosts.address(coordinator)}:{port}"
+    address = f"{kubelet.address(coordinator)}:{port}"
     with CoordinatorClient(address, token=env["WEIGHTSYNC_TOKEN"], tls=tls, timeout_s=5.0) as c:
 
-        def registered() -> bool:
+        def registered() -> Any:
             _alive(kubelet)
-            members = {m.member_id: m.current_version for m in c.get_job(JOB).members}
-            return all(r in members and serving in (None, members[r]) for r in replicas)
+            job = c.get_job(JOB)
+            members = {m.member_id: m.current_version for m in job.members}
+            return job if all(r in members and serving in (None, members[r]) for r in replicas) else None
 
-        Kube.wait_for(registered, timeout, f"replicas {replicas} registered with the coordinator", interval=1.0)
+        what = f"replicas {replicas} registered with {coordinator}" + (f", serving v{serving}" if serving else "")
+        return Kube.wait_for(registered, timeout, what, interval=1.0)
 
 
 Greedy = list[tuple[list[int], list[float]]]
@@ -263,10 +310,151 @@ def _agrees(model: Any, got: Greedy, what: str) -> None:
     assert result.ok, f"{what}:\n" + "\n".join(result.mismatches)
 
 
+# --------------------------------------------------------------------- the faults
+
+
+@dataclass
+class Fleet:
+    """The job's pods as the test plays them, and what the faults need to find them again."""
+
+    kube: Kube
+    namespace: str
+    hosts: netns.Hosts
+    kubelet: Kubelet
+    watch: VersionWatch
+    work: Path
+    apiserver_port: int
+    coordinator: str  # the coordinator pod now played (a new name after its pod was deleted)
+    replicas: list[str]
+    trainer: str
+
+    def start_coordinator(self) -> None:
+        """The coordinator container of the current coordinator pod: its kubeconfig stands in for the in-cluster
+        credentials of that pod's ServiceAccount volume; -v for the test's log checks."""
+        pod = self.coordinator
+        kubeconfig = _in_cluster_kubeconfig(
+            self.kubelet, pod, "coordinator", self.work / f"{pod}.kubeconfig", self.apiserver_port
+        )
+        self.kubelet.start(pod, "coordinator", extra_args=("-v",), extra_env={"KUBECONFIG": str(kubeconfig)})
+
+    def resolve(self) -> dict[str, str]:
+        """Point the Services' names at the pods played now (cluster DNS after an endpoint change)."""
+        names = self.kubelet.service_names()
+        self.hosts.resolve({**names, "kubernetes.default.svc": self.hosts.bridge_address})
+        return names
+
+    def versions(self) -> dict[int, dict[str, Any]]:
+        """The job's WeightVersions in the API server now, by version."""
+        items = self.kube.custom.list_namespaced_custom_object(GROUP, API, self.namespace, "weightversions")["items"]
+        return {int(i["spec"]["version"]): i for i in items}
+
+
+def _number(name: str) -> int:
+    return int(name.rsplit("-v", 1)[1])
+
+
+def _opened(watch: VersionWatch) -> list[int]:
+    """Versions whose WeightVersion the watch saw created, in order."""
+    return sorted({_number(o["metadata"]["name"]) for t, o in watch.events if t == "ADDED"})
+
+
+def _status(watch: VersionWatch, version: int) -> dict[str, Any]:
+    """The newest status the watch saw for ``version`` (empty before any)."""
+    seen = watch.seen(f"{JOB}-v{version}")
+    return dict(seen[-1][1].get("status", {})) if seen else {}
+
+
+def _phase(watch: VersionWatch, version: int) -> str:
+    return str(_status(watch, version).get("phase", ""))
+
+
+def _next_opened(fleet: Fleet, timeout: float) -> int:
+    """The first version opened after those the watch saw so far."""
+    after = max(_opened(fleet.watch), default=0)
+
+    def opened() -> int:
+        return next((v for v in _opened(fleet.watch) if v > after), 0)
+
+    return fleet.kube.wait_for(opened, timeout, f"a version opened after v{after}")
+
+
+def _delete_replica_pod(fleet: Fleet, replica: str) -> Any:
+    """``kubectl delete pod``; the kubelet stops its processes; the StatefulSet makes it again under its name, and
+    the kubelet starts the new pod on the same host. Returns the new V1Pod."""
+    kube, kubelet = fleet.kube, fleet.kubelet
+    old = kubelet.pod(replica).metadata.uid
+    kube.kubectl("delete", "pod", replica, "-n", fleet.namespace, "--wait=false")
+    stopped = kubelet.terminate(replica)
+    assert sorted(p.container for p in stopped) == ["agent", "proxy", "vllm"], [p.name for p in stopped]
+
+    def recreated() -> Any:
+        pod = kube.core.read_namespaced_pod(replica, fleet.namespace)
+        fresh = pod.metadata.uid != old and pod.spec.node_name and not pod.metadata.deletion_timestamp
+        return pod if fresh else None
+
+    pod = kube.wait_for(recreated, Timeouts.POD_SCHEDULED, f"{replica} made again by its StatefulSet and bound")
+    kubelet.add(pod)
+    kubelet.start_pod(replica)
+    return pod
+
+
+def _delete_coordinator_pod(fleet: Fleet) -> dict[int, dict[str, Any]]:
+    """``kubectl delete pod`` of the coordinator; the kubelet stops it (on SIGTERM it flushes its WeightVersion
+    writes); the Deployment makes a new pod under a new name, played on the spare host; the Service's name is
+    pointed at it and the new coordinator starts. Returns the WeightVersions the old coordinator left, as the new
+    one finds them."""
+    kube, kubelet = fleet.kube, fleet.kubelet
+    old = fleet.coordinator
+    kube.kubectl("delete", "pod", old, "-n", fleet.namespace, "--wait=false")
+    assert [p.container for p in kubelet.terminate(old)] == ["coordinator"]
+
+    def replacement() -> Any:
+        fresh = [p for p in _pods(kube, fleet.namespace, "coordinator") if p.metadata.name != old]
+        return fresh[0] if fresh else None
+
+    pod = kube.wait_for(replacement, Timeouts.POD_SCHEDULED, "the coordinator Deployment's new pod bound")
+    fleet.coordinator = pod.metadata.name
+    kubelet.add(pod, host=SPARE_HOST)
+    names = fleet.resolve()
+    service = kubelet.env(fleet.coordinator, kubelet.container(fleet.coordinator, "coordinator"))
+    assert names[service["WEIGHTSYNC_COORDINATOR"].rsplit(":", 1)[0]] == SPARE_HOST, names
+    left = fleet.versions()
+    fleet.start_coordinator()
+    return left
+
+
+def _recovered(fleet: Fleet, left: dict[int, dict[str, Any]], timeout: float) -> int:
+    """The new coordinator recovered what the old one left in the API server: the newest READY version and the
+    version counter; versions left Staging come back Failed (and are written so). Returns the newest READY."""
+    phases = {v: o.get("status", {}).get("phase") for v, o in left.items()}
+    ready = max(v for v, phase in phases.items() if phase == "Ready")
+    staging = [v for v, phase in phases.items() if phase == "Staging"]
+    proc = fleet.kubelet.proc(fleet.coordinator, "coordinator")
+    pattern = re.compile(rf"job {JOB}: recovered (\d+) WeightVersions from namespace {fleet.namespace}")
+
+    def recovered() -> int:
+        _alive(fleet.kubelet)
+        log = proc.log_path.read_text(errors="replace")
+        found = pattern.search(log)
+        return int(found.group(1)) if found and f"recovered job {JOB}: newest READY version " in log else 0
+
+    count = fleet.kube.wait_for(recovered, timeout, "the new coordinator's recovery from the API server")
+    assert count <= len(left), (count, sorted(left))
+    assert f"recovered job {JOB}: newest READY version {ready}\n" in proc.tail(100_000), (phases, proc.tail())
+    for v in staging:  # written back Failed, so the operator's retention can prune it
+
+        def failed(v: int = v) -> bool:
+            status = fleet.versions().get(v, {}).get("status", {})
+            return status.get("phase") == "Failed" and RESTARTED in status.get("message", "")
+
+        fleet.kube.wait_for(failed, 30, f"v{v}, left Staging, written back Failed")
+    return ready
+
+
 # --------------------------------------------------------------------- the test
 
 
-def test_weights_reach_every_replica_across_hosts(
+def test_weights_reach_every_replica_across_hosts_through_pod_deletions(
     kube: Kube, namespace: str, operator: Operator, tmp_path: Path
 ) -> None:
     import transformers
@@ -305,163 +493,201 @@ def test_weights_reach_every_replica_across_hosts(
     watch = VersionWatch(kube, namespace)
     try:
         with (
-            netns.Hosts([coordinator, *replicas, trainer]) as hosts,
+            netns.Hosts([coordinator, *replicas, trainer, SPARE_HOST]) as hosts,
             TcpForwarder((hosts.bridge_address, apiserver_port), ("127.0.0.1", apiserver_port)) as apiserver,
+            Kubelet(kube, namespace, hosts, [p for ps in pods.values() for p in ps], tmp_path / "pods") as kubelet,
         ):
-            kubelet = Kubelet(kube, namespace, hosts, [p for ps in pods.values() for p in ps], tmp_path / "pods")
-            passed = False
-            try:
-                names = kubelet.service_names()
-                trainer_env = kubelet.env(trainer, kubelet.container(trainer, "trainer"))
-                assert names[trainer_env["WEIGHTSYNC_COORDINATOR"].rsplit(":", 1)[0]] == coordinator, names
-                assert names[trainer_env["MASTER_ADDR"]] == trainer, names
-                hosts.resolve({**names, "kubernetes.default.svc": hosts.bridge_address})
-                kubeconfig = _in_cluster_kubeconfig(
-                    kubelet, coordinator, "coordinator", tmp_path / "coordinator-kubeconfig", apiserver_port
-                )
+            fleet = Fleet(
+                kube, namespace, hosts, kubelet, watch, tmp_path, apiserver_port, coordinator, replicas, trainer
+            )
+            names = fleet.resolve()
+            trainer_env = kubelet.env(trainer, kubelet.container(trainer, "trainer"))
+            service = trainer_env["WEIGHTSYNC_COORDINATOR"].rsplit(":", 1)[0]
+            assert names[service] == coordinator, names
+            assert names[trainer_env["MASTER_ADDR"]] == trainer, names
 
-                # the pods' processes: the coordinator (its kubeconfig stands in for the in-cluster credentials; -v
-                # for the test's log checks), then each replica's vllm, agent and proxy
-                def start_coordinator() -> None:
-                    kubelet.start(
-                        coordinator, "coordinator", extra_args=("-v",), extra_env={"KUBECONFIG": str(kubeconfig)}
-                    )
+            # the pods' processes: the coordinator, then each replica's vllm, agent and proxy
+            fleet.start_coordinator()
+            for replica in replicas:
+                kubelet.start_pod(replica)
+            _wait_serving(kubelet, replicas, timeout=600)
+            _wait_registered(kubelet, coordinator, replicas, timeout=120)
+            assert "(TLS)" in kubelet.proc(coordinator, "coordinator").tail()
+            for replica in replicas:  # vLLM's development-mode port is on the replica's loopback only
+                command = kubelet.container(replica, "vllm").command
+                vllm_port = int(command[command.index("--port") + 1])
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection((kubelet.address(replica), vllm_port), timeout=5).close()
+            t_fleet = time.monotonic()
 
-                start_coordinator()
-                for replica in replicas:
-                    kubelet.start_pod(replica)
-                _wait_serving(kubelet, replicas, timeout=600)
-                _wait_registered(kubelet, coordinator, replicas, timeout=120)
-                assert "(TLS)" in kubelet.proc(coordinator, "coordinator").tail()
-                for replica in replicas:  # vLLM's development-mode port is on the replica's loopback only
-                    command = kubelet.container(replica, "vllm").command
-                    vllm_port = int(command[command.index("--port") + 1])
-                    with pytest.raises(ConnectionRefusedError):
-                        socket.create_connection((hosts.address(replica), vllm_port), timeout=5).close()
-                t_fleet = time.monotonic()
+            base = support.hf_trainer(model, steps=0)
+            before = {r: _generate(kubelet, r) for r in replicas}
+            for replica, got in before.items():
+                _agrees(base, got, f"{replica} before any sync")
 
-                base = support.hf_trainer(model, steps=0)
-                before = {r: _generate(kubelet, r) for r in replicas}
-                for replica, got in before.items():
-                    _agrees(base, got, f"{replica} before any sync")
+            # the trainer rank: its pod's one container, the command from the RLJob; it publishes every step
+            proc = kubelet.start(trainer, "trainer")
 
-                # the trainer rank: its pod's one container, the command from the RLJob
-                proc = kubelet.start(trainer, "trainer")
-                proc.popen.wait(timeout=600)
-                out = proc.tail(100_000)
-                assert proc.popen.returncode == 0, out[-4000:]
-                lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-                reports, durable = lines[:-1], lines[-1]
-                assert [(r["version"], r["state"]) for r in reports] == [
-                    (v, "READY") for v in range(1, VERSIONS + 1)
-                ], out
-                assert all(r["channels"] == dict.fromkeys(replicas, "cpu") and not r["failed"] for r in reports), (
-                    reports
-                )
-                assert durable == {"durable_errors": []}, durable
-                t_synced = time.monotonic()
+            # fault 1: the coordinator pod deleted as a version is opened, while the trainer publishes
+            kube.wait_for(lambda: COORDINATOR_FAULT_AT in _opened(watch), 180, f"v{COORDINATOR_FAULT_AT} opened")
+            t_coordinator = time.monotonic()
+            left = _delete_coordinator_pod(fleet)
+            cut = max(left)  # the newest version the old coordinator opened
+            ready_at_cut = _recovered(fleet, left, timeout=60)
+            t_recovered = time.monotonic()
+            # the agents registered with it again (their gRPC channels re-resolved the Service's name; the
+            # replica's pod is deleted only then, or versions would find no replica) ...
+            _wait_registered(kubelet, fleet.coordinator, replicas, timeout=120)
+            rejoined = max(_opened(watch))  # the versions after this one were opened with both agents back
+            # ... and so did the trainer's publisher: versions opened by the new coordinator go READY
+            kube.wait_for(lambda: any(_phase(watch, v) in ("Ready", "Superseded") for v in _opened(watch)
+                                      if v > cut), 180, f"a version after v{cut} Ready")  # fmt: skip
+            t_resumed = time.monotonic()
 
-                # greedy generations through each proxy changed to what the trainer's final weights give
-                final = transformers.AutoModelForCausalLM.from_pretrained(
-                    kubelet.volume(trainer, "tmp") / Path(FINAL_WEIGHTS).name, dtype=torch.float32
-                )
-                for replica in replicas:
-                    after = _generate(kubelet, replica)
-                    assert [ids for ids, _ in after] != [ids for ids, _ in before[replica]], (replica, before, after)
-                    _agrees(final, after, f"{replica} after v{VERSIONS}")
+            # fault 2: a replica pod deleted as the next version is opened; it comes back while the trainer
+            # goes on with the other replica (or after the trainer finished)
+            victim = replicas[1]
+            at_replica = _next_opened(fleet, 60)
+            assert at_replica <= STEPS - AFTER_REPLICA_FAULT, (
+                f"the trainer reached v{at_replica} of {STEPS} before the replica's pod was deleted: "
+                "raise STEPS or STEP_SECONDS"
+            )
+            t_replica = time.monotonic()
+            _delete_replica_pod(fleet, victim)
+            t_replica_made = time.monotonic()
 
-                # the coordinator wrote every version: Ready and durable with both replicas loaded, a few writes each
-                wv = [f"{JOB}-v{v}" for v in range(1, VERSIONS + 1)]
-                loaded = sorted(f"{r}=loaded/cpu" for r in replicas)
+            proc.popen.wait(timeout=420)
+            out = proc.tail(100_000)
+            assert proc.popen.returncode == 0, out[-4000:]
+            t_trained = time.monotonic()
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            reports, durable = lines[:-1], lines[-1]
+            published = [(r["version"], r["state"]) for r in reports]
+            assert len(reports) == STEPS and all(v > 0 for v, _ in published), published  # every step published
+            assert [v for v, _ in published] == sorted({v for v, _ in published}), published
+            # before the faults, every version READY on the cpu channel with both replicas
+            assert published[:VERSIONS] == [(v, "READY") for v in range(1, VERSIONS + 1)], published
+            for r in reports[:VERSIONS]:
+                assert r["channels"] == dict.fromkeys(replicas, "cpu") and not r["failed"], r
+            # around the coordinator's deletion a version may fail or have no verdict; after it, all READY (the
+            # replica's deletion costs no version: the dead one is dropped from those it was planned for) but
+            # those the new coordinator opened before any agent was back, which fail planned for no replica
+            final = published[-1][0]
+            for v, state in published:
+                if v > cut and state != "READY":
+                    message = _status(watch, v).get("message", "")
+                    assert v <= rejoined and "planned for no replica" in message, (v, state, message, published)
+            assert all(s == "READY" for v, s in published if v > rejoined), (rejoined, published)
+            assert published[-1][1] == "READY", published
+            assert min(v for v, _ in published if v > cut) == cut + 1, (cut, published)  # the counter went on
+            assert all(s in ("READY", "FAILED", "STAGING") for _, s in published), published
+            assert final >= cut + RETENTION, (cut, published)
+            errors = durable["durable_errors"]  # a volume copy the coordinator could not be told of, if any
+            named = [int(m.group(1)) for e in errors if (m := re.match(r"version (\d+):", e))]
+            assert len(named) == len(errors) and all(v <= cut for v in named), (cut, errors)
 
-                def settled(name: str) -> dict[str, Any] | None:
-                    """The first status that says Ready, durable, loaded by both replicas on the cpu channel."""
-                    for _, o in watch.seen(name):
-                        status = o.get("status", {})
-                        ready = status.get("phase") == "Ready" and status.get("durable")
-                        if ready and sorted(status.get("replicaStates", "").split()) == loaded:
-                            return dict(status)
-                    return None
+            # the re-created replica came back and caught up; both serve the newest version, as they report
+            _wait_serving(kubelet, [victim], timeout=600)
+            job = _wait_registered(kubelet, fleet.coordinator, replicas, timeout=180, serving=final)
+            assert job.newest_ready == final, job
+            t_caught_up = time.monotonic()
 
-                kube.wait_for(lambda: all(settled(n) for n in wv), 30, "every version Ready, durable, loaded by both")
-                digest = r"sha256:[0-9a-f]{64}"
-                for step, name in enumerate(wv, start=1):
-                    events = watch.seen(name)
-                    assert events[0][0] == "ADDED", events
-                    spec = events[0][1]["spec"]
-                    assert spec["job"] == JOB and spec["step"] == step, spec
-                    assert spec["channelPlan"] == [{"channel": "cpu", "replicas": REPLICAS}], spec
-                    assert re.fullmatch(digest, spec["layoutDigest"]), spec
-                    status = settled(name) or {}
-                    assert re.fullmatch(digest, status["manifestChecksum"]), status
-                    assert re.fullmatch(digest, status["contentDigest"]), status
-                    owners = events[0][1]["metadata"]["ownerReferences"]
-                    assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == JOB, owners
-                    modified = sum(t == "MODIFIED" for t, _ in events)
-                    assert modified <= 5, f"{name}: {modified} writes (expected a few per version, not one per ack)"
-                newest = kube.custom.get_namespaced_custom_object(GROUP, API, namespace, "weightversions", wv[-1])
-                status = newest["status"]
-                assert status["phase"] == "Ready" and status["durable"] is True, status
-                assert status["replicasLoaded"] == REPLICAS and status["replicasFailed"] == 0, status
-                assert sorted(status["replicas"], key=lambda e: e["name"]) == [
-                    {"name": r, "channel": "cpu", "state": "loaded"} for r in replicas
-                ], status
-                assert status["laggingReplicas"] == [] and status["phaseSeconds"]["total"] > 0, status
-                table = kube.kubectl("get", "wv", "-n", namespace).stdout
-                header, *rows = table.splitlines()
-                assert "REPLICAS" in header.split(), table
-                row = next(r for r in rows if r.split()[0] == wv[-1])
-                assert all(token in row.split() for token in loaded), table
+            # greedy generations through each proxy changed to what the trainer's final weights give
+            weights = transformers.AutoModelForCausalLM.from_pretrained(
+                kubelet.volume(trainer, "tmp") / Path(FINAL_WEIGHTS).name, dtype=torch.float32
+            )
+            for replica in replicas:
+                after = _generate(kubelet, replica)
+                assert [ids for ids, _ in after] != [ids for ids, _ in before[replica]], (replica, before, after)
+                _agrees(weights, after, f"{replica} after v{final}")
 
-                # the operator reflects the newest version in the RLJob's status and printer columns ...
-                kube.wait_for(lambda: _rljob(kube, namespace)["status"].get("currentVersion") == VERSIONS,
-                              Timeouts.POD_RUNNING, f"currentVersion {VERSIONS}")  # fmt: skip
-                job_status = _rljob(kube, namespace)["status"]
-                assert job_status["replicasLoaded"] == REPLICAS and job_status["lastSyncSeconds"] > 0, job_status
-                jobs = kube.kubectl("get", "rljobs", JOB, "-n", namespace).stdout
-                columns = dict(zip(*(line.split() for line in jobs.splitlines()[:2]), strict=False))
-                assert columns["PHASE"] == "Running" and columns["VERSION"] == str(VERSIONS), jobs
-                assert columns["READY"] == f"{REPLICAS}/{REPLICAS}", jobs
+            # v1..v3, before the faults: Ready and durable with both replicas loaded, a few writes each
+            wv = [f"{JOB}-v{v}" for v in range(1, VERSIONS + 1)]
+            loaded = sorted(f"{r}=loaded/cpu" for r in replicas)
 
-                # ... and retention (2) prunes the oldest WeightVersion; the coordinator prunes the volume likewise
-                def kept() -> list[str]:
-                    items = kube.custom.list_namespaced_custom_object(GROUP, API, namespace, "weightversions")["items"]
-                    return sorted(i["metadata"]["name"] for i in items)
+            def settled(name: str) -> dict[str, Any] | None:
+                """The first status that says Ready, durable, loaded by both replicas on the cpu channel."""
+                for _, o in watch.seen(name):
+                    status = o.get("status", {})
+                    ready = status.get("phase") == "Ready" and status.get("durable")
+                    if ready and sorted(status.get("replicaStates", "").split()) == loaded:
+                        return dict(status)
+                return None
 
-                kube.wait_for(lambda: kept() == wv[-RETENTION:], Timeouts.DELETE, f"retention keeps {wv[-RETENTION:]}")
-                volume = kubelet.volume(coordinator, "checkpoints")
-                copies = [f"v{v:08d}" for v in range(VERSIONS - RETENTION + 1, VERSIONS + 1)]
-                kube.wait_for(lambda: sorted(p.name for p in volume.iterdir() if p.name.startswith("v")) == copies,
-                              30, f"the volume keeps {copies}")  # fmt: skip
-                assert apiserver.connections > 0
+            kube.wait_for(lambda: all(settled(n) for n in wv), 30, "v1..v3 Ready, durable, loaded by both")
+            digest = r"sha256:[0-9a-f]{64}"
+            for step, name in enumerate(wv, start=1):
+                events = watch.seen(name)
+                assert events[0][0] == "ADDED", events
+                spec = events[0][1]["spec"]
+                assert spec["job"] == JOB and spec["step"] == step, spec
+                assert spec["channelPlan"] == [{"channel": "cpu", "replicas": REPLICAS}], spec
+                assert re.fullmatch(digest, spec["layoutDigest"]), spec
+                status = settled(name) or {}
+                assert re.fullmatch(digest, status["manifestChecksum"]), status
+                assert re.fullmatch(digest, status["contentDigest"]), status
+                owners = events[0][1]["metadata"]["ownerReferences"]
+                assert owners[0]["kind"] == "RLJob" and owners[0]["name"] == JOB, owners
+                modified = sum(t == "MODIFIED" for t, _ in events)
+                assert modified <= 5, f"{name}: {modified} writes (expected a few per version, not one per ack)"
 
-                # a coordinator restarted with no local state recovers READY from the API server (through the forwarder)
-                old = kubelet.proc(coordinator, "coordinator")
-                old.stop()
-                seen = len(old.log_path.read_bytes())
-                start_coordinator()
+            # the newest version, as the WeightVersion says: Ready, durable, both replicas loaded
+            newest = f"{JOB}-v{final}"
 
-                def recovered() -> bool:
-                    _alive(kubelet)
-                    log = kubelet.proc(coordinator, "coordinator").log_path.read_bytes()[seen:].decode(errors="replace")
-                    return (
-                        f"job {JOB}: recovered {RETENTION} WeightVersions from namespace {namespace}" in log
-                        and f"recovered job {JOB}: newest READY version {VERSIONS}" in log
-                    )
+            def both_loaded() -> Any:
+                status = fleet.versions()[final].get("status", {})
+                states = {e["name"]: e["state"] for e in status.get("replicas", [])}
+                return status if states == dict.fromkeys(replicas, "loaded") else None
 
-                kube.wait_for(recovered, 60, "the restarted coordinator's recovery from the API server")
-                # the agents (still running) registered again with it, serving the newest version
-                _wait_registered(kubelet, coordinator, replicas, timeout=60, serving=VERSIONS)
-                print(
-                    f"\ntimings: fleet up {t_fleet - t0:.0f}s, {VERSIONS} syncs {t_synced - t_fleet:.1f}s, "
-                    f"total {time.monotonic() - t0:.0f}s; "
-                    f"sync seconds {[round(r['seconds']['total'], 2) for r in reports]}\n{table}"
-                )
-                passed = True
-            finally:
-                if not passed or os.environ.get("WEIGHTSYNC_E2E_PRINT_LOGS") == "1":
-                    print(kubelet.tails())
-                kubelet.close()
+            status = kube.wait_for(both_loaded, 60, f"{newest} showing both replicas loaded")
+            assert status["phase"] == "Ready" and status["durable"] is True, status
+            assert status["replicasLoaded"] == REPLICAS and status["replicasFailed"] == 0, status
+            assert status["laggingReplicas"] == [] and status["phaseSeconds"]["total"] > 0, status
+            table = kube.kubectl("get", "wv", "-n", namespace).stdout
+            header, *rows = table.splitlines()
+            assert "REPLICAS" in header.split(), table
+            row = next(r for r in rows if r.split()[0] == newest).split()
+            assert all(any(t.startswith(f"{r}=loaded/") for t in row) for r in replicas), table
+
+            # the operator reflects it in the RLJob's status and printer columns: what both replicas serve
+            kube.wait_for(lambda: (s := _rljob(kube, namespace)["status"]).get("currentVersion") == final
+                          and s.get("replicasLoaded") == REPLICAS, Timeouts.POD_RUNNING,
+                          f"currentVersion {final} loaded by both")  # fmt: skip
+            job_status = _rljob(kube, namespace)["status"]
+            assert job_status["lastSyncSeconds"] > 0, job_status
+            jobs = kube.kubectl("get", "rljobs", JOB, "-n", namespace).stdout
+            columns = dict(zip(*(line.split() for line in jobs.splitlines()[:2]), strict=False))
+            assert columns["PHASE"] == "Running" and columns["VERSION"] == str(final), jobs
+            assert columns["READY"] == f"{REPLICAS}/{REPLICAS}", jobs
+
+            # retention (2) prunes the older WeightVersions; the coordinator prunes the volume likewise
+            keep = list(range(final - RETENTION + 1, final + 1))
+            kube.wait_for(lambda: sorted(fleet.versions()) == keep, Timeouts.DELETE, f"retention keeps {keep}")
+            volume = kubelet.volume(fleet.coordinator, "checkpoints")
+            copies = [f"v{v:08d}" for v in keep]
+            # a copy whose durable mark never reached a coordinator (the trainer lists it) is not the
+            # coordinator's to prune: it knows no such copy
+            unmarked = {f"v{v:08d}" for v in named}
+
+            def pruned() -> bool:
+                return sorted({p.name for p in volume.iterdir() if p.name.startswith("v")} - unmarked) == copies
+
+            kube.wait_for(pruned, 30, f"the volume keeps {copies} (besides unmarked copies {sorted(unmarked)})")
+            left_over = sorted(p.name for p in volume.iterdir() if p.name in unmarked)
+            assert apiserver.connections > 0
+
+            planned = {e["name"]: e.get("channel", "-") for e in status["replicas"]}
+            print(
+                f"\ntimings: fleet up {t_fleet - t0:.0f}s; from the trainer's start: coordinator pod deleted "
+                f"(v{COORDINATOR_FAULT_AT} opened) {t_coordinator - t_fleet:.0f}s, new one recovered "
+                f"+{t_recovered - t_coordinator:.0f}s (newest READY v{ready_at_cut}, old one's newest v{cut}), "
+                f"a later version Ready +{t_resumed - t_recovered:.0f}s; replica pod deleted (v{at_replica} "
+                f"opened) +{t_replica - t_resumed:.0f}s, made again and started +{t_replica_made - t_replica:.0f}s"
+                f"; trainer done +{t_trained - t_replica_made:.0f}s; {victim} on v{final} "
+                f"+{t_caught_up - t_trained:.0f}s (newest version's channels {planned}); "
+                f"total {time.monotonic() - t0:.0f}s\npublished {published}\ndurable errors {errors} (copies left "
+                f"on the volume: {left_over})\n{table}"
+            )
     finally:
         watch.stop()
         kube.kubectl("delete", "pv", f"{namespace}-{JOB}", "--wait=false", check=False)

@@ -68,7 +68,7 @@ from weightsync.coordinator.tls import TlsConfig
 from weightsync.errors import PermanentError, RetryableError, WeightsyncError
 from weightsync.metrics import PublisherMetrics
 from weightsync.tensors import TensorTable, content_digest, manifest_checksum
-from weightsync.vocabulary import Channel, VersionState
+from weightsync.vocabulary import Channel, ReplicaState, VersionState
 from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
 log = logging.getLogger(__name__)
@@ -333,15 +333,19 @@ class Publisher:
             sender.take_plan(opened.receivers(ch))
         lost: dict[str, str] = {}
         if live:
-            joined = True
+            joined, dropped = True, set()
             try:
-                self.client.wait_receivers_joined(version, self.timeout_s)
+                info = self.client.wait_receivers_joined(version, self.timeout_s)
+                dropped = {r.replica_id for r in info.replicas if r.state is ReplicaState.DROPPED}
             except WeightsyncError as e:
                 log.warning("v%d: %s; sending to those that joined", version, e)
                 joined = False
             for ch, sender in list(live.items()):
-                try:  # formed once its receivers joined; one that is not does not get to stall the others
-                    sender.ready(self.timeout_s if joined else READY_AFTER_TIMEOUT_S)
+                # formed once its receivers joined; one that is not does not get to stall the others, nor does one
+                # the coordinator dropped before it joined (its lease ran out: it never will)
+                settled = joined and not dropped.intersection(opened.receivers(ch))
+                try:
+                    sender.ready(self.timeout_s if settled else READY_AFTER_TIMEOUT_S)
                 except WeightsyncError as e:
                     log.warning("v%d: the %s sender is not ready: %s", version, ch.value, e)
                     lost.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})

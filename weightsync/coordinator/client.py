@@ -1,10 +1,11 @@
 """The typed, synchronous client the trainer's publisher and each replica's agent use.
 
 One client is one member of one job (a trainer or a replica). Registering starts a
-daemon thread that renews the lease every third of its TTL; when the coordinator
-has forgotten the lease (it expired, or the coordinator restarted) the thread
-registers again with the same incarnation, which keeps the member's place in any
-staging plan. ``close()`` stops the thread and the channel.
+daemon thread that renews the lease every third of its TTL. When the coordinator
+has forgotten the lease (it expired, or the coordinator restarted), the next call
+or watch that meets the NOT_FOUND registers again with the same incarnation (one
+place, so two threads never race to register), which keeps the member's place in
+any staging plan. ``close()`` stops the thread and the channel.
 
 Publisher, one sync (``weightsync_trainer.publisher.Publisher`` does all of this)::
 
@@ -223,7 +224,7 @@ class CoordinatorClient:
             try:
                 self._call("Renew", functools.partial(serde.renew_request, self.lease.lease_id))
             except faults.NotFound:
-                log.warning("coordinator forgot our lease (expired or restarted); registering again")
+                log.warning("coordinator forgot our lease (expired or restarted); the next call registers again")
             except WeightsyncError as e:
                 if not self._closed.is_set():
                     log.warning("lease renewal failed: %s", e)
