@@ -49,7 +49,8 @@ class Memory:
     """(namespace, kind, name, spec hash) of children compared by hash alone (see the module docstring)."""
 
     def forget(self, namespace: str, job: str) -> None:
-        self.secrets = {s for s in self.secrets if s[0] != namespace or not s[1].startswith(f"{job}-")}
+        gone = {(namespace, names.token_secret(job)), (namespace, names.tls_secret(job))}
+        self.secrets = {s for s in self.secrets if s[:2] not in gone}
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,10 @@ def _ensure_children(
     keeps whatever exists (a racing reconcile's): never regenerated, never
     applied over. Returns writes."""
     writes = 0
-    for secret in (children.token_secret, children.tls_secret):
-        secret_name = (
-            names.token_secret(owner.name) if secret is children.token_secret else names.tls_secret(owner.name)
-        )
+    for secret_name, secret in (
+        (names.token_secret(owner.name), children.token_secret),
+        (names.tls_secret(owner.name), children.tls_secret),
+    ):
         known = (owner.namespace, secret_name, owner.uid)
         if known in memory.secrets:
             continue

@@ -45,7 +45,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_coordinator_restart import free_port, write_version
+from tests.integration.test_coordinator_restart import write_version
+from weightsync.cli._localfleet import free_port
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import JobPolicy
 from weightsync.jobconfig import JobConfig
