@@ -54,9 +54,22 @@ def _wait_registered(target: str, job: str, members: set[str], timeout_s: float 
     raise TimeoutError(f"{members} did not register")
 
 
+def _mean_between(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean seconds per phase/channel of the acks between two scrapes of the coordinator's metrics."""
+    means = {}
+    for key, (count, total) in after.items():
+        count0, total0 = before.get(key, (0.0, 0.0))
+        if count > count0:
+            means[key] = (total - total0) / (count - count0)
+    return means
+
+
 def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) -> dict[str, Any]:
+    from weightsync import metrics
+
     job = "bench"
-    port = _free_port()
+    port, metrics_port = _free_port(), _free_port()
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
     target = f"127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "trainer"), str(ROOT / "inference"),
            os.environ.get("PYTHONPATH", "")])}  # fmt: skip
@@ -75,12 +88,13 @@ def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) ->
 
     try:
         spawn("coordinator", [sys.executable, "-m", "weightsync.cli.main", "coordinator", "--insecure", "--port",
-              str(port), "--job-config", str(work / "job.json"), "--lease-ttl", "10"])  # fmt: skip
+              str(port), "--job-config", str(work / "job.json"), "--lease-ttl", "10",
+              "--metrics-port", str(metrics_port)])  # fmt: skip
         replicas = {"r-nccl": ("cuda:1", "nccl")} | ({"r-ipc": ("cuda:0", "ipc")} if ipc else {})
         for rid, (device, channel) in replicas.items():
             spawn(rid, [sys.executable, "-m", "tests.gpu.harness", "--coordinator", target, "--job", job,
                   "--replica-id", rid, "--device", device, "--channels", channel, "--nccl-domain", "fabric",
-                  "--model", model, "--out", str(work)])  # fmt: skip
+                  "--model", model])  # fmt: skip
         _wait_registered(target, job, set(replicas))
         argv = [sys.executable, "-m", "tests.gpu.fleet_trainer", "--coordinator", target, "--job", job, "--model",
                 model, "--channels", channels, "--nccl-domain", "fabric", "--volume", str(work / "unused")]  # fmt: skip
@@ -106,8 +120,12 @@ def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) ->
             if out["state"] != "READY":
                 raise RuntimeError(f"version {out['version']} {out['state']}: {out}")
             rows.append(out)
+            if len(rows) == 2:  # the replicas' phases count from here: the warm-ups formed the groups
+                before = metrics.sync_seconds_totals(url)
         timed = rows[2:]
         phases = {k: statistics.median(r["seconds"][k] for r in timed) * 1e3 for k in timed[0]["seconds"]}
+        after = metrics.sync_seconds_totals(url)
+        acked = _mean_between(before, after)
         return {
             "bytes": ready["bytes"],
             "tensors": ready["tensors"],
@@ -115,6 +133,7 @@ def fleet_run(model: str, versions: int, ipc: bool, verify: bool, work: Path) ->
             "replicas": {r: c for r, (_, c) in replicas.items()},
             "publish_to_ready_ms": statistics.median(r["wall"] for r in timed) * 1e3,
             "phases_ms": phases,
+            "replica_phases_mean_ms": {k: v * 1e3 for k, v in acked.items()},
             "samples_ms": [r["wall"] * 1e3 for r in timed],
         }
     finally:

@@ -235,3 +235,26 @@ def serve(port: int, host: str = "127.0.0.1", registry: CollectorRegistry = REGI
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread (port 0 picks a free one)."""
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(host, int(server.server_address[1]), server)
+
+
+def sync_seconds_totals(url: str, timeout_s: float = 10.0) -> dict[str, tuple[float, float]]:
+    """(count, sum of seconds) per ``phase/channel`` of ``weightsync_sync_duration_seconds``, scraped from ``url`` (a
+    coordinator's /metrics): what the demo and the benchmarks print as the replicas' breakdown (the difference of
+    two scrapes is the breakdown of the versions between them)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # local URLs: never through a proxy
+    with no_proxy.open(url, timeout=timeout_s) as answer:
+        text = answer.read().decode()
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "weightsync_sync_duration_seconds":
+            continue
+        for sample in family.samples:
+            key = f"{sample.labels.get('phase')}/{sample.labels.get('channel')}"
+            for suffix in ("_sum", "_count"):
+                if sample.name.endswith(suffix):
+                    found.setdefault(key, {})[suffix] = sample.value
+    return {k: (v.get("_count", 0.0), v.get("_sum", 0.0)) for k, v in found.items()}

@@ -57,14 +57,17 @@ class VersionState(enum.StrEnum):
 
 
 class SyncPhase(enum.StrEnum):
-    """Where a sync's time goes: ``publish`` on the trainer; ``transfer`` (bytes on the wire, verification
-    excluded), ``verify`` (digests checked), ``load`` (into the engine) and ``total`` on a replica."""
+    """Where a sync's time goes: ``publish`` on the trainer; ``pause`` (the engine's pause call), ``transfer``
+    (bytes on the wire, verification excluded), ``verify`` (digests checked), ``load`` (into the engine),
+    ``resume`` (the engine's resume call) and ``total`` (pause to resume) on a replica."""
 
     PUBLISH = "publish"
     TRANSFER = "transfer"
     LOAD = "load"
     VERIFY = "verify"
     TOTAL = "total"
+    PAUSE = "pause"
+    RESUME = "resume"
 
 
 class ReplicaState(enum.StrEnum):

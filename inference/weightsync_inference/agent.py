@@ -250,12 +250,12 @@ class Agent:
     def _loaded(self, version: int, channel: Channel, outcome: UpdateOutcome, why: str) -> None:
         receipt = outcome.receipt
         self.client.set_current_version(version)
-        self._observe(channel, outcome.seconds)
         self.events.append((why, version, "ok"))
         report = models.AckReport(
             version, receipt.layout_digest, ok=True, phases=outcome.seconds, content_digest=receipt.content_digest
         )
         self.client.ack(report)
+        self._observe(channel, outcome.seconds)  # after the ack: its lag query is not on the version's path
 
     def _load_from_volume(self, version: int, why: str, table: models.TableSummary, plan: models.ChannelPlan) -> None:
         """Load a durable version this replica was not planned for (catch-up, recovery), acking either way."""

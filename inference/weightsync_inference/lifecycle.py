@@ -68,7 +68,8 @@ class UpdateOutcome:
     version: int
     receipt: Receipt
     seconds: dict[SyncPhase, float] = field(default_factory=dict)
-    """The engine's phases (transfer, verify, load) and the replica's ``total`` (pause to resume)."""
+    """The engine's phases (transfer, verify, load), the lifecycle's ``pause`` and ``resume`` calls, and ``total``
+    (pause to resume; what it leaves out of the others is the start/finish/receipt round trips)."""
 
 
 def _concurrently(main: Callable[[], None], side: Callable[[], None] | None, timeout_s: float, what: str) -> None:
@@ -132,9 +133,11 @@ class Replica:
     def apply(self, ticket: UpdateTicket, send: Callable[[], None] | None = None) -> UpdateOutcome:
         """Load ``ticket``'s version; ``send`` runs the sender concurrently when it lives in this process."""
         t_total = time.perf_counter()
+        paused = 0.0
         if self.state is EngineState.SERVING:
             self.control.pause()
             self.state = EngineState.PAUSED
+            paused = time.perf_counter() - t_total
         try:
             self.control.start()
             _concurrently(
@@ -163,9 +166,12 @@ class Replica:
                 EngineState.SERVING,
             ) from e
         self.version = ticket.version
+        t_resume = time.perf_counter()
         self.control.resume()
         self.state = EngineState.SERVING
-        seconds = {**receipt.seconds, SyncPhase.TOTAL: time.perf_counter() - t_total}
+        end = time.perf_counter()
+        seconds = {**receipt.seconds, SyncPhase.PAUSE: paused, SyncPhase.RESUME: end - t_resume}
+        seconds[SyncPhase.TOTAL] = end - t_total
         return UpdateOutcome(ticket.version, receipt, seconds)
 
     def _torn(self) -> bool:

@@ -75,7 +75,6 @@ log = logging.getLogger(__name__)
 READY_AFTER_TIMEOUT_S = 1.0
 """How long a sender's groups may still take to form once the wait for joins ran out: its receivers had the
 whole transfer timeout to join, and a joined receiver's group forms with its join."""
-"""Groups a slower sender may lag behind the gather before the gather waits for it."""
 
 
 @dataclass
@@ -88,7 +87,9 @@ class PublishReport:
     channels: dict[str, str] = field(default_factory=dict)
     """Replica id -> the channel it was planned on (the volume for a replica that fell back)."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """``open``, ``stream``, ``durable`` (when on the critical path), ``total``."""
+    """Where the publish went: ``open`` (the coordinator plans), ``joined`` (the live receivers set up), ``stream``
+    (one gather to every live channel), ``durable`` (the volume copy, when a replica waits for it), ``verdict``
+    (the replicas load and ack), ``release`` (one-sided channels' buffers freed), ``total``."""
     failed: dict[str, str] = field(default_factory=dict)
     """Replica id -> why a channel lost it."""
     content_digest: str = ""
@@ -351,18 +352,20 @@ class Publisher:
                     lost.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
                     del live[ch]
         t1 = time.perf_counter()
+        seconds["joined"] = t1 - t0 - seconds["open"]
         digests, failed, snapshot = self._stream(version, step, live, opened)
         failed.update(lost)
         seconds["stream"] = time.perf_counter() - t1
         digest = content_digest(digests) if digests else ""
+        t2 = time.perf_counter()
         try:
             info = self.client.report_sent(version, digest, failed)
             if not info.durable_needed and info.state is VersionState.STAGING:
                 info = self.client.wait_version(version, self.version_timeout_s, durable_needed=True)
             if info.durable_needed:
-                t2 = time.perf_counter()
+                t3 = time.perf_counter()
                 volume_error = self._write_durable(version, step, snapshot)
-                seconds["durable"] = time.perf_counter() - t2
+                seconds["durable"] = time.perf_counter() - t3
                 if volume_error:  # the replicas waiting for it fail now, not at the version's timeout
                     self.client.report_sent(version, digest, failed, volume_error=volume_error)
                 info = self.client.wait_version(version, self.version_timeout_s)
@@ -380,11 +383,14 @@ class Publisher:
                 f"outcome unknown: the coordinator is unreachable ({e})",
                 {},
             )
+        t4 = time.perf_counter()
+        seconds["verdict"] = t4 - t2 - seconds.get("durable", 0.0)
         for ch, sender in live.items():
             try:
                 sender.release(version, self.timeout_s)
             except WeightsyncError as e:
                 failed.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
+        seconds["release"] = time.perf_counter() - t4
         seconds["total"] = time.perf_counter() - t0
         if self.metrics:
             self.metrics.observe_publish(seconds["total"], next(iter(live), Channel.VOLUME))

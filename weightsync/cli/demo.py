@@ -92,6 +92,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     import torch
     import transformers
 
+    from weightsync import metrics
     from weightsync.cli._localfleet import LocalFleet
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync_trainer import grpo, tiny_models
@@ -164,6 +165,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                     "state": report.state.value,
                     "channels": report.channels,
                     "sync_seconds": report.seconds["total"],
+                    "sync_phases": report.seconds,
                     "failed": report.failed,
                 }
             record["served"] = _served(client, fleet.job)
@@ -180,7 +182,8 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
                 log(f"step {step}: killing the coordinator (SIGKILL); the fleet restarts it")
                 fleet.kill_coordinator()
         catch_up = _wait_caught_up(fleet, client, publisher, log) if publisher else {}
-        by_phase = _latency_by_phase(f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics")
+        totals = metrics.sync_seconds_totals(f"http://127.0.0.1:{fleet.coordinator_metrics_port}/metrics")
+        by_phase = {k: {"count": n, "mean": total / n} for k, (n, total) in totals.items() if n}
     finally:
         if publisher is not None:
             publisher.close()
@@ -198,6 +201,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         "reward_last_quarter": last,
         "reward_gain": last - first,
         "sync_latency_seconds": _latency(sync_times),
+        "publish_phases_p50": _phases_p50([s["sync_phases"] for s in steps if "sync_phases" in s]),
         "sync_latency_by_phase": by_phase,
         "catch_up": catch_up,
         "coordinator_starts": fleet.coordinator_starts,
@@ -235,27 +239,10 @@ def _wait_caught_up(fleet: Any, client: Any, publisher: Any, log: Any) -> dict[s
     }
 
 
-def _latency_by_phase(url: str) -> dict[str, dict[str, float]]:
-    """Mean seconds and count per phase/channel, read from the coordinator's own /metrics."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, dict[str, float]] = {}
-    text = httpx.get(url, timeout=10.0, trust_env=False).text
-    for family in text_string_to_metric_families(text):
-        if family.name != "weightsync_sync_duration_seconds":
-            continue
-        for sample in family.samples:
-            key = f"{sample.labels.get('phase')}/{sample.labels.get('channel')}"
-            if sample.name.endswith("_sum"):
-                out.setdefault(key, {})["sum"] = sample.value
-            elif sample.name.endswith("_count"):
-                out.setdefault(key, {})["count"] = sample.value
-    return {
-        k: {"count": v.get("count", 0.0), "mean": v.get("sum", 0.0) / v["count"]}
-        for k, v in out.items()
-        if v.get("count")
-    }
+def _phases_p50(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each of the publisher's phases (a phase a publish did not go through counts as 0)."""
+    names = dict.fromkeys(name for r in reports for name in r)
+    return {name: statistics.median(r.get(name, 0.0) for r in reports) for name in names}
 
 
 def _latency(samples: list[float]) -> dict[str, float]:
@@ -284,8 +271,11 @@ def _print_summary(result: dict[str, Any]) -> None:
             f"\nSYNC LATENCY (publish -> READY, cpu stream + volume)\n  versions {lat['count']}  "
             f"p50 {lat['p50']:.3f}s  p90 {lat['p90']:.3f}s  max {lat['max']:.3f}s"
         )
+        phases = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in result["publish_phases_p50"].items())
+        print(f"  the trainer's wait by phase, p50 ms: {phases}")
     if result["sync_latency_by_phase"]:
-        print("\nSYNC LATENCY BY PHASE AND CHANNEL (replicas' acks, from the coordinator's /metrics)")
+        print("\nSYNC LATENCY BY PHASE AND CHANNEL (replicas' acks, from the coordinator's /metrics; total - the rest")
+        print("  = the agent's start/finish/receipt calls to vLLM)")
         print(f"  {'phase/channel':24} {'count':>6} {'mean s':>9}")
         for key, row in sorted(result["sync_latency_by_phase"].items()):
             print(f"  {key:24} {int(row['count']):6d} {row['mean']:9.3f}")

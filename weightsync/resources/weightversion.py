@@ -68,6 +68,8 @@ class PhaseSeconds(Model):
     load: float | None = Field(default=None, ge=0)
     verify: float | None = Field(default=None, ge=0)
     total: float | None = Field(default=None, ge=0)
+    pause: float | None = Field(default=None, ge=0)
+    resume: float | None = Field(default=None, ge=0)
 
 
 assert set(PhaseSeconds.model_fields) == {p.value for p in SyncPhase}, "PhaseSeconds must follow SyncPhase"

@@ -34,6 +34,8 @@ class SyncPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_PHASE_LOAD: _ClassVar[SyncPhase]
     SYNC_PHASE_VERIFY: _ClassVar[SyncPhase]
     SYNC_PHASE_TOTAL: _ClassVar[SyncPhase]
+    SYNC_PHASE_PAUSE: _ClassVar[SyncPhase]
+    SYNC_PHASE_RESUME: _ClassVar[SyncPhase]
 
 class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -93,6 +95,8 @@ SYNC_PHASE_TRANSFER: SyncPhase
 SYNC_PHASE_LOAD: SyncPhase
 SYNC_PHASE_VERIFY: SyncPhase
 SYNC_PHASE_TOTAL: SyncPhase
+SYNC_PHASE_PAUSE: SyncPhase
+SYNC_PHASE_RESUME: SyncPhase
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_PLANNED: ReplicaState
 REPLICA_STATE_JOINED: ReplicaState
