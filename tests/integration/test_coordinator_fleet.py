@@ -124,9 +124,9 @@ def test_two_replicas_on_different_channels_in_one_version_and_metrics(fleet: Fl
     assert plans["volume-replica"].channel is Channel.VOLUME
     assert plans["volume-replica"].rendezvous.root == "/mnt/ckpt"
     trainer.wait_receivers_joined(opened.version, timeout_s=30)
-    trainer.report_sent(opened.version, "", {})  # the cpu stream went out (verification off: no content digest)
-    # the volume replica waits for the volume copy: the publisher writes it, then marks the version durable
-    assert trainer.wait_version(opened.version, 30, durable_needed=True).durable_needed
+    # the cpu stream went out (verification off: no content digest); the same call waits: the volume replica
+    # waits for the volume copy, so the publisher writes it, then marks the version durable
+    assert trainer.report_sent(opened.version, "", {}, wait_s=30).durable_needed
     trainer.mark_durable(opened.version, "/ckpt/v00000001/manifest.json", CHECKSUM)
     assert trainer.wait_version(opened.version, timeout_s=30).state is VersionState.READY
 
@@ -199,8 +199,7 @@ def test_late_joiner_catches_up_from_the_newest_durable_ready_version(fleet: Fle
     fleet.expect("acked", "late", v1)  # the catch-up carried the recorded manifest checksum, or it would refuse
     # then it follows live
     v2 = trainer.open_version(2, TABLE).version
-    trainer.report_sent(v2, "", {})
-    assert trainer.wait_version(v2, 30).state is VersionState.READY
+    assert trainer.report_sent(v2, "", {}, wait_s=30).state is VersionState.READY  # the report waits for the acks
     fleet.expect("assign", "late", v2)
     job = trainer.get_job()
     assert {m.member_id: m.current_version for m in job.members if m.member_id != "trainer"} == {

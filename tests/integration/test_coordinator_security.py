@@ -205,6 +205,8 @@ def test_malformed_calls_get_clear_statuses(mtls_server: server.CoordinatorServe
             trainer.mark_durable(1, "/x/manifest.json", "a" * 64)
         with pytest.raises(faults.NotFound, match="has no version 99"):
             trainer.mark_durable(99, "/x/manifest.json", "sha256:" + "a" * 64)
+        with pytest.raises(faults.InvalidArgument, match=r"wait_s is -1.0; send a wait between 0 and 3600s"):
+            trainer.report_sent(1, "", {}, wait_s=-1)
 
 
 def test_the_server_is_secure_by_default() -> None:

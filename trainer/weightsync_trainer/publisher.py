@@ -359,9 +359,7 @@ class Publisher:
         digest = content_digest(digests) if digests else ""
         t2 = time.perf_counter()
         try:
-            info = self.client.report_sent(version, digest, failed)
-            if not info.durable_needed and info.state is VersionState.STAGING:
-                info = self.client.wait_version(version, self.version_timeout_s, durable_needed=True)
+            info = self.client.report_sent(version, digest, failed, wait_s=self.version_timeout_s)
             if info.durable_needed:
                 t3 = time.perf_counter()
                 volume_error = self._write_durable(version, step, snapshot)

@@ -15,8 +15,7 @@ Publisher, one sync (``weightsync_trainer.publisher.Publisher`` does all of this
     ...each sender.take_plan(opened.receivers(sender.channel))...
     client.wait_receivers_joined(opened.version, timeout_s=60)   # every live-planned replica joined or dropped
     ...send over each channel from one gather...
-    client.report_sent(opened.version, content_digest, failed)
-    info = client.wait_version(opened.version, 300, durable_needed=True)  # or: a replica waits for the volume
+    info = client.report_sent(opened.version, content_digest, failed, wait_s=300)  # settled, or durable_needed
     client.mark_durable(opened.version, manifest_path, manifest_checksum)  # when the volume copy lands
 
 Agent::
@@ -275,12 +274,25 @@ class CoordinatorClient:
         return self._wait(version, WaitFor.SETTLED, timeout_s, job)[0]
 
     def report_sent(
-        self, version: int, content_digest: str, failed: Mapping[str, str], *, volume_error: str = ""
+        self,
+        version: int,
+        content_digest: str,
+        failed: Mapping[str, str],
+        *,
+        volume_error: str = "",
+        wait_s: float = 0.0,
     ) -> VersionInfo:
         """Tell the coordinator what was sent (replicas' acks are checked against it), which receivers were lost,
-        and, when the volume copy failed, why (the replicas waiting for it fail). May be called again."""
+        and, when the volume copy failed, why (the replicas waiting for it fail). May be called again.
+
+        ``wait_s`` > 0 also waits, in the same call, until the version settled or a planned replica waits for the
+        volume copy (``info.durable_needed``), or ``wait_s`` passed: one round trip less on every version's path."""
         sent = SentReport(content_digest, dict(failed), volume_error)
-        response = self._call("ReportSent", lambda: serde.report_sent_to(self.lease.lease_id, version, sent))
+        response = self._call(
+            "ReportSent",
+            lambda: serde.report_sent_to(self.lease.lease_id, version, sent, wait_s),
+            wait_s + self.timeout_s,
+        )
         return serde.version_info(response.info)
 
     def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:

@@ -332,13 +332,14 @@ def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
     return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error)
 
 
-def report_sent_to(lease_id: str, version: int, sent: models.SentReport) -> pb.ReportSentRequest:
+def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s: float = 0.0) -> pb.ReportSentRequest:
     return pb.ReportSentRequest(
         lease_id=lease_id,
         version=version,
         content_digest=sent.content_digest,
         failed=[pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(sent.failed.items())],
         volume_error=_error_text(sent.volume_error),
+        wait_s=wait_s,
     )
 
 

@@ -23,7 +23,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]  # types-grpcio is not
 from weightsync.coordinator import faults, serde
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.core import Coordinator
-from weightsync.coordinator.models import JobPolicy, Role
+from weightsync.coordinator.models import JobPolicy, Role, WaitFor
 from weightsync.errors import PermanentError, RetryableError
 
 log = logging.getLogger(__name__)
@@ -192,12 +192,17 @@ class Servicer:
         state = self.core.ack(_nonempty(request.lease_id, "lease_id", "register the replica first"), serde.ack(request))
         return serde.ack_response(state)
 
+    @staticmethod
+    def _bounded(wait_s: float, context: grpc.ServicerContext) -> float:
+        """A requested wait, cut to what the call's own deadline leaves."""
+        remaining = context.time_remaining()
+        return min(wait_s, remaining if remaining is not None else MAX_WAIT_S)
+
     @_guard
     def WaitVersion(self, request: pb.WaitVersionRequest, context: grpc.ServicerContext) -> pb.WaitVersionResponse:
         if not 0 < request.timeout_s <= MAX_WAIT_S:
             raise faults.InvalidArgument(f"timeout_s is {request.timeout_s}; send a wait between 0 and {MAX_WAIT_S:g}s")
-        remaining = context.time_remaining()
-        timeout = min(request.timeout_s, remaining if remaining is not None else MAX_WAIT_S)
+        timeout = self._bounded(request.timeout_s, context)
         info, met = self.core.wait_version(request.job, request.version, serde.wait_for(request.until), timeout)
         return serde.wait_response(info, met)
 
@@ -205,7 +210,14 @@ class Servicer:
     def ReportSent(self, request: pb.ReportSentRequest, context: grpc.ServicerContext) -> pb.ReportSentResponse:
         sent = serde.report_sent(request)
         lease_id = _nonempty(request.lease_id, "lease_id", "register the trainer first")
-        return serde.report_sent_response(self.core.report_sent(lease_id, request.version, sent))
+        if not 0 <= request.wait_s <= MAX_WAIT_S:
+            raise faults.InvalidArgument(f"wait_s is {request.wait_s}; send a wait between 0 and {MAX_WAIT_S:g}s")
+        info = self.core.report_sent(lease_id, request.version, sent)
+        if request.wait_s > 0:
+            info, _ = self.core.wait_version(
+                info.job, request.version, WaitFor.SETTLED_OR_DURABLE_NEEDED, self._bounded(request.wait_s, context)
+            )
+        return serde.report_sent_response(info)
 
     @_guard
     def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:

@@ -463,18 +463,20 @@ class FailedReceiver(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ReportSentRequest(_message.Message):
-    __slots__ = ("lease_id", "version", "content_digest", "failed", "volume_error")
+    __slots__ = ("lease_id", "version", "content_digest", "failed", "volume_error", "wait_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     VOLUME_ERROR_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     content_digest: str
     failed: _containers.RepeatedCompositeFieldContainer[FailedReceiver]
     volume_error: str
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ...) -> None: ...
+    wait_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class ReportSentResponse(_message.Message):
     __slots__ = ("info",)
