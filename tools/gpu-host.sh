@@ -2,6 +2,8 @@
 # Run a command on the GPU host (the device tool) with weightsync's Python dependencies carried as wheels.
 #   carry: .whl/base (grpcio, protobuf, pydantic, prometheus-client, PyYAML, pytest-timeout; cp312)
 #          .whl/nixl (optional: nixl 1.5.1 + nixl-cu13 without its torch-2.12+ expert-parallel extensions)
+#          .whl/cke (optional: checkpoint-engine 0.4.2, pyzmq, fastapi, httpx, loguru, safetensors and their deps;
+#                    bench/moonshot_checkpoint_engine.py)
 #   usage: bash tools/gpu-host.sh python3 -m pytest tests/gpu
 set -euo pipefail
 # NVLink multicast stays off on shared hosts (the device tool's KINDS.md says why).
@@ -10,7 +12,7 @@ SITE=/tmp/site
 if [[ ! -f $SITE/.done ]]; then
   mkdir -p "$SITE"
   shopt -s nullglob
-  for w in .whl/base/*.whl .whl/nixl/*.whl; do python3 -m pip install -q --no-index --no-deps --target "$SITE" "$w"; done
+  for w in .whl/base/*.whl .whl/nixl/*.whl .whl/cke/*.whl; do python3 -m pip install -q --no-index --no-deps --target "$SITE" "$w"; done
   for z in .whl/nixl/*.zip; do python3 -m zipfile -e "$z" "$SITE"; done
   touch "$SITE/.done"
 fi

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import PermanentError
-from weightsync.vocabulary import Channel
+from weightsync.vocabulary import Channel, PauseMode
 
 ENV = "WEIGHTSYNC_CONFIG"
 
@@ -41,6 +41,8 @@ class JobConfig:
     every_steps: int = 1
     ready_without_acks: bool = False
     """A version planned for no replica is READY (default: FAILED)."""
+    pause_mode: PauseMode = PauseMode.KEEP
+    """What a replica's pause for an update does with requests in flight (``vocabulary.PauseMode``)."""
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
@@ -58,6 +60,7 @@ class JobConfig:
                 nccl_domain=str(data.get("ncclDomain", "")),
                 every_steps=int(sync.get("everySteps", 1)),
                 ready_without_acks=bool(sync.get("readyWithoutAcks", False)),
+                pause_mode=PauseMode(str(sync.get("pauseMode", PauseMode.KEEP.value))),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
@@ -75,6 +78,7 @@ class JobConfig:
                 "retention": self.retention,
                 "everySteps": self.every_steps,
                 "readyWithoutAcks": self.ready_without_acks,
+                "pauseMode": self.pause_mode.value,
             },
             "checkpointDir": self.checkpoint_dir,
             "ncclDomain": self.nccl_domain,

@@ -31,9 +31,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
+from weightsync.vocabulary import PauseMode
 from weightsync_inference import receipts
 
 LOOPBACK_NAMES = ("localhost",)
+INITIAL_WEIGHT_VERSIONS = frozenset({"default", "None"})
+"""What vLLM's ``/weight_info`` says before any update finished (0.32: ``default``; earlier: ``None``): the weights
+the server started with, version 0 to weightsync."""
 ENGINE_GRACE_S = 30.0
 """How much longer the agent waits for a call than the engine's own bounded waits take (the rendezvous and the
 ticket carry them): the engine's error, which says whether bytes landed, then arrives before the HTTP timeout."""
@@ -94,11 +98,13 @@ class HttpEngine:
         transfer_timeout_s: float = 300.0,
         generate_timeout_s: float = 120.0,
         model: str | None = None,
+        pause_mode: PauseMode = PauseMode.KEEP,
     ) -> None:
         """``control_timeout_s`` bounds pause/resume/start/queries; ``transfer_timeout_s`` bounds
-        init (a rendezvous) and finish (the layerwise reload's finalisation); an update uses
-        its ticket's ``timeout_s``."""
+        init (a rendezvous), finish (the layerwise reload's finalisation) and a pause that waits for
+        requests in flight (``pause_mode`` wait); an update uses its ticket's ``timeout_s``."""
         self.base_url = require_loopback(base_url)
+        self.pause_mode = pause_mode
         self.control_timeout_s = control_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.generate_timeout_s = generate_timeout_s
@@ -151,8 +157,11 @@ class HttpEngine:
     # -- the lifecycle (EngineControl) ------------------------------------------------------
 
     def pause(self) -> None:
-        """Pause scheduling; ``keep`` freezes in-flight requests, which continue on ``resume``."""
-        self._call("POST", "/pause", params={"mode": "keep"})
+        """Pause scheduling (``vocabulary.PauseMode``: keep freezes in-flight requests, which continue on
+        ``resume``; wait lets them finish first; abort ends them)."""
+        waits = self.pause_mode is PauseMode.WAIT
+        timeout = self.transfer_timeout_s if waits else None
+        self._call("POST", "/pause", params={"mode": self.pause_mode.value}, timeout_s=timeout)
 
     def resume(self) -> None:
         self._call("POST", "/resume")
@@ -177,7 +186,7 @@ class HttpEngine:
     # -- queries -------------------------------------------------------------------------------
 
     def weight_version(self) -> str:
-        """The version the engine last finished loading (``"None"`` before the first update)."""
+        """The version the engine last finished loading (one of ``INITIAL_WEIGHT_VERSIONS`` before the first)."""
         return str(self._call("GET", "/weight_info")["weight_version"])
 
     def _workers(self, method: str) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ class EngineControl(Protocol):
         ...
 
     def weight_version(self) -> str:
-        """The version the engine last finished loading (``"None"`` before the first update)."""
+        """The version the engine last finished loading (not a number before the first update)."""
         ...
 
 

@@ -16,8 +16,20 @@ paused), so a Kubernetes probe needs no access to vLLM itself, and a replica tha
 paused after a failed update (fail-stop) is taken out of the Service until it loads a
 whole version; a routine update's pause lasts less than a probe period.
 
+Every completion says which weights made it: the proxy reads vLLM's weight version before
+it forwards a completion route and again after the response ended. A JSON response carries
+``x-weightsync-versions: 12``, or ``12,13`` when an update finished while it was in flight
+(its tokens may come from both; a request that waited out an update in vLLM's queue is also
+reported with both: the attribution errs towards "mixed", never towards "one version"). A
+streamed response carries the version it started on in ``x-weightsync-version-start`` and
+ends with an SSE comment line ``: weightsync-versions 12,13`` after vLLM's last event, which
+clients that follow the SSE rules skip. Where vLLM does not say (no development routes), the
+headers are left out. The cost is two loopback reads of ``/weight_info`` per completion.
+
 Responses stream through as they arrive (server-sent events included); a client that
-goes away closes the upstream request, which makes vLLM abort the generation. Request
+goes away closes the upstream request, which makes vLLM abort the generation. JSON
+completions are sent once vLLM has answered in full (vLLM sends them only at the end
+anyway), so their header can name the version they ended on. Request
 bodies are bounded (413 above ``max_body_bytes``) and read within a deadline (408);
 upstream connects, reads between chunks, and health checks each have a timeout.
 """
@@ -32,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from weightsync_inference.http_engine import INITIAL_WEIGHT_VERSIONS
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +66,12 @@ ROUTES: Mapping[str, frozenset[str]] = {
 
 HEALTH = "/health"
 IS_PAUSED = "/is_paused"
+WEIGHT_INFO = "/weight_info"
+GENERATION = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The routes whose responses say which weight versions generated them."""
+VERSIONS_HEADER = "x-weightsync-versions"
+START_HEADER = "x-weightsync-version-start"
+SSE_VERSIONS = ": weightsync-versions "
 PAUSED_REASON = (
     "vLLM is paused: a weight update is in progress, or one failed after bytes landed and the replica "
     "waits for a whole version (it never serves a mix)"
@@ -202,6 +222,15 @@ class ProxyApp:
         except (httpx.HTTPError, ValueError, AttributeError):
             return False  # a server without the development routes cannot be paused
 
+    async def _weight_version(self) -> int | None:
+        """The version vLLM's engine last finished loading (0: the weights it started with), None if it cannot say."""
+        try:
+            r = await self.client().get(WEIGHT_INFO, timeout=self.config.health_timeout_s)
+            text = str(r.json().get("weight_version")) if r.status_code == 200 else ""
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return int(text) if text.isdigit() else 0 if text in INITIAL_WEIGHT_VERSIONS else None
+
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
         for name, value in scope["headers"]:
@@ -247,6 +276,7 @@ class ProxyApp:
         query = scope.get("query_string", b"").decode("latin-1")
         url = route + (f"?{query}" if query else "")
         client = self.client()
+        start = await self._weight_version() if route in GENERATION else None
         request = client.build_request(str(scope["method"]), url, headers=headers, content=body)
         try:
             upstream = await client.send(request, stream=True)
@@ -258,8 +288,9 @@ class ProxyApp:
             message = f"vLLM at {c.upstream} is unreachable ({type(e).__name__}); it may still be starting"
             await _respond(send, 502, _error_body(502, "BadGateway", message))
             return
+        versions = None if start is None else _Versions(start, self._weight_version)
         try:
-            await _relay(upstream, receive, send)
+            await _relay(upstream, receive, send, versions)
         finally:
             await upstream.aclose()
 
@@ -270,21 +301,56 @@ async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
-async def _relay(upstream: httpx.Response, receive: Receive, send: Send) -> None:
-    """Stream ``upstream`` to the client chunk by chunk; stop (closing upstream) when the client leaves."""
+@dataclass(frozen=True)
+class _Versions:
+    """A completion's weight versions: the one read before it was forwarded, and how to read the one after."""
+
+    start: int
+    read: Callable[[], Awaitable[int | None]]
+
+    async def label(self) -> str | None:
+        """``"12"``, ``"12,13"`` when the version changed in flight, None when vLLM no longer says."""
+        end = await self.read()
+        if end is None:
+            return None
+        return str(self.start) if end == self.start else f"{self.start},{end}"
+
+
+async def _relay(upstream: httpx.Response, receive: Receive, send: Send, versions: _Versions | None = None) -> None:
+    """Stream ``upstream`` to the client chunk by chunk; stop (closing upstream) when the client leaves.
+
+    With ``versions`` (a completion route), a JSON answer is held until it ended so its header names the versions
+    it was generated with; a stream starts with the start version and ends with a comment naming them."""
     headers = [
         (k.encode("latin-1"), v.encode("latin-1"))
         for k, v in upstream.headers.multi_items()
         if k.lower() not in _DROP_RESPONSE
     ]
-    await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
+    streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    if versions is not None and streamed:
+        headers.append((START_HEADER.encode(), str(versions.start).encode()))
+    held = versions is not None and not streamed
+    if not held:
+        await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
 
     async def pump() -> None:
+        body: list[bytes] = []
         try:
             async for chunk in upstream.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if held:
+                    body.append(chunk)
+                else:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:  # headers are sent: all we can do is end the stream
             log.warning("upstream stream ended early: %s: %s", type(e).__name__, e)
+        label = await versions.label() if versions is not None else None
+        if held:
+            extra = [(VERSIONS_HEADER.encode(), label.encode())] if label else []
+            await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers + extra})
+            await send({"type": "http.response.body", "body": b"".join(body)})
+            return
+        if label and streamed:
+            await send({"type": "http.response.body", "body": f"{SSE_VERSIONS}{label}\n\n".encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
     async def watch() -> None:
@@ -327,8 +393,12 @@ def serve(host: str, port: int, config: ProxyConfig, log_level: str = "info") ->
 
 
 __all__ = [
+    "GENERATION",
     "HEALTH",
     "ROUTES",
+    "SSE_VERSIONS",
+    "START_HEADER",
+    "VERSIONS_HEADER",
     "ProxyApp",
     "ProxyConfig",
     "not_exposed_message",

@@ -45,9 +45,23 @@ def test_reward_rises_with_sync_through_a_coordinator_crash_and_a_killed_replica
     assert result["catch_up"]["served"] == {"replica-0": newest, "replica-1": newest}
     killed_at = len(result["steps"]) // 2
     assert result["steps"][killed_at]["replicas_sampled"] == ["replica-0"]
+    # where the time went: the trainer's wait by phase (which add up to at most the whole), the replicas' phases
+    phases = result["publish_phases_p50"]
+    assert {"open", "joined", "stream", "verdict", "release", "total"} <= phases.keys(), phases
+    ready = [s["sync_phases"] for s in result["steps"] if s["state"] == "READY"]
+    assert all(sum(v for k, v in p.items() if k != "total") <= p["total"] for p in ready), ready
+    # every sample says which weights made it; with a sync each step nearly all are on-policy (the exceptions:
+    # the step after a publish the coordinator's crash failed, a restarted replica sampled before it caught up)
+    assert all(label.replace(",", "").isdigit() for s in result["steps"] for label in s["made_by"]), result["steps"]
+    assert result["off_policy_samples"] <= result["samples"] // 4, [s["made_by"] for s in result["steps"]]
+    replicas = result["sync_latency_by_phase"]
+    assert {"pause/cpu", "transfer/cpu", "load/cpu", "resume/cpu", "total/cpu"} <= replicas.keys(), replicas
 
 
 @pytest.mark.timeout(1300)
 def test_reward_stays_flat_without_sync(tmp_path: Path) -> None:
     result = _demo(tmp_path, "--no-sync")
     assert abs(result["reward_gain"]) < 0.05, result["rewards"]
+    # the replicas serve the initial weights throughout: on-policy for the first step only
+    assert all(s["made_by"] == {"0": s["samples"]} for s in result["steps"]), [s["made_by"] for s in result["steps"]]
+    assert result["off_policy_samples"] == result["samples"] - result["steps"][0]["samples"]

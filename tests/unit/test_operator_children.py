@@ -10,7 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from weightsync import jobconfig
+from weightsync.errors import PermanentError
 from weightsync.resources.rljob import PlacementMode, RLJobSpec
+from weightsync.vocabulary import PauseMode
 from weightsync_operator import children, names
 
 pytestmark = pytest.mark.unit
@@ -151,6 +154,13 @@ def test_the_job_s_sync_choices_reach_every_process() -> None:
     no_nccl = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"channels": ["cpu", "volume"]})})
     config = json.loads(_by_kind(spec=no_nccl)[("ConfigMap", "grpo-config")]["data"]["job.json"])
     assert config["ncclDomain"] == ""
+    # the pause mode reaches each replica's agent through the same file; a wrong one is refused there by name
+    waits = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"pause_mode": PauseMode.WAIT})})
+    config = json.loads(_by_kind(spec=waits)[("ConfigMap", "grpo-config")]["data"]["job.json"])
+    assert jobconfig.JobConfig.parse(config).pause_mode is PauseMode.WAIT
+    assert jobconfig.JobConfig.parse({"job": "j"}).pause_mode is PauseMode.KEEP
+    with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'sometimes' is not"):
+        jobconfig.JobConfig.parse({"job": "j", "sync": {"pauseMode": "sometimes"}})
 
 
 def test_rdma_and_colocated_ipc_get_what_their_channels_need() -> None:

@@ -160,6 +160,7 @@ class Upstream:
         self.seen: list[dict[str, Any]] = []
         self.disconnected = threading.Event()
         self.paused = False
+        self.version = 7
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -179,6 +180,20 @@ class Upstream:
         if scope["path"] == "/is_paused":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": json.dumps({"is_paused": self.paused}).encode()})
+            return
+        if scope["path"] == "/weight_info":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send(
+                {"type": "http.response.body", "body": json.dumps({"weight_version": str(self.version)}).encode()}
+            )
+            return
+        if body.startswith(b"json"):  # a non-streamed completion; "json-update": a version finishes while it runs
+            if body == b"json-update":
+                self.version += 1
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send({"type": "http.response.body", "body": b'{"choices": []}'})
             return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"x-upstream", b"1")]})  # fmt: skip
@@ -230,11 +245,40 @@ def test_forwards_the_checked_path_and_sanitised_headers(wire: tuple[Upstream, s
     headers = {"x-forwarded-for": "6.6.6.6", "authorization": "Bearer k", "proxy-authorization": "x"}
     r = httpx.post(f"{url}/v1/completions?a=1", content=b"short", headers=headers, timeout=10, trust_env=False)
     assert r.status_code == 200 and r.headers["x-upstream"] == "1"
-    assert r.text == "data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
-    seen = upstream.seen[-1]
+    version = upstream.version
+    assert r.text == f"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n: weightsync-versions {version}\n\n"
+    assert r.headers[proxy.START_HEADER] == str(version)
+    seen = next(s for s in reversed(upstream.seen) if s["path"] != "/weight_info")
     assert seen["path"] == "/v1/completions" and seen["query"] == b"a=1" and seen["body"] == b"short"
     assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"  # the client's own claim is dropped
     assert seen["headers"]["authorization"] == "Bearer k" and "proxy-authorization" not in seen["headers"]
+
+
+def test_every_completion_says_which_weight_versions_made_it(wire: tuple[Upstream, str]) -> None:
+    upstream, url = wire
+    r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+    assert r.status_code == 200 and r.json() == {"choices": []}
+    assert r.headers[proxy.VERSIONS_HEADER] == str(upstream.version)
+    # an update finished while the request was in flight: both versions, for JSON and for streams
+    before = upstream.version
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"json-update", timeout=10, trust_env=False)
+    assert r.headers[proxy.VERSIONS_HEADER] == f"{before},{before + 1}"
+    with httpx.stream("POST", f"{url}/v1/completions", content=b"short", timeout=10, trust_env=False) as s:
+        lines = s.iter_lines()
+        assert next(lines) == "data: 0" and s.headers[proxy.START_HEADER] == str(before + 1)
+        upstream.version += 1
+        rest = list(lines)
+    assert rest[-2:] == [f"{proxy.SSE_VERSIONS}{before + 1},{before + 2}", ""], rest
+    # routes that generate nothing carry no versions
+    tokenized = httpx.post(f"{url}/tokenize", content=b"json", timeout=10, trust_env=False)
+    assert proxy.VERSIONS_HEADER not in tokenized.headers
+    # before any update vLLM names no number: the weights it started with are version 0
+    upstream.version, version = "default", upstream.version  # type: ignore[assignment]
+    try:
+        initial = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+        assert initial.headers[proxy.VERSIONS_HEADER] == "0"
+    finally:
+        upstream.version = version
 
 
 def test_health_is_answered_by_the_proxy(wire: tuple[Upstream, str]) -> None:

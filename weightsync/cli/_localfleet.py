@@ -32,7 +32,7 @@ import httpx
 from weightsync import jobconfig
 from weightsync.coordinator import faults
 from weightsync.coordinator.client import CoordinatorClient
-from weightsync.vocabulary import Channel
+from weightsync.vocabulary import Channel, PauseMode
 
 
 def free_port() -> int:
@@ -118,6 +118,7 @@ class LocalFleet:
     coordinator_metrics_port: int = field(default_factory=free_port)
     lease_ttl_s: float = 4.0
     channels: tuple[Channel, ...] = (Channel.CPU, Channel.VOLUME)
+    pause_mode: PauseMode = PauseMode.KEEP
     replicas: dict[str, Replica] = field(default_factory=dict)
     coordinator: Proc | None = None
     coordinator_starts: int = 0
@@ -130,7 +131,9 @@ class LocalFleet:
 
     @property
     def config(self) -> jobconfig.JobConfig:
-        return jobconfig.JobConfig(self.job, self.channels, timeout_s=120.0, checkpoint_dir=str(self.volume))
+        return jobconfig.JobConfig(
+            self.job, self.channels, timeout_s=120.0, checkpoint_dir=str(self.volume), pause_mode=self.pause_mode
+        )
 
     @property
     def config_path(self) -> Path:

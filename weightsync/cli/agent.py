@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds one update may take, and a stalled transfer "
         "(default: the job config's transferTimeoutSeconds, else 300)",
     )
+    p.add_argument(
+        "--pause-mode",
+        choices=["keep", "wait", "abort"],
+        default=None,
+        help="what an update's pause does with requests in flight: keep (continue on the new weights), wait "
+        "(finish on the old ones first), abort (default: the job config's, else keep)",
+    )
     p.add_argument("--wait-vllm", type=float, default=600.0, help="seconds to wait for vLLM to become healthy")
     p.add_argument("--token-file", default=None, help="bearer token file (or WEIGHTSYNC_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA that signed the coordinator's certificate")
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.coordinator import auth, tls
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.errors import WeightsyncError
-    from weightsync.vocabulary import Channel
+    from weightsync.vocabulary import Channel, PauseMode
     from weightsync_inference.agent import Agent, AgentConfig
     from weightsync_inference.http_engine import HttpEngine
 
@@ -95,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     job_name = args.job or (job.job if job else "default")
     update_timeout = args.update_timeout or (job.transfer_timeout_s if job else 300.0)
-    engine = HttpEngine(args.vllm_url, transfer_timeout_s=update_timeout)
+    pause_mode = PauseMode(args.pause_mode) if args.pause_mode else (job.pause_mode if job else PauseMode.KEEP)
+    engine = HttpEngine(args.vllm_url, transfer_timeout_s=update_timeout, pause_mode=pause_mode)
     deadline = time.monotonic() + args.wait_vllm
     while not engine.healthy():
         if time.monotonic() > deadline:

@@ -27,7 +27,7 @@ from weightsync.resources._base import (
     rules,
 )
 from weightsync.resources.conditions import Condition, is_true
-from weightsync.vocabulary import Channel
+from weightsync.vocabulary import Channel, PauseMode
 
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
@@ -132,6 +132,12 @@ class Sync(Model):
     ready_without_acks: bool = Field(
         default=False,
         description="A version planned for no replica (none registered yet) is Ready instead of Failed.",
+    )
+    pause_mode: PauseMode = Field(
+        default=PauseMode.KEEP,
+        description="What a replica's pause for an update does with requests in flight: keep (continue them on "
+        "the new weights; a completion that spans the update says both versions), wait (let them finish on the "
+        "old weights first: every completion comes from one version) or abort (end them for the client to retry).",
     )
     timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
     transfer_timeout_seconds: int = Field(
