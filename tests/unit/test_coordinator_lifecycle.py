@@ -823,6 +823,22 @@ def test_retention_keeps_the_newest_n(tmp_path: Path) -> None:
         assert {i.version for i in core.list_versions("job") if i.durable} == kept
 
 
+def test_a_copy_never_marked_durable_is_pruned_once_older_than_every_kept_version(tmp_path: Path) -> None:
+    """The publisher wrote v2 while the coordinator was unreachable: its mark was lost, the coordinator's record
+    never calls it durable; once it is older than every version kept, it goes like the others."""
+    core, t, (r0,) = fleet(1, JobPolicy(retention=1), volume=tmp_path)
+    for step in range(1, 5):
+        v = core.open_version(t, "job", "t1", step, TABLE).version
+        sent(core, t, v)
+        core.ack(r0, ok(v))
+        path, checksum = write_manifest(tmp_path, v)
+        if v != 2:  # v2's copy landed; its MarkDurable did not
+            core.mark_durable("job", v, str(path), checksum)
+        on_disk = {int(p.name[1:]) for p in tmp_path.iterdir() if p.name.startswith("v")}
+        # nothing retires while v2's mark is missing; v2 goes with v3's retirement although never durable
+        assert on_disk == ({1, 2} if v == 2 else {v}), (v, on_disk)
+
+
 def test_without_a_volume_nothing_is_pruned() -> None:
     core, t, (r0,) = fleet(1, JobPolicy(retention=1))
     for step in range(1, 4):

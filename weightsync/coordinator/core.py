@@ -200,10 +200,12 @@ class Coordinator:
         with self._cond:
             durability.check(self._state, job_name, version, checksum)
         root = self._state.volumes.get(job_name)
+        on_volume: list[int] = []
         if root is not None:  # read off the lock
             manifest_path = durability.verify(root, job_name, version, checksum)
+            on_volume = manifests.list_versions(root)
         with self._cond:
-            info, doomed = durability.record(self._state, job_name, version, manifest_path, checksum)
+            info, doomed = durability.record(self._state, job_name, version, manifest_path, checksum, on_volume)
         if root is not None and doomed:
             manifests.delete(root, doomed)
         return info

@@ -23,6 +23,7 @@ files are deleted afterwards, off the lock, by the facade.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from weightsync.channels import manifests
@@ -61,9 +62,13 @@ def verify(root: Path, job_name: str, version: int, checksum: str) -> str:
 
 
 def record(
-    state: CoreState, job_name: str, version: int, manifest_path: str, checksum: str
+    state: CoreState, job_name: str, version: int, manifest_path: str, checksum: str, on_volume: Sequence[int] = ()
 ) -> tuple[VersionInfo, list[int]]:
-    """Mark the version durable; returns its info and the versions retired from the volume (to delete)."""
+    """Mark the version durable; returns its info and the versions retired from the volume (to delete).
+
+    ``on_volume``: the complete versions the volume holds, read just before; those older than every version kept
+    go too, durable or not (a copy written while the coordinator was unreachable was never marked durable, and
+    nothing would ever delete it otherwise)."""
     job = state.job(job_name)
     rec = state.record(job, version)
     rec.durable, rec.manifest_path, rec.manifest_checksum = True, manifest_path, checksum
@@ -73,13 +78,14 @@ def record(
             plan = rec.plans[rid] = dataclasses.replace(rec.plans[rid], manifest_checksum=checksum)
             streams.assign(member, job, rec, plan)
     state.store.save(rec.info(with_replicas=False))
-    doomed = _retire(state, job)
+    doomed = _retire(state, job, on_volume)
     state.wake()
     return rec.info(), doomed
 
 
-def _retire(state: CoreState, job: Job) -> list[int]:
-    """Durable versions beyond the job's retention, forgotten as durable; the caller deletes them off the lock."""
+def _retire(state: CoreState, job: Job, on_volume: Sequence[int]) -> list[int]:
+    """Durable versions beyond the job's retention, forgotten as durable, and copies on the volume older than every
+    kept version whatever the record says; the caller deletes them off the lock."""
     if job.name not in state.volumes:
         return []
     good = [
@@ -95,4 +101,7 @@ def _retire(state: CoreState, job: Job) -> list[int]:
             rec.durable, rec.manifest_path, rec.manifest_checksum = False, "", ""
             state.store.save(rec.info(with_replicas=False))
             doomed.append(v)
+    staging = {v for v, rec in job.versions.items() if rec.state is VersionState.STAGING}
+    if keep:
+        doomed += [v for v in on_volume if v < min(keep) and v not in doomed and v not in staging]
     return sorted(doomed)
