@@ -165,7 +165,7 @@ class CpuSender(Sender):
         for rid, rdv in receivers.items():
             if rid in self.groups or rid in self._forming:
                 continue
-            group = _Group(self._store, self.host, rdv, 0)
+            group = _Group(wire.own_connection(self._store), self.host, rdv, 0)
             thread = threading.Thread(target=self._form, args=(rid, group), name=f"weightsync-cpu-{rdv.group}")
             self._members[rid] = rdv
             self._forming[rid] = (thread, group)

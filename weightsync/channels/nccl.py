@@ -208,7 +208,9 @@ class NcclSender(Sender):
         self.members = plans
         if wanted is None:
             return
-        group = NcclGroup(self._store, wanted.with_timeout(self.timeout_s), 0, self.device, self.host)
+        group = NcclGroup(
+            wire.own_connection(self._store), wanted.with_timeout(self.timeout_s), 0, self.device, self.host
+        )
         self._group, self._form_error, self._tables = group, "", wire.Tables()
         self._forming = threading.Thread(target=self._form, args=(group,), name=f"weightsync-nccl-{wanted.group}")
         self._forming.start()

@@ -117,6 +117,16 @@ def serve_store(host: str, port: int, timeout_s: float) -> Any:
     return store
 
 
+def own_connection(store: Any) -> Any:
+    """Another client of a store this process serves, for one group to form on.
+
+    A TCPStore client holds its one socket (and lock) for the whole of a blocking wait, so
+    groups forming concurrently on one client would queue behind the one whose member never
+    comes, for its full timeout; each forming group gets its own connection instead.
+    """
+    return dist.TCPStore(store.host, store.port, None, False, store.timeout, False)
+
+
 def join_store(endpoint: Endpoint, timeout_s: float) -> Any:
     """A client of a peer's rendezvous store; raises ``TransferTimeoutError`` when it cannot be reached in time."""
     try:
