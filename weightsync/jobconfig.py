@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import PermanentError
-from weightsync.vocabulary import Channel, PauseMode
+from weightsync.vocabulary import Channel, PauseMode, SyncMode
 
 ENV = "WEIGHTSYNC_CONFIG"
 
@@ -43,6 +43,8 @@ class JobConfig:
     """A version planned for no replica is READY (default: FAILED)."""
     pause_mode: PauseMode = PauseMode.KEEP
     """What a replica's pause for an update does with requests in flight (``vocabulary.PauseMode``)."""
+    sync_mode: SyncMode = SyncMode.IN_PLACE
+    """How a replica takes a version in (``vocabulary.SyncMode``)."""
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
@@ -61,6 +63,7 @@ class JobConfig:
                 every_steps=int(sync.get("everySteps", 1)),
                 ready_without_acks=bool(sync.get("readyWithoutAcks", False)),
                 pause_mode=PauseMode(str(sync.get("pauseMode", PauseMode.KEEP.value))),
+                sync_mode=SyncMode(str(sync.get("mode", SyncMode.IN_PLACE.value))),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
@@ -79,6 +82,7 @@ class JobConfig:
                 "everySteps": self.every_steps,
                 "readyWithoutAcks": self.ready_without_acks,
                 "pauseMode": self.pause_mode.value,
+                "mode": self.sync_mode.value,
             },
             "checkpointDir": self.checkpoint_dir,
             "ncclDomain": self.nccl_domain,

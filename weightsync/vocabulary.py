@@ -83,6 +83,18 @@ class PauseMode(enum.StrEnum):
     ABORT = "abort"
 
 
+class SyncMode(enum.StrEnum):
+    """How a replica takes a version in.
+
+    ``in-place`` (the default) pauses for the whole transfer and load, receiving straight into the parameters: no
+    memory beyond the weights. ``staged`` receives the version beside generation into a second copy of the
+    weights, verifies it there, and pauses only to switch it in (a device copy into the same parameters, plus
+    whatever the engine's loader needs): the pause no longer grows with the transfer, at the cost of that copy."""
+
+    IN_PLACE = "in-place"
+    STAGED = "staged"
+
+
 class ReplicaState(enum.StrEnum):
     """One replica's part in one version: the coordinator's record, the proto's enum, ``WeightVersion`` status.
 

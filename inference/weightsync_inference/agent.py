@@ -13,7 +13,10 @@ channels of the job it can receive, then follows its watch stream:
   files here, so a serving engine is not paused again for a version still damaged;
 - ``ASSIGN v``: start the planned channel's receiver from the plan's typed rendezvous
   when its membership changed, report joined, load v (a volume plan arrives once v
-  is durable, with the manifest checksum the replica must find), ack;
+  is durable, with the manifest checksum the replica must find), ack. In staged mode
+  (``vocabulary.SyncMode``) v is received into the engine's stage while it goes on
+  serving, and the replica pauses only to switch it in; an engine that cannot allocate
+  the stage loads that version in place;
 - ``ABORT v``: the trainer gave up on v; a replica whose parameters were touched
   reloads the newest durable READY version before serving again.
 
@@ -40,9 +43,10 @@ from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
 from weightsync.errors import WeightsyncError
 from weightsync.metrics import AgentMetrics
-from weightsync.vocabulary import Channel, EngineState, SyncPhase
+from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
 from weightsync_inference.receipts import Identity
+from weightsync_inference.staging import StagingUnavailable, staging_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class AgentConfig:
     retry_s: float = 5.0
     """First wait before retrying a catch-up the engine refused; doubles (jittered) up to ``retry_max_s``."""
     retry_max_s: float = 300.0
+    sync_mode: SyncMode = SyncMode.IN_PLACE
 
 
 @dataclass
@@ -223,15 +228,29 @@ class Agent:
     def _assign(self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary) -> None:
         try:
             self._join(plan)
+            ticket = self._ticket(a.version, plan, table, a.step)
+            staged = self._stage(ticket, table)
             if plan.channel is not Channel.VOLUME:
                 self.client.report_joined(a.version)
-            outcome = self.replica.apply(self._ticket(a.version, plan, table, a.step))
+            outcome = self.replica.switch(ticket) if staged else self.replica.apply(ticket)
         except (UpdateFailed, WeightsyncError) as e:
             log.warning("replica %s: v%d over %s failed: %s", self.config.replica_id, a.version, plan.channel.value, e)
             self._failed(a.version, plan, table.layout_digest, e)
             return
         log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
         self._loaded(a.version, plan.channel, outcome, "assign")
+
+    def _stage(self, ticket: UpdateTicket, table: models.TableSummary) -> bool:
+        """In staged mode, start receiving ``ticket``'s version beside generation; False: load it in place."""
+        if self.config.sync_mode is not SyncMode.STAGED or self.replica.state is not EngineState.SERVING:
+            return False
+        try:
+            self.replica.stage(ticket, staging_bytes(table.total_bytes, table.tensor_count))
+        except StagingUnavailable as e:
+            log.warning("replica %s: v%d loads in place: %s", self.config.replica_id, ticket.version, e)
+            self.events.append(("stage", ticket.version, f"in place: {e}"))
+            return False
+        return True
 
     def _failed(self, version: int, plan: models.ChannelPlan, layout_digest: str, e: Exception) -> None:
         self._joined.pop(plan.channel, None)  # a failed transfer breaks the group: rejoin next time

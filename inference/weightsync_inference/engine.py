@@ -227,6 +227,10 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
     def finish_weight_update(self) -> None:
         self.updater.finish()
 
+    def stage(self, update_dict: dict[str, Any], nbytes: int) -> None:
+        """Start receiving a version beside generation (``staging``); the switch is an update naming it staged."""
+        self.updater.stage(UpdateTicket.from_update_info(update_dict), nbytes)
+
     def shutdown(self) -> None:
         self.updater.close()
 

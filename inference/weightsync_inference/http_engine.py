@@ -32,7 +32,7 @@ import httpx
 
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
 from weightsync.vocabulary import PauseMode
-from weightsync_inference import receipts
+from weightsync_inference import receipts, staging
 
 LOOPBACK_NAMES = ("localhost",)
 INITIAL_WEIGHT_VERSIONS = frozenset({"default", "None"})
@@ -189,9 +189,10 @@ class HttpEngine:
         """The version the engine last finished loading (one of ``INITIAL_WEIGHT_VERSIONS`` before the first)."""
         return str(self._call("GET", "/weight_info")["weight_version"])
 
-    def _workers(self, method: str) -> list[dict[str, Any]]:
-        """One JSON answer per worker from the weightsync worker extension (``/collective_rpc``)."""
-        answer = self._call("POST", "/collective_rpc", body={"method": method, "timeout": self.control_timeout_s})
+    def _workers(self, method: str, *args: str) -> list[dict[str, Any]]:
+        """One JSON answer per worker from the weightsync worker extension (``/collective_rpc``; string args)."""
+        body = {"method": method, "timeout": self.control_timeout_s, "args": list(args)}
+        answer = self._call("POST", "/collective_rpc", body=body)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
             raise PermanentError(
@@ -205,6 +206,13 @@ class HttpEngine:
 
     def receipt(self) -> receipts.Receipt:
         return receipts.merge([receipts.Receipt.from_dict(r) for r in self._workers("weightsync_receipt")])
+
+    def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
+        answers = self._workers("weightsync_stage", json.dumps(update_info), str(nbytes))
+        return "; ".join(str(a.get("error", "")) for a in answers if not a.get("ok"))
+
+    def stage_status(self) -> staging.StageStatus:
+        return staging.merge([staging.StageStatus.from_dict(r) for r in self._workers("weightsync_stage_status")])
 
     def healthy(self) -> bool:
         """Whether vLLM answers ``/health`` with 200 within the control timeout."""

@@ -15,6 +15,7 @@ lifecycle reads back after a failure: a field, not text in an error message.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.vocabulary import EngineState, SyncPhase
 from weightsync_inference.receipts import Identity, Receipt
+from weightsync_inference.staging import STAGED_PARAM, StageStatus, StagingUnavailable
 
 
 class EngineControl(Protocol):
@@ -54,6 +56,15 @@ class EngineControl(Protocol):
 
     def weight_version(self) -> str:
         """The version the engine last finished loading (not a number before the first update)."""
+        ...
+
+    def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
+        """Start receiving a version into the workers' stage while the engine serves (``staging``); the reason
+        when a worker cannot allocate the stage (nothing was started), else empty."""
+        ...
+
+    def stage_status(self) -> StageStatus:
+        """The workers' stage, merged."""
         ...
 
 
@@ -173,6 +184,44 @@ class Replica:
         seconds = {**receipt.seconds, SyncPhase.PAUSE: paused, SyncPhase.RESUME: end - t_resume}
         seconds[SyncPhase.TOTAL] = end - t_total
         return UpdateOutcome(ticket.version, receipt, seconds)
+
+    def stage(self, ticket: UpdateTicket, nbytes: int) -> None:
+        """Start receiving ``ticket``'s version into the engine's stage while it serves the one it has.
+
+        ``StagingUnavailable`` when the engine cannot hold a second copy (nothing started: load it in place)."""
+        error = self.control.stage(ticket.to_update_info(), nbytes)
+        if error:
+            raise StagingUnavailable(error)
+
+    def switch(self, ticket: UpdateTicket, poll_s: float = 0.01) -> UpdateOutcome:
+        """Wait until ``ticket``'s version is staged, then switch it in: the pause lasts for the switch only.
+
+        A stage that fails or times out leaves the replica serving what it had (no parameter was touched)."""
+        deadline = time.monotonic() + ticket.timeout_s
+        while True:
+            status = self.control.stage_status()
+            if status.version == ticket.version and status.state in ("staged", "failed"):
+                break
+            if time.monotonic() > deadline:
+                status = StageStatus(ticket.version, "failed", f"not staged within {ticket.timeout_s:.0f}s")
+                break
+            time.sleep(poll_s)
+        if status.state == "failed":
+            raise UpdateFailed(
+                f"version {ticket.version} was not staged: {status.error}; the replica keeps serving version "
+                f"{self.version}",
+                self.state,
+            )
+        outcome = self.apply(dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True}))
+        # the stage's transfer and verification happened while the replica served; the switch's own copy and
+        # check are part of its load
+        switch = outcome.seconds
+        outcome.seconds = {
+            **switch,
+            **status.seconds,
+            SyncPhase.LOAD: sum(switch.get(p, 0.0) for p in (SyncPhase.TRANSFER, SyncPhase.VERIFY, SyncPhase.LOAD)),
+        }
+        return outcome
 
     def _torn(self) -> bool:
         """Whether a failed (or unfinished) update left bytes in the parameters, by the engine's own receipt.

@@ -7,11 +7,12 @@ else is vLLM's own weight-transfer lifecycle.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from weightsync.vocabulary import Channel
-from weightsync_inference import receipts, worker
+from weightsync_inference import receipts, staging, worker
 
 
 class OfflineEngine:
@@ -69,6 +70,15 @@ class OfflineEngine:
 
     def receipt(self) -> receipts.Receipt:
         return receipts.merge([receipts.Receipt.from_dict(r) for r in self.llm.collective_rpc("weightsync_receipt")])
+
+    def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
+        answers = self.llm.collective_rpc("weightsync_stage", args=(json.dumps(update_info), str(nbytes)))
+        return "; ".join(str(a.get("error", "")) for a in answers if not a.get("ok"))
+
+    def stage_status(self) -> staging.StageStatus:
+        return staging.merge(
+            [staging.StageStatus.from_dict(r) for r in self.llm.collective_rpc("weightsync_stage_status")]
+        )
 
     def greedy(
         self, prompts: list[list[int]], max_tokens: int, lora_request: object | None = None

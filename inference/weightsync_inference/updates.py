@@ -36,6 +36,7 @@ from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, SyncPhase
 from weightsync_inference.receipts import Receipt
+from weightsync_inference.staging import STAGED_PARAM, Stager
 
 
 class Model(Protocol):
@@ -81,6 +82,7 @@ class Updater:
         self._seconds = 0.0
         self._load_seconds = 0.0
         self._places: dict[str, dict[str, torch.Tensor]] = {}
+        self.stager = Stager(ctx)
 
     def init(self, rdv: Rendezvous) -> None:
         """Start (or restart) the receiver of the rendezvous' channel; one receiver per channel."""
@@ -89,7 +91,13 @@ class Updater:
             old.close()
         self.receivers[rdv.channel] = channels.receiver_class(rdv.channel).start(rdv, self.ctx)
 
+    def stage(self, ticket: UpdateTicket, nbytes: int) -> None:
+        """Receive ``ticket``'s version into the stage beside generation (``staging``); ``nbytes`` sizes the stage."""
+        self.stager.begin(ticket, self._receiver_for(ticket), nbytes)
+
     def _receiver_for(self, ticket: UpdateTicket) -> Receiver:
+        if ticket.params.get(STAGED_PARAM):
+            return self.stager.receiver(ticket)
         receiver = self.receivers.get(ticket.channel)
         if receiver is None and ticket.channel is Channel.VOLUME and ticket.params.get("root"):
             # the volume needs no rendezvous: its root travels in the ticket

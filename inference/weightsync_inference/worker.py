@@ -8,13 +8,18 @@ answer per worker:
 
 - ``weightsync_identity``: rank, device, GPU UUID, NIXL (what the agent registers);
 - ``weightsync_receipt``: the receipt of the worker's last update (digests computed
-  where the bytes landed, phase times, torn or not).
+  where the bytes landed, phase times, torn or not);
+- ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
+  worker's stage beside generation (``staging``), and how far it got. The stage RPC
+  returns once its receive runs on a thread of its own: the engine's step loop, which
+  runs these calls between steps, is not held for the transfer.
 
-Only JSON-safe dicts cross the boundary.
+Only JSON-safe dicts cross the boundary (and JSON text as arguments: vLLM's dev route passes strings only).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from weightsync.errors import PermanentError
@@ -43,3 +48,19 @@ class WorkerExtension:
     def weightsync_receipt(self) -> dict[str, Any]:
         receipt: dict[str, Any] = self._weightsync_engine().receipt.to_dict()
         return receipt
+
+    def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:
+        """``update_info``: the ticket as JSON text; answers ``{"ok": false, "error": ...}`` when the stage cannot
+        be allocated (the agent then loads the version in place), else the stage's status."""
+        from weightsync_inference.staging import StagingUnavailable
+
+        engine = self._weightsync_engine()
+        try:
+            engine.stage(json.loads(update_info), int(nbytes))
+        except StagingUnavailable as e:
+            return {"ok": False, "error": str(e)}
+        return {"ok": True, "error": ""}
+
+    def weightsync_stage_status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self._weightsync_engine().updater.stager.status.to_dict()
+        return status

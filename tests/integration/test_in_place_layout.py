@@ -11,7 +11,9 @@ tensor received straight into its rows of the fused parameters, verified, bit-ex
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +24,7 @@ from tests.gpu.fleet_trainer import RandomSource
 from tests.gpu.harness import HarnessModel, plan_file
 from weightsync.channels import nccl
 from weightsync.channels.base import UpdateTicket, WorkerContext, direct_rendezvous
+from weightsync.errors import PermanentError
 from weightsync.vocabulary import Channel
 from weightsync_inference.updates import Updater
 
@@ -72,3 +75,70 @@ def test_every_tensor_lands_in_its_rows_of_the_fused_parameters(gloo: None) -> N
     finally:
         sender.close()
         updater.close()
+
+
+def test_a_staged_version_is_received_beside_the_serving_weights_and_switched_in_place(gloo: None) -> None:
+    """Staged mode on the same code path: the version lands in the stage while the parameters keep the previous
+    one (bit for bit), then the switch copies it into the same parameter addresses, verified; a stage the sender
+    abandons leaves the parameters as they were and the switch is refused."""
+    from weightsync_inference.staging import STAGED_PARAM, staging_bytes
+
+    table = gpu_models.trainer_table(MODEL)
+    layout = {k: (v[0], tuple(v[1])) for k, v in plan_file(MODEL)["layout"].items()}
+    cpu = torch.device("cpu")
+    source = RandomSource(table, cpu)
+    model = HarnessModel(layout, cpu, seed=5)
+    updater = Updater(model, WorkerContext())
+    sender = nccl.NcclSender(device="cpu", timeout_s=5)
+    rdv = direct_rendezvous(sender.offer()).with_timeout(5)
+    sender.take_plan({"replica": rdv})
+    joined = threading.Thread(target=updater.init, args=(rdv,))
+    joined.start()
+    joined.join(30)
+    addresses = {name: p.data_ptr() for name, p in model.params.items()}
+    nbytes = staging_bytes(table.total_bytes, len(table))
+    try:
+        serving = model.digests(table)
+        source.fill(seed=1)
+        ticket = UpdateTicket(1, Channel.NCCL, layout_digest=table.layout_digest(), timeout_s=5)
+        updater.stage(ticket, nbytes)
+        report = sender.send(UpdateTicket(1, Channel.NCCL, table, table.layout_digest()), source.groups())
+        deadline = time.monotonic() + 30
+        while updater.stager.status.state == "receiving" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert updater.stager.status.state == "staged", updater.stager.status
+        assert model.digests(table) == serving and not updater.torn  # the engine served v0 all along
+
+        updater.start()
+        updater.receive(dataclasses.replace(ticket, params={STAGED_PARAM: True}))
+        updater.finish()
+        receipt = updater.receipt
+        assert receipt.ok and receipt.version == 1 and set(receipt.in_place) == {s.name for s in table}
+        assert dict(receipt.digests) == report.digests == model.digests(table)
+        assert {name: p.data_ptr() for name, p in model.params.items()} == addresses
+
+        # the sender gives up after two groups: the stage fails, the parameters keep version 1
+        source.fill(seed=2)
+        ticket2 = dataclasses.replace(ticket, version=2)
+        updater.stage(ticket2, nbytes)
+        with pytest.raises(RuntimeError, match="stops"):
+            sender.send(UpdateTicket(2, Channel.NCCL, table, table.layout_digest()), _stops_after(source.groups(), 2))
+        deadline = time.monotonic() + 60
+        while updater.stager.status.state == "receiving" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert updater.stager.status.state == "failed" and updater.stager.status.version == 2
+        assert model.digests(table) == report.digests and not updater.torn
+        updater.start()
+        with pytest.raises(PermanentError, match="version 2 is not staged here"):
+            updater.receive(dataclasses.replace(ticket2, params={STAGED_PARAM: True}))
+        assert model.digests(table) == report.digests
+    finally:
+        sender.close()
+        updater.close()
+
+
+def _stops_after(groups: Iterator[list[torch.Tensor]], n: int) -> Iterator[list[torch.Tensor]]:
+    for i, group in enumerate(groups):
+        if i == n:
+            raise RuntimeError("the trainer stops mid-version")
+        yield group

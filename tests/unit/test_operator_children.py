@@ -13,7 +13,7 @@ import yaml
 from weightsync import jobconfig
 from weightsync.errors import PermanentError
 from weightsync.resources.rljob import PlacementMode, RLJobSpec
-from weightsync.vocabulary import PauseMode
+from weightsync.vocabulary import PauseMode, SyncMode
 from weightsync_operator import children, names
 
 pytestmark = pytest.mark.unit
@@ -159,6 +159,12 @@ def test_the_job_s_sync_choices_reach_every_process() -> None:
     config = json.loads(_by_kind(spec=waits)[("ConfigMap", "grpo-config")]["data"]["job.json"])
     assert jobconfig.JobConfig.parse(config).pause_mode is PauseMode.WAIT
     assert jobconfig.JobConfig.parse({"job": "j"}).pause_mode is PauseMode.KEEP
+    staged = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"mode": SyncMode.STAGED})})
+    config = json.loads(_by_kind(spec=staged)[("ConfigMap", "grpo-config")]["data"]["job.json"])
+    assert jobconfig.JobConfig.parse(config).sync_mode is SyncMode.STAGED
+    assert jobconfig.JobConfig.parse({"job": "j"}).sync_mode is SyncMode.IN_PLACE
+    with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'lazy' is not"):
+        jobconfig.JobConfig.parse({"job": "j", "sync": {"mode": "lazy"}})
     with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'sometimes' is not"):
         jobconfig.JobConfig.parse({"job": "j", "sync": {"pauseMode": "sometimes"}})
 

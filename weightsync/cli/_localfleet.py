@@ -32,7 +32,7 @@ import httpx
 from weightsync import jobconfig
 from weightsync.coordinator import faults
 from weightsync.coordinator.client import CoordinatorClient
-from weightsync.vocabulary import Channel, PauseMode
+from weightsync.vocabulary import Channel, PauseMode, SyncMode
 
 
 def free_port() -> int:
@@ -119,6 +119,7 @@ class LocalFleet:
     lease_ttl_s: float = 4.0
     channels: tuple[Channel, ...] = (Channel.CPU, Channel.VOLUME)
     pause_mode: PauseMode = PauseMode.KEEP
+    sync_mode: SyncMode = SyncMode.IN_PLACE
     replicas: dict[str, Replica] = field(default_factory=dict)
     coordinator: Proc | None = None
     coordinator_starts: int = 0
@@ -132,7 +133,12 @@ class LocalFleet:
     @property
     def config(self) -> jobconfig.JobConfig:
         return jobconfig.JobConfig(
-            self.job, self.channels, timeout_s=120.0, checkpoint_dir=str(self.volume), pause_mode=self.pause_mode
+            self.job,
+            self.channels,
+            timeout_s=120.0,
+            checkpoint_dir=str(self.volume),
+            pause_mode=self.pause_mode,
+            sync_mode=self.sync_mode,
         )
 
     @property

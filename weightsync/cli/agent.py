@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what an update's pause does with requests in flight: keep (continue on the new weights), wait "
         "(finish on the old ones first), abort (default: the job config's, else keep)",
     )
+    p.add_argument(
+        "--sync-mode",
+        choices=["in-place", "staged"],
+        default=None,
+        help="in-place: pause for the whole transfer and load; staged: receive beside generation into a second "
+        "copy of the weights, pause only to switch it in (default: the job config's, else in-place)",
+    )
     p.add_argument("--wait-vllm", type=float, default=600.0, help="seconds to wait for vLLM to become healthy")
     p.add_argument("--token-file", default=None, help="bearer token file (or WEIGHTSYNC_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA that signed the coordinator's certificate")
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.coordinator import auth, tls
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.errors import WeightsyncError
-    from weightsync.vocabulary import Channel, PauseMode
+    from weightsync.vocabulary import Channel, PauseMode, SyncMode
     from weightsync_inference.agent import Agent, AgentConfig
     from weightsync_inference.http_engine import HttpEngine
 
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     job_name = args.job or (job.job if job else "default")
     update_timeout = args.update_timeout or (job.transfer_timeout_s if job else 300.0)
     pause_mode = PauseMode(args.pause_mode) if args.pause_mode else (job.pause_mode if job else PauseMode.KEEP)
+    sync_mode = SyncMode(args.sync_mode) if args.sync_mode else (job.sync_mode if job else SyncMode.IN_PLACE)
     engine = HttpEngine(args.vllm_url, transfer_timeout_s=update_timeout, pause_mode=pause_mode)
     deadline = time.monotonic() + args.wait_vllm
     while not engine.healthy():
@@ -120,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         volume_id=args.volume_id or job_name,
         nccl_domain=args.nccl_domain if args.nccl_domain is not None else (job.nccl_domain if job else ""),
         update_timeout_s=update_timeout,
+        sync_mode=sync_mode,
     )
     client = CoordinatorClient(
         args.coordinator,

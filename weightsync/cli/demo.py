@@ -57,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="keep",
         help="what a replica's pause for an update does with requests in flight (default keep)",
     )
+    p.add_argument(
+        "--sync-mode",
+        choices=["in-place", "staged"],
+        default="in-place",
+        help="in-place: a replica pauses for the whole transfer and load; staged: it receives beside generation "
+        "and pauses only to switch the version in (default in-place)",
+    )
     p.add_argument("--workdir", default=None, help="where the volume and the logs go (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -110,7 +117,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     from weightsync import metrics
     from weightsync.cli._localfleet import LocalFleet
     from weightsync.coordinator.client import CoordinatorClient
-    from weightsync.vocabulary import PauseMode, VersionState
+    from weightsync.vocabulary import PauseMode, SyncMode, VersionState
     from weightsync_trainer import grpo, tiny_models
     from weightsync_trainer.publisher import Publisher
     from weightsync_trainer.sources import ModuleSource
@@ -122,7 +129,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     model_dir = tiny_models.generate(args.preset)
-    fleet = LocalFleet(workdir, model_dir, pause_mode=PauseMode(args.pause_mode))
+    fleet = LocalFleet(workdir, model_dir, pause_mode=PauseMode(args.pause_mode), sync_mode=SyncMode(args.sync_mode))
     log(f"work dir {workdir} (volume, logs); model {model_dir}")
     publisher: Publisher | None = None
     client: CoordinatorClient | None = None

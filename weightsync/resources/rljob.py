@@ -27,7 +27,7 @@ from weightsync.resources._base import (
     rules,
 )
 from weightsync.resources.conditions import Condition, is_true
-from weightsync.vocabulary import Channel, PauseMode
+from weightsync.vocabulary import Channel, PauseMode, SyncMode
 
 QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 
@@ -138,6 +138,12 @@ class Sync(Model):
         description="What a replica's pause for an update does with requests in flight: keep (continue them on "
         "the new weights; a completion that spans the update says both versions), wait (let them finish on the "
         "old weights first: every completion comes from one version) or abort (end them for the client to retry).",
+    )
+    mode: SyncMode = Field(
+        default=SyncMode.IN_PLACE,
+        description="How a replica takes a version in: in-place (pause for the whole transfer and load, no extra "
+        "memory) or staged (receive beside generation into a second copy of the weights, then pause only to "
+        "switch it in; a replica that cannot allocate the copy loads that version in place).",
     )
     timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
     transfer_timeout_seconds: int = Field(
