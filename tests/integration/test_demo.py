@@ -29,8 +29,11 @@ def _demo(tmp_path: Path, *flags: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(1300)
-def test_reward_rises_with_sync_through_a_coordinator_crash_and_a_killed_replica_catches_up(tmp_path: Path) -> None:
-    result = _demo(tmp_path, "--kill-coordinator-at", "3")
+@pytest.mark.parametrize("mode", ["in-place", "staged"])
+def test_reward_rises_with_sync_through_a_coordinator_crash_and_a_killed_replica_catches_up(
+    tmp_path: Path, mode: str
+) -> None:
+    result = _demo(tmp_path, "--kill-coordinator-at", "3", "--sync-mode", mode)
     assert result["reward_gain"] >= 0.2, result["rewards"]
     assert result["coordinator_starts"] == 2
     states = [s["state"] for s in result["steps"]]

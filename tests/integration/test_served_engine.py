@@ -37,7 +37,7 @@ from weightsync_inference import proxy, worker
 from weightsync_inference.agent import Agent, AgentConfig
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica, UpdateFailed, UpdateOutcome
-from weightsync_inference.staging import staging_bytes
+from weightsync_inference.staging import StagingUnavailable, staging_bytes
 from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import ModuleSource
 
@@ -347,6 +347,11 @@ def test_staged_versions_load_beside_generation_and_switch_in(served: Served) ->
     serving = served.engine.weight_version()
     before = served.engine.greedy([support.PROMPTS[1]], 24)[0][0]
     ticket, trainer = served.publish(seed=900)
+    # a stage the worker cannot allocate is refused before anything happens, saying why (the agent then loads
+    # that version in place)
+    with pytest.raises(StagingUnavailable, match=r"cannot allocate 1125899\.91 GB on cpu to stage version"):
+        replica.stage(ticket, 1 << 50)
+    assert served.engine.weight_version() == serving and served.engine.stage_status().version != ticket.version
     summary = summarize(ModuleSource(trainer).table())
     nbytes = staging_bytes(summary.total_bytes, summary.tensor_count)
     replica.stage(ticket, nbytes)
