@@ -11,7 +11,6 @@ tensor received straight into its rows of the fused parameters, verified, bit-ex
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -20,12 +19,14 @@ import pytest
 import torch
 
 from bench import gpu_models
+from bench.staged_switch import StagedPair
 from tests.gpu.fleet_trainer import RandomSource
 from tests.gpu.harness import HarnessModel, plan_file
 from weightsync.channels import nccl
 from weightsync.channels.base import UpdateTicket, WorkerContext, direct_rendezvous
 from weightsync.errors import PermanentError
 from weightsync.vocabulary import Channel
+from weightsync_inference.staging import staging_bytes
 from weightsync_inference.updates import Updater
 
 pytestmark = pytest.mark.integration
@@ -81,64 +82,37 @@ def test_a_staged_version_is_received_beside_the_serving_weights_and_switched_in
     """Staged mode on the same code path: the version lands in the stage while the parameters keep the previous
     one (bit for bit), then the switch copies it into the same parameter addresses, verified; a stage the sender
     abandons leaves the parameters as they were and the switch is refused."""
-    from weightsync_inference.staging import STAGED_PARAM, staging_bytes
-
-    table = gpu_models.trainer_table(MODEL)
-    layout = {k: (v[0], tuple(v[1])) for k, v in plan_file(MODEL)["layout"].items()}
-    cpu = torch.device("cpu")
-    source = RandomSource(table, cpu)
-    model = HarnessModel(layout, cpu, seed=5)
-    updater = Updater(model, WorkerContext())
-    sender = nccl.NcclSender(device="cpu", timeout_s=5)
-    rdv = direct_rendezvous(sender.offer()).with_timeout(5)
-    sender.take_plan({"replica": rdv})
-    joined = threading.Thread(target=updater.init, args=(rdv,))
-    joined.start()
-    joined.join(30)
+    pair = StagedPair(MODEL, "cpu", "cpu", timeout_s=5)
+    model, updater, table = pair.model, pair.updater, pair.table
     addresses = {name: p.data_ptr() for name, p in model.params.items()}
-    nbytes = staging_bytes(table.total_bytes, len(table))
     try:
         serving = model.digests(table)
-        source.fill(seed=1)
-        ticket = UpdateTicket(1, Channel.NCCL, layout_digest=table.layout_digest(), timeout_s=5)
-        updater.stage(ticket, nbytes)
-        report = sender.send(UpdateTicket(1, Channel.NCCL, table, table.layout_digest()), source.groups())
-        deadline = time.monotonic() + 30
-        while updater.stager.status.state == "receiving" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert updater.stager.status.state == "staged", updater.stager.status
+        sent = pair.stage(1)
         assert model.digests(table) == serving and not updater.torn  # the engine served v0 all along
-
-        updater.start()
-        updater.receive(dataclasses.replace(ticket, params={STAGED_PARAM: True}))
-        updater.finish()
-        receipt = updater.receipt
+        receipt = pair.switch(1)
         assert receipt.ok and receipt.version == 1 and set(receipt.in_place) == {s.name for s in table}
-        assert dict(receipt.digests) == report.digests == model.digests(table)
+        assert dict(receipt.digests) == sent == model.digests(table)
         assert {name: p.data_ptr() for name, p in model.params.items()} == addresses
 
         # the sender gives up after two groups: the stage fails, the parameters keep version 1
-        source.fill(seed=2)
-        ticket2 = dataclasses.replace(ticket, version=2)
-        updater.stage(ticket2, nbytes)
+        pair.source.fill(seed=2)
+        updater.stage(pair.ticket(2), staging_bytes(table.total_bytes, len(table)))
         with pytest.raises(RuntimeError, match="stops"):
-            sender.send(UpdateTicket(2, Channel.NCCL, table, table.layout_digest()), _stops_after(source.groups(), 2))
+            pair.sender.send(UpdateTicket(2, Channel.NCCL, table, table.layout_digest()), _stops(pair.source.groups()))
         deadline = time.monotonic() + 60
         while updater.stager.status.state == "receiving" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert updater.stager.status.state == "failed" and updater.stager.status.version == 2
-        assert model.digests(table) == report.digests and not updater.torn
-        updater.start()
+        assert model.digests(table) == sent and not updater.torn
         with pytest.raises(PermanentError, match="version 2 is not staged here"):
-            updater.receive(dataclasses.replace(ticket2, params={STAGED_PARAM: True}))
-        assert model.digests(table) == report.digests
+            pair.switch(2)
+        assert model.digests(table) == sent
     finally:
-        sender.close()
-        updater.close()
+        pair.close()
 
 
-def _stops_after(groups: Iterator[list[torch.Tensor]], n: int) -> Iterator[list[torch.Tensor]]:
+def _stops(groups: Iterator[list[torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
     for i, group in enumerate(groups):
-        if i == n:
+        if i == 2:
             raise RuntimeError("the trainer stops mid-version")
         yield group
