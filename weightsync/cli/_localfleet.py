@@ -84,6 +84,36 @@ def weightsync_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "weightsync.cli.main", *args]
 
 
+def vllm_cmd(model: Path, port: int, channel: Channel) -> list[str]:
+    """A small CPU vLLM OpenAI server on loopback with the weightsync engine of ``channel`` (run it with VLLM_ENV)."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--distributed-executor-backend",
+        "uni",
+        "--gpu-memory-utilization",
+        "0.05",
+        "--max-model-len",
+        "256",
+        "--seed",
+        "0",
+        "--weight-transfer-config",
+        json.dumps({"backend": channel.engine_name}),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+    ]
+
+
 @dataclass
 class Replica:
     replica_id: str
@@ -217,32 +247,7 @@ class LocalFleet:
     def start_replica(self, replica_id: str) -> Replica:
         old = self.replicas.get(replica_id)
         r = old or Replica(replica_id, free_port(), free_port(), free_port())
-        vllm = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(r.vllm_port),
-            "--dtype",
-            "bfloat16",
-            "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
-            "--gpu-memory-utilization",
-            "0.05",
-            "--max-model-len",
-            "256",
-            "--seed",
-            "0",
-            "--weight-transfer-config",
-            json.dumps({"backend": Channel.CPU.engine_name}),
-            "--worker-extension-cls",
-            WORKER_EXTENSION,
-        ]
+        vllm = vllm_cmd(self.model, r.vllm_port, Channel.CPU)
         r.procs = [
             spawn(f"{replica_id}-vllm", vllm, self.logs, VLLM_ENV),
             spawn(
