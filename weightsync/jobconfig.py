@@ -45,6 +45,8 @@ class JobConfig:
     """What a replica's pause for an update does with requests in flight (``vocabulary.PauseMode``)."""
     sync_mode: SyncMode = SyncMode.IN_PLACE
     """How a replica takes a version in (``vocabulary.SyncMode``)."""
+    all_or_nothing: bool = False
+    """Staged mode only: replicas switch a version in only once the ack policy's replicas staged it."""
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
@@ -64,6 +66,7 @@ class JobConfig:
                 ready_without_acks=bool(sync.get("readyWithoutAcks", False)),
                 pause_mode=PauseMode(str(sync.get("pauseMode", PauseMode.KEEP.value))),
                 sync_mode=SyncMode(str(sync.get("mode", SyncMode.IN_PLACE.value))),
+                all_or_nothing=bool(sync.get("allOrNothing", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
@@ -83,6 +86,7 @@ class JobConfig:
                 "readyWithoutAcks": self.ready_without_acks,
                 "pauseMode": self.pause_mode.value,
                 "mode": self.sync_mode.value,
+                "allOrNothing": self.all_or_nothing,
             },
             "checkpointDir": self.checkpoint_dir,
             "ncclDomain": self.nccl_domain,

@@ -100,7 +100,9 @@ class ReplicaState(enum.StrEnum):
 
     ``planned`` (assigned a channel) -> ``joined`` (its receiver is set up and waits for bytes; the
     publisher sends once every planned live replica joined) -> ``loaded`` (acked: its engine holds the
-    version) | ``failed`` (acked an error) | ``dropped`` (its lease expired before it acked).
+    version) | ``failed`` (acked an error) | ``dropped`` (its lease expired before it acked). In an
+    all-or-nothing job a replica is ``staged`` (received and verified beside the weights it serves) between
+    ``joined`` and ``loaded``: it switches only once the coordinator commits the version.
     """
 
     PLANNED = "planned"
@@ -108,6 +110,7 @@ class ReplicaState(enum.StrEnum):
     LOADED = "loaded"
     FAILED = "failed"
     DROPPED = "dropped"
+    STAGED = "staged"
 
 
 class ReplicaHealth(enum.StrEnum):

@@ -16,9 +16,13 @@ channels of the job it can receive, then follows its watch stream:
   is durable, with the manifest checksum the replica must find), ack. In staged mode
   (``vocabulary.SyncMode``) v is received into the engine's stage while it goes on
   serving, and the replica pauses only to switch it in; an engine that cannot allocate
-  the stage loads that version in place;
+  the stage loads that version in place. In an all-or-nothing job (the ASSIGN says
+  ``await_commit``) the replica stages v, reports it staged and waits; an engine
+  that cannot allocate the stage fails v (loading it in place would break the promise);
+- ``COMMIT v``: all-or-nothing: the replicas the policy needs staged v; switch it in, ack;
 - ``ABORT v``: the trainer gave up on v; a replica whose parameters were touched
-  reloads the newest durable READY version before serving again.
+  reloads the newest durable READY version before serving again; a staged v is dropped
+  (no parameter was touched).
 
 Every ack carries what the engine itself computed while loading: the layout digest of
 the table it received and the content digest over the per-tensor digests it computed
@@ -46,7 +50,7 @@ from weightsync.metrics import AgentMetrics
 from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
 from weightsync_inference.receipts import Identity
-from weightsync_inference.staging import StagingUnavailable, staging_bytes
+from weightsync_inference.staging import StageStatus, StagingUnavailable, staging_bytes
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +72,16 @@ class AgentConfig:
     """First wait before retrying a catch-up the engine refused; doubles (jittered) up to ``retry_max_s``."""
     retry_max_s: float = 300.0
     sync_mode: SyncMode = SyncMode.IN_PLACE
+
+
+@dataclass
+class _Staged:
+    """An all-or-nothing version staged in the engine, waiting for its COMMIT."""
+
+    ticket: UpdateTicket
+    plan: models.ChannelPlan
+    layout_digest: str
+    status: StageStatus
 
 
 @dataclass
@@ -147,6 +161,8 @@ class Agent:
         self.capabilities = capabilities(config, control.identity())
         self._joined: dict[Channel, Rendezvous] = {}
         self._refused: dict[int, _Refused] = {}
+        self._staged: _Staged | None = None
+        """All-or-nothing: the version staged here and waiting for its COMMIT."""
         self._waiting_for_durable = False
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -180,8 +196,13 @@ class Agent:
     def handle(self, a: models.Assignment) -> None:
         if a.kind is models.EventKind.ABORT:
             self.events.append(("abort", a.version, a.reason))
+            if self._staged is not None and self._staged.ticket.version == a.version:
+                self._staged = None  # the stage is left as it is: no parameter was touched
             if self.replica.state is EngineState.TORN:
                 self.recover()
+            return
+        if a.kind is models.EventKind.COMMIT:
+            self._commit(a.version)
             return
         if a.version <= self.replica.version and self.replica.state is EngineState.SERVING:
             return  # a re-sent event after a reconnect
@@ -229,6 +250,9 @@ class Agent:
         try:
             self._join(plan)
             ticket = self._ticket(a.version, plan, table, a.step)
+            if a.await_commit:
+                self._stage_for_commit(ticket, plan, table)
+                return
             staged = self._stage(ticket, table)
             if plan.channel is not Channel.VOLUME:
                 self.client.report_joined(a.version)
@@ -239,6 +263,34 @@ class Agent:
             return
         log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
         self._loaded(a.version, plan.channel, outcome, "assign")
+
+    def _stage_for_commit(self, ticket: UpdateTicket, plan: models.ChannelPlan, table: models.TableSummary) -> None:
+        """All-or-nothing: stage ``ticket``'s version and report it staged; the switch waits for its COMMIT."""
+        held = self._staged
+        if held is None or held.ticket.version != ticket.version:  # else: a re-sent ASSIGN after a reconnect
+            self._staged = None  # an older uncommitted version is dropped: a newer one supersedes it
+            self.replica.stage(ticket, staging_bytes(table.total_bytes, table.tensor_count))
+            if plan.channel is not Channel.VOLUME:
+                self.client.report_joined(ticket.version)
+            status = self.replica.wait_staged(ticket)
+            self._staged = _Staged(ticket, plan, table.layout_digest, status)
+            self.events.append(("stage", ticket.version, "staged"))
+        self.client.report_progress(ticket.version, models.Progress.STAGED)
+
+    def _commit(self, version: int) -> None:
+        """All-or-nothing: switch in the version the coordinator committed."""
+        held, self._staged = self._staged, None
+        if held is None or held.ticket.version != version:
+            log.warning("replica %s: COMMIT of v%d, which is not staged here; ignored", self.config.replica_id, version)
+            return
+        try:
+            outcome = self.replica.switch(held.ticket, held.status)
+        except (UpdateFailed, WeightsyncError) as e:
+            log.warning("replica %s: switching v%d in failed: %s", self.config.replica_id, version, e)
+            self._failed(version, held.plan, held.layout_digest, e)
+            return
+        log.info("replica %s: switched v%d in (committed)", self.config.replica_id, version)
+        self._loaded(version, held.plan.channel, outcome, "commit")
 
     def _stage(self, ticket: UpdateTicket, table: models.TableSummary) -> bool:
         """In staged mode, start receiving ``ticket``'s version beside generation; False: load it in place."""
@@ -258,7 +310,8 @@ class Agent:
         if self.metrics:
             self.metrics.failures_total.labels(plan.channel.value).inc()
         self.events.append(("assign", version, f"failed: {e}"))
-        live = plan.channel is not Channel.VOLUME
+        # a stage the engine cannot hold is not the channel's fault: the volume would not help
+        live = plan.channel is not Channel.VOLUME and not isinstance(e, StagingUnavailable)
         report = models.AckReport(version, layout_digest, ok=False, error=str(e), channel_failed=live, torn=torn)
         self.client.ack(report)
         # a failed live channel is retried from the volume by the coordinator (that loads a whole version);

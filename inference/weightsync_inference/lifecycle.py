@@ -193,10 +193,9 @@ class Replica:
         if error:
             raise StagingUnavailable(error)
 
-    def switch(self, ticket: UpdateTicket, poll_s: float = 0.01) -> UpdateOutcome:
-        """Wait until ``ticket``'s version is staged, then switch it in: the pause lasts for the switch only.
-
-        A stage that fails or times out leaves the replica serving what it had (no parameter was touched)."""
+    def wait_staged(self, ticket: UpdateTicket, poll_s: float = 0.01) -> StageStatus:
+        """Wait until ``ticket``'s version is staged; ``UpdateFailed`` when its stage failed or timed out (no
+        parameter was touched: the replica keeps serving what it had)."""
         deadline = time.monotonic() + ticket.timeout_s
         while True:
             status = self.control.stage_status()
@@ -212,6 +211,12 @@ class Replica:
                 f"{self.version}",
                 self.state,
             )
+        return status
+
+    def switch(self, ticket: UpdateTicket, staged: StageStatus | None = None) -> UpdateOutcome:
+        """Switch ``ticket``'s staged version in (waiting for its stage unless ``staged`` says it is done): the
+        pause lasts for the switch only."""
+        status = staged or self.wait_staged(ticket)
         outcome = self.apply(dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True}))
         # the stage's transfer and verification happened while the replica served; the switch's own copy and
         # check are part of its load

@@ -57,8 +57,17 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
         ({"spec.sync.ackPolicy": "Quorum", "spec.sync.quorum": 5}, "spec.sync.quorum must not exceed"),
         ({"spec.inference.tensorParallelSize": 2, "spec.inference.gpusPerReplica": 3}, "spec.inference.gpusPerReplica"),
         ({"spec.trainer.command": []}, "spec.trainer.command"),
+        ({"spec.sync.allOrNothing": True}, "spec.sync.allOrNothing needs spec.sync.mode staged"),
     ],
-    ids=["zero-replicas", "unknown-channel", "quorum-missing", "quorum-too-big", "tp-gpus", "no-command"],
+    ids=[
+        "zero-replicas",
+        "unknown-channel",
+        "quorum-missing",
+        "quorum-too-big",
+        "tp-gpus",
+        "no-command",
+        "atomic-in-place",
+    ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(
     kube: Kube, namespace: str, crds_installed: None, change: dict[str, Any], expected: str

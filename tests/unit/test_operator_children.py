@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from weightsync import jobconfig
+from weightsync.coordinator.models import JobPolicy
 from weightsync.errors import PermanentError
 from weightsync.resources.rljob import PlacementMode, RLJobSpec
 from weightsync.vocabulary import PauseMode, SyncMode
@@ -159,9 +160,13 @@ def test_the_job_s_sync_choices_reach_every_process() -> None:
     config = json.loads(_by_kind(spec=waits)[("ConfigMap", "grpo-config")]["data"]["job.json"])
     assert jobconfig.JobConfig.parse(config).pause_mode is PauseMode.WAIT
     assert jobconfig.JobConfig.parse({"job": "j"}).pause_mode is PauseMode.KEEP
-    staged = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"mode": SyncMode.STAGED})})
+    atomic = {"mode": SyncMode.STAGED, "all_or_nothing": True}
+    staged = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update=atomic)})
     config = json.loads(_by_kind(spec=staged)[("ConfigMap", "grpo-config")]["data"]["job.json"])
-    assert jobconfig.JobConfig.parse(config).sync_mode is SyncMode.STAGED
+    parsed = jobconfig.JobConfig.parse(config)
+    assert parsed.sync_mode is SyncMode.STAGED and parsed.all_or_nothing
+    assert JobPolicy.of(parsed).all_or_nothing  # what the coordinator and the trainer register with
+    assert not jobconfig.JobConfig.parse({"job": "j"}).all_or_nothing
     assert jobconfig.JobConfig.parse({"job": "j"}).sync_mode is SyncMode.IN_PLACE
     with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'lazy' is not"):
         jobconfig.JobConfig.parse({"job": "j", "sync": {"mode": "lazy"}})

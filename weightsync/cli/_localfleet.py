@@ -150,6 +150,7 @@ class LocalFleet:
     channels: tuple[Channel, ...] = (Channel.CPU, Channel.VOLUME)
     pause_mode: PauseMode = PauseMode.KEEP
     sync_mode: SyncMode = SyncMode.IN_PLACE
+    all_or_nothing: bool = False
     replicas: dict[str, Replica] = field(default_factory=dict)
     coordinator: Proc | None = None
     coordinator_starts: int = 0
@@ -169,6 +170,7 @@ class LocalFleet:
             checkpoint_dir=str(self.volume),
             pause_mode=self.pause_mode,
             sync_mode=self.sync_mode,
+            all_or_nothing=self.all_or_nothing,
         )
 
     @property

@@ -73,6 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a version planned for no replica is READY (default: FAILED, since no replica acked it)",
     )
+    job.add_argument(
+        "--all-or-nothing",
+        action="store_true",
+        help="replicas stage each version and switch it in only once the ack policy's replicas staged it; "
+        "otherwise it fails and none switches",
+    )
     job.add_argument("--channel-preference", default="", help=f"default channel order, comma-separated ({CHANNELS})")
     job.add_argument(
         "--max-workers",
@@ -152,7 +158,11 @@ def _policy(args: argparse.Namespace) -> Any:
         except ValueError as e:
             raise ValueError(f"--channel-preference: {e}") from None
     return models.JobPolicy(
-        preference, args.ack_quorum, args.version_timeout, ready_without_acks=args.ready_without_acks
+        preference,
+        args.ack_quorum,
+        args.version_timeout,
+        ready_without_acks=args.ready_without_acks,
+        all_or_nothing=args.all_or_nothing,
     )
 
 

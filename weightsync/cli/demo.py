@@ -64,6 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="in-place: a replica pauses for the whole transfer and load; staged: it receives beside generation "
         "and pauses only to switch the version in (default in-place)",
     )
+    p.add_argument(
+        "--all-or-nothing",
+        action="store_true",
+        help="with --sync-mode staged: replicas switch a version in only once every one staged it",
+    )
     p.add_argument("--workdir", default=None, help="where the volume and the logs go (default: a temporary folder)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
@@ -129,7 +134,15 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
     kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     model_dir = tiny_models.generate(args.preset)
-    fleet = LocalFleet(workdir, model_dir, pause_mode=PauseMode(args.pause_mode), sync_mode=SyncMode(args.sync_mode))
+    if args.all_or_nothing and args.sync_mode != SyncMode.STAGED:
+        raise SystemExit("weightsync demo: --all-or-nothing needs --sync-mode staged")
+    fleet = LocalFleet(
+        workdir,
+        model_dir,
+        pause_mode=PauseMode(args.pause_mode),
+        sync_mode=SyncMode(args.sync_mode),
+        all_or_nothing=args.all_or_nothing,
+    )
     log(f"work dir {workdir} (volume, logs); model {model_dir}")
     publisher: Publisher | None = None
     client: CoordinatorClient | None = None

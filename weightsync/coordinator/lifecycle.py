@@ -16,6 +16,13 @@ replica dropped and none acked, the version FAILED (nobody holds it). A version
 planned for no replica at all is READY once its publisher reported it sent: nothing
 else is waiting for it, and late joiners take it from the volume once it is durable.
 
+All-or-nothing (``JobPolicy.all_or_nothing``): replicas report ``staged`` instead of
+loading, and the version is *committed* (``commit_due``; every staged replica gets a
+COMMIT and switches) once the ack policy, counting staged replicas as acked, is met;
+its READY verdict then comes from the switches' acks as usual. Before the commit the
+policy can only fail (a replica failed to stage it, all dropped, the timeout): then
+no replica switched, and every staged one is told to drop its stage (ABORT).
+
 A replica planned on the volume (no live channel, or its live channel failed for
 this version) can load the version only once it is durable: until then the record
 says ``durable_needed`` and the publisher, which waits for that, writes the copy.
@@ -30,7 +37,7 @@ from weightsync.coordinator.models import LIVE_CHANNELS, ChannelPlan, ReplicaSta
 from weightsync.tensors import DIGEST_PREFIX
 from weightsync.vocabulary import Channel, ReplicaState, VersionState
 
-WAITING = frozenset({ReplicaState.PLANNED, ReplicaState.JOINED})
+WAITING = frozenset({ReplicaState.PLANNED, ReplicaState.JOINED, ReplicaState.STAGED})
 
 
 @dataclass
@@ -43,6 +50,9 @@ class VersionRecord:
     plans: dict[str, ChannelPlan]
     quorum: int = 0
     ready_without_acks: bool = False
+    all_or_nothing: bool = False
+    committed: bool = False
+    """All-or-nothing: the policy's replicas staged it and were told to switch it in."""
     state: VersionState = VersionState.STAGING
     reason: str = ""
     durable: bool = False
@@ -144,16 +154,33 @@ class VersionRecord:
     def durable_needed(self) -> bool:
         return not self.durable and self.state is VersionState.STAGING and bool(self.volume_waiting())
 
+    def staged(self) -> list[str]:
+        return sorted(r for r, s in self.status.items() if s is ReplicaState.STAGED)
+
+    def commit_due(self) -> bool:
+        """All-or-nothing: the policy is met counting staged replicas as acked (and the publisher reported what it
+        sent): time to tell every staged replica to switch."""
+        if not self.all_or_nothing or self.committed or self.state is not VersionState.STAGING or not self.sent:
+            return False
+        verdict = self._verdict(staged_acks=True)
+        return verdict is not None and verdict[0] is VersionState.READY
+
     def settle(self) -> tuple[VersionState, str] | None:
         """The state the ack policy now dictates, with its reason; None while it is undecided."""
         if self.state is not VersionState.STAGING:
             return None
+        if self.all_or_nothing and not self.committed:
+            verdict = self._verdict(staged_acks=True)
+            if verdict is None or verdict[0] is VersionState.READY:
+                return None  # undecided, or due for its commit (``commit_due``)
+            return verdict[0], f"not committed, no replica switched it (all-or-nothing): {verdict[1]}"
         verdict = self._verdict()
         if verdict is not None and verdict[0] is VersionState.READY and not self.sent:
             return None  # READY waits for the publisher's report of what it sent
         return verdict
 
-    def _verdict(self) -> tuple[VersionState, str] | None:
+    def _verdict(self, staged_acks: bool = False) -> tuple[VersionState, str] | None:
+        """The ack policy's verdict; ``staged_acks`` counts staged replicas as acked (the commit's test)."""
         if not self.plans:
             if self.ready_without_acks:
                 return VersionState.READY, "planned for no replica (the job's policy allows READY without acks)"
@@ -161,9 +188,11 @@ class VersionRecord:
                 "planned for no replica, so none acked it (no replica was registered and watching, or none shares "
                 "a channel with the trainer; a job may allow this with policy ready_without_acks)"
             )
-        acked, failed = self.count(ReplicaState.LOADED), self.count(ReplicaState.FAILED)
+        staged = self.count(ReplicaState.STAGED)
+        acked = self.count(ReplicaState.LOADED) + (staged if staged_acks else 0)
+        failed = self.count(ReplicaState.FAILED)
         dropped = self.count(ReplicaState.DROPPED)
-        waiting = self.count(ReplicaState.PLANNED) + self.count(ReplicaState.JOINED)
+        waiting = self.count(ReplicaState.PLANNED) + self.count(ReplicaState.JOINED) + (0 if staged_acks else staged)
         if self.quorum:
             if acked >= self.quorum:
                 return VersionState.READY, f"quorum met: {acked} of {self.quorum} acks"

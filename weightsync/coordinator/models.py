@@ -44,6 +44,8 @@ class EventKind(enum.StrEnum):
     """Load this durable READY version from the volume (late joiner or recovery)."""
     ABORT = "abort"
     """The version failed: stop; if bytes already landed, reload the newest durable READY version."""
+    COMMIT = "commit"
+    """All-or-nothing: the replicas the ack policy needs staged this version; switch it in now."""
 
 
 class Progress(enum.StrEnum):
@@ -51,6 +53,8 @@ class Progress(enum.StrEnum):
     """The replica's receiver is set up (its group joined) and waits for bytes."""
     RECEIVING = "receiving"
     LOADING = "loading"
+    STAGED = "staged"
+    """All-or-nothing: staged and verified beside the serving weights; the replica switches on COMMIT."""
 
 
 class WaitFor(enum.StrEnum):
@@ -96,11 +100,21 @@ class JobPolicy:
     ready_without_acks: bool = False
     """A version planned for no replica is READY. Off by default: READY means replicas acked it, so such a
     version is FAILED ("planned for no replica"); a job that publishes before its replicas exist may opt in."""
+    all_or_nothing: bool = False
+    """Every planned replica stages a version and switches it in only once the replicas the ack policy needs
+    have staged it (COMMIT); a version whose policy cannot be met that way fails with no replica switched."""
 
     @classmethod
     def of(cls, config: JobConfig) -> JobPolicy:
         """The policy a job config (``job.json``, from the RLJob's ``spec.sync``) sets."""
-        return cls(config.channels, config.ack_quorum, config.timeout_s, config.retention, config.ready_without_acks)
+        return cls(
+            config.channels,
+            config.ack_quorum,
+            config.timeout_s,
+            config.retention,
+            config.ready_without_acks,
+            config.all_or_nothing,
+        )
 
     def __post_init__(self) -> None:
         if not self.channel_preference:
@@ -174,6 +188,8 @@ class Assignment:
     plan: ChannelPlan | None = None
     table: TableSummary | None = None
     reason: str = ""
+    await_commit: bool = False
+    """An ASSIGN in an all-or-nothing job: stage the version, report it staged, switch it in on COMMIT."""
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ def policy(m: pb.JobPolicy, default: models.JobPolicy, field: str = "policy") ->
             version_timeout_s=m.version_timeout_s or default.version_timeout_s,
             retention=m.retention or default.retention,
             ready_without_acks=m.ready_without_acks or default.ready_without_acks,
+            all_or_nothing=m.all_or_nothing or default.all_or_nothing,
         )
     except PermanentError as e:
         raise faults.InvalidArgument(str(e)) from None
@@ -165,6 +166,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
         version_timeout_s=p.version_timeout_s,
         retention=p.retention,
         ready_without_acks=p.ready_without_acks,
+        all_or_nothing=p.all_or_nothing,
     )
 
 
@@ -259,6 +261,7 @@ def event(m: pb.WatchEvent) -> models.Assignment:
         plan=plan(m.plan) if m.HasField("plan") else None,
         table=table(m.table) if m.HasField("table") else None,
         reason=m.reason,
+        await_commit=m.await_commit,
     )
 
 
@@ -271,6 +274,7 @@ def event_to(a: models.Assignment) -> pb.WatchEvent:
         plan=plan_to(a.plan) if a.plan else None,
         table=table_to(a.table),
         reason=a.reason,
+        await_commit=a.await_commit,
     )
 
 

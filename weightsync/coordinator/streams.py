@@ -31,14 +31,32 @@ from weightsync.coordinator.jobs import Job, Member
 from weightsync.coordinator.lifecycle import VersionRecord
 from weightsync.coordinator.models import Assignment, ChannelPlan, EventKind, Role
 from weightsync.coordinator.state import CoreState
-from weightsync.vocabulary import Channel, VersionState
+from weightsync.vocabulary import Channel, ReplicaState, VersionState
 
 Events = queue.SimpleQueue[Assignment | None]
 
 
 def assign(member: Member, job: Job, rec: VersionRecord, plan: ChannelPlan) -> None:
     """Send ``member`` its plan for ``rec`` (ASSIGN)."""
-    member.events.put(Assignment(EventKind.ASSIGN, job.name, rec.version, rec.step, plan, rec.table, plan.reason))
+    member.events.put(
+        Assignment(
+            EventKind.ASSIGN,
+            job.name,
+            rec.version,
+            rec.step,
+            plan,
+            rec.table,
+            plan.reason,
+            await_commit=rec.all_or_nothing,
+        )
+    )
+
+
+def commit(member: Member, job: Job, rec: VersionRecord) -> None:
+    """Tell staged ``member`` to switch ``rec`` in (COMMIT): the replicas the ack policy needs staged it."""
+    plan = rec.plans[member.member_id]
+    reason = "the replicas the ack policy needs staged it"
+    member.events.put(Assignment(EventKind.COMMIT, job.name, rec.version, rec.step, plan, rec.table, reason))
 
 
 def abort(member: Member, job: Job, rec: VersionRecord, reason: str) -> None:
@@ -79,7 +97,10 @@ def subscribe(state: CoreState, lease_id: str) -> Events:
             p = rec.plans[member.member_id]
             if p.channel is Channel.VOLUME and not rec.durable:
                 continue  # sent when the version becomes durable
-            assign(member, job, rec, p)
+            if rec.committed and rec.status[member.member_id] is ReplicaState.STAGED:
+                commit(member, job, rec)
+            else:  # an agent that still holds the stage reports it staged again; one that lost it stages again
+                assign(member, job, rec, p)
     return member.events
 
 

@@ -9,7 +9,12 @@ STAGING version is now READY, FAILED or undecided. This module acts on it:
 - READY supersedes every older READY or still-STAGING version of the job (saved
   too): a job has one newest READY version, and versions never go backwards;
 - FAILED sends an ABORT to every replica still waiting on the version, so an
-  agent mid-load stops at once instead of at its own timeout.
+  agent mid-load stops at once instead of at its own timeout (and a staged
+  replica of an all-or-nothing job drops its stage).
+
+Before a verdict, an all-or-nothing version whose policy is met by staged
+replicas is committed: each staged replica gets a COMMIT (``streams.commit``);
+one that stages it later gets its COMMIT as it reports staged.
 
 ``finish`` is also how the rest of the core fails a version outright, without a
 verdict: the trainer that opened it was lost (``leases``), or it stayed STAGING
@@ -30,7 +35,14 @@ log = logging.getLogger(__name__)
 
 
 def settle(state: CoreState, job: Job, rec: VersionRecord) -> None:
-    """Finish ``rec`` if its ack policy is now decided."""
+    """Commit ``rec`` or finish it if its ack policy is now decided."""
+    if rec.commit_due():
+        rec.committed = True
+        log.info("job %s v%d committed: replicas %s switch it in", job.name, rec.version, ", ".join(rec.staged()))
+        for rid in rec.staged():
+            member = job.members.get(rid)
+            if member is not None:
+                streams.commit(member, job, rec)
     verdict = rec.settle()
     if verdict is not None:
         finish(state, job, rec, *verdict)

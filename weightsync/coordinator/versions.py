@@ -125,6 +125,7 @@ def open_version(
         {p.replica_id: p for p in plans},
         quorum=job.policy.ack_quorum,
         ready_without_acks=job.policy.ready_without_acks,
+        all_or_nothing=job.policy.all_or_nothing,
         opened_at=state.clock.time(),
         opened_mono=now,
     )
@@ -162,11 +163,33 @@ def _trim(job: Job) -> None:
 
 def report_progress(state: CoreState, lease_id: str, version: int, progress: Progress) -> None:
     member = state.member(lease_id, Role.REPLICA)
-    rec = state.record(state.job(member.job), version)
-    if progress is Progress.JOINED and rec.status.get(member.member_id) is ReplicaState.PLANNED:
-        rec.set(member.member_id, ReplicaState.JOINED)
+    job = state.job(member.job)
+    rec = state.record(job, version)
+    rid = member.member_id
+    if progress is Progress.JOINED and rec.status.get(rid) is ReplicaState.PLANNED:
+        rec.set(rid, ReplicaState.JOINED)
         if rec.receivers_joined():
             state.wake()
+    elif progress is Progress.STAGED:
+        _staged(state, job, rec, member)
+
+
+def _staged(state: CoreState, job: Job, rec: VersionRecord, member: Member) -> None:
+    """An all-or-nothing replica staged ``rec``: it may complete the policy's commit, or get its own COMMIT when
+    the version was committed already."""
+    rid = member.member_id
+    status = rec.status.get(rid)
+    if not rec.all_or_nothing or rec.state is not VersionState.STAGING or status not in lifecycle.WAITING:
+        return
+    if status is not ReplicaState.STAGED:
+        was_planned = status is ReplicaState.PLANNED
+        rec.set(rid, ReplicaState.STAGED)
+        if was_planned and rec.receivers_joined():
+            state.wake()
+    if rec.committed:
+        streams.commit(member, job, rec)
+    verdicts.settle(state, job, rec)
+    state.dirty = True
 
 
 def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:

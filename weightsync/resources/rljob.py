@@ -145,6 +145,12 @@ class Sync(Model):
         "memory) or staged (receive beside generation into a second copy of the weights, then pause only to "
         "switch it in; a replica that cannot allocate the copy loads that version in place).",
     )
+    all_or_nothing: bool = Field(
+        default=False,
+        description="Staged mode only: every replica stages a version and switches it in only once the replicas "
+        "the ackPolicy needs have staged it; if they cannot (a replica fails to stage it, the timeout passes), the "
+        "version fails and no replica switches (a replica that cannot allocate the stage fails it).",
+    )
     timeout_seconds: int = Field(default=600, ge=1, le=86400, description="A version not acked in time is Failed.")
     transfer_timeout_seconds: int = Field(
         default=120,
@@ -229,6 +235,11 @@ RLJOB_SPEC_RULES = rules(
         "!has(self.sync.quorum) || self.sync.quorum <= self.inference.replicas",
         "spec.sync.quorum must not exceed spec.inference.replicas",
         ".sync.quorum",
+    ),
+    (
+        "!self.sync.allOrNothing || self.sync.mode == 'staged'",
+        "spec.sync.allOrNothing needs spec.sync.mode staged (replicas switch together from their stages)",
+        ".sync.allOrNothing",
     ),
     (
         "self.inference.gpusPerReplica == 0 || self.inference.gpusPerReplica % self.inference.tensorParallelSize == 0",

@@ -80,7 +80,9 @@ class ReplicaEntry(Model):
 
     name: ReplicaName = Field(description="Replica id (its pod name).")
     channel: Channel | None = Field(default=None, description="Channel it was planned on.")
-    state: ReplicaState = Field(description="planned, joined, loaded, failed or dropped.")
+    state: ReplicaState = Field(
+        description="planned, joined, staged (all-or-nothing: waits to switch), loaded, failed or dropped."
+    )
 
 
 class WeightVersionStatus(Model):

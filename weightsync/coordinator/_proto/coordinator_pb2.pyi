@@ -45,6 +45,7 @@ class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_STATE_LOADED: _ClassVar[ReplicaState]
     REPLICA_STATE_FAILED: _ClassVar[ReplicaState]
     REPLICA_STATE_DROPPED: _ClassVar[ReplicaState]
+    REPLICA_STATE_STAGED: _ClassVar[ReplicaState]
 
 class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -64,6 +65,7 @@ class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVENT_KIND_ASSIGN: _ClassVar[EventKind]
     EVENT_KIND_CATCH_UP: _ClassVar[EventKind]
     EVENT_KIND_ABORT: _ClassVar[EventKind]
+    EVENT_KIND_COMMIT: _ClassVar[EventKind]
 
 class Progress(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +73,7 @@ class Progress(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROGRESS_JOINED: _ClassVar[Progress]
     PROGRESS_RECEIVING: _ClassVar[Progress]
     PROGRESS_LOADING: _ClassVar[Progress]
+    PROGRESS_STAGED: _ClassVar[Progress]
 
 class WaitFor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -103,6 +106,7 @@ REPLICA_STATE_JOINED: ReplicaState
 REPLICA_STATE_LOADED: ReplicaState
 REPLICA_STATE_FAILED: ReplicaState
 REPLICA_STATE_DROPPED: ReplicaState
+REPLICA_STATE_STAGED: ReplicaState
 ROLE_UNSPECIFIED: Role
 ROLE_TRAINER: Role
 ROLE_REPLICA: Role
@@ -113,10 +117,12 @@ EVENT_KIND_UNSPECIFIED: EventKind
 EVENT_KIND_ASSIGN: EventKind
 EVENT_KIND_CATCH_UP: EventKind
 EVENT_KIND_ABORT: EventKind
+EVENT_KIND_COMMIT: EventKind
 PROGRESS_UNSPECIFIED: Progress
 PROGRESS_JOINED: Progress
 PROGRESS_RECEIVING: Progress
 PROGRESS_LOADING: Progress
+PROGRESS_STAGED: Progress
 WAIT_FOR_UNSPECIFIED: WaitFor
 WAIT_FOR_RECEIVERS_JOINED: WaitFor
 WAIT_FOR_SETTLED: WaitFor
@@ -163,18 +169,20 @@ class SenderOffer(_message.Message):
     def __init__(self, channel: _Optional[_Union[Channel, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
-    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention", "ready_without_acks")
+    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention", "ready_without_acks", "all_or_nothing")
     CHANNEL_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     ACK_QUORUM_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     READY_WITHOUT_ACKS_FIELD_NUMBER: _ClassVar[int]
+    ALL_OR_NOTHING_FIELD_NUMBER: _ClassVar[int]
     channel_preference: _containers.RepeatedScalarFieldContainer[Channel]
     ack_quorum: int
     version_timeout_s: float
     retention: int
     ready_without_acks: bool
-    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ...) -> None: ...
+    all_or_nothing: bool
+    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ..., all_or_nothing: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version")
@@ -307,7 +315,7 @@ class WatchRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "job", "version", "step", "plan", "table", "reason")
+    __slots__ = ("kind", "job", "version", "step", "plan", "table", "reason", "await_commit")
     KIND_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +323,7 @@ class WatchEvent(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_COMMIT_FIELD_NUMBER: _ClassVar[int]
     kind: EventKind
     job: str
     version: int
@@ -322,7 +331,8 @@ class WatchEvent(_message.Message):
     plan: ChannelPlan
     table: TableSummary
     reason: str
-    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., job: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., plan: _Optional[_Union[ChannelPlan, _Mapping]] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    await_commit: bool
+    def __init__(self, kind: _Optional[_Union[EventKind, str]] = ..., job: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., plan: _Optional[_Union[ChannelPlan, _Mapping]] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., reason: _Optional[str] = ..., await_commit: _Optional[bool] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
     __slots__ = ("lease_id", "version", "progress")

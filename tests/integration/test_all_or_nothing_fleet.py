@@ -1,0 +1,166 @@
+"""All-or-nothing fleet switches on the embedded fleet: the real coordinator, two real vLLM CPU replicas with their
+agents and proxies (``LocalFleet``, staged mode, ``allOrNothing``), and the trainer's ``Publisher`` in this process.
+
+A steady stream of greedy completions runs through both proxies the whole time. Through 20 versions every replica
+stages each one and switches only on the coordinator's COMMIT; every completion that ran within one version has
+that version's tokens. Then one replica's vLLM server is killed (its agent lives on, so the replica stays planned
+and its staging fails for real): the version fails with no replica switched, the other replica drops its stage and
+keeps serving the previous version (no completion names the failed one), and once the replica is back and caught
+up the next version goes through on both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests import support
+from weightsync.cli._localfleet import LocalFleet
+from weightsync.coordinator.client import CoordinatorClient
+from weightsync.vocabulary import ReplicaState, SyncMode, VersionState
+from weightsync_inference import proxy
+from weightsync_trainer.publisher import Publisher, PublishReport
+from weightsync_trainer.sources import ModuleSource
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPLICAS = ("replica-0", "replica-1")
+BODY = {"prompt": support.PROMPTS[1], "max_tokens": 16, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True}  # fmt: skip
+
+
+@dataclass
+class Load:
+    """Steady greedy completions through each replica's proxy: (replica, versions header, token ids)."""
+
+    fleet: LocalFleet
+    made: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, replica_id: str) -> None:
+        with httpx.Client(trust_env=False, timeout=60) as client:
+            while not self.stop.is_set():
+                try:
+                    r = client.post(f"{self.fleet.replicas[replica_id].url}/v1/completions", json=BODY)
+                except httpx.HTTPError:
+                    time.sleep(0.2)  # a replica being restarted
+                    continue
+                if r.status_code != 200:
+                    time.sleep(0.2)
+                    continue
+                ids = tuple(int(t) for t in r.json()["choices"][0]["token_ids"])
+                self.made.append((replica_id, r.headers[proxy.VERSIONS_HEADER], ids))
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[LocalFleet]:
+    fleet = LocalFleet(tmp_path, support.tiny_model(), sync_mode=SyncMode.STAGED, all_or_nothing=True)
+    try:
+        fleet.start_coordinator()
+        replicas = [fleet.start_replica(r) for r in REPLICAS]
+        fleet.wait_healthy(replicas, timeout_s=600)
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def _greedy(url: str) -> tuple[int, ...]:
+    r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60, trust_env=False)
+    assert r.status_code == 200, r.text
+    return tuple(int(t) for t in r.json()["choices"][0]["token_ids"])
+
+
+def _served(client: CoordinatorClient, job: str) -> dict[str, int]:
+    return {m.member_id: m.current_version for m in client.get_job(job).members if m.role.value == "replica"}
+
+
+def test_replicas_switch_together_and_a_failed_stage_switches_none(fleet: LocalFleet) -> None:
+    client = CoordinatorClient(fleet.coordinator_address, insecure=True, timeout_s=60.0)
+    fleet.wait_registered(client, timeout_s=120)
+    model = support.hf_trainer(fleet.model, seed=0, steps=0)
+    publisher = Publisher(
+        ModuleSource(model),
+        CoordinatorClient(fleet.coordinator_address, insecure=True),
+        job=fleet.job,
+        channels_=fleet.config.channels,
+        node="localhost",
+        checkpoint_dir=fleet.volume,
+        config=fleet.config,
+        timeout_s=30.0,
+        version_timeout_s=fleet.config.timeout_s,
+    )
+    generator = torch.Generator().manual_seed(0)
+
+    def publish(step: int) -> PublishReport:
+        with torch.no_grad():  # a new policy: every weight moves a little
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+        report = publisher.publish(step)
+        assert report is not None
+        return report
+
+    load = Load(fleet)
+    threads = [threading.Thread(target=load.run, args=(r,), daemon=True) for r in REPLICAS]
+    for t in threads:
+        t.start()
+    expected: dict[str, tuple[int, ...]] = {}
+    try:
+        for step in range(20):
+            report = publish(step)
+            assert report.state is VersionState.READY, (step, report)
+            info = client.version_info(report.version, job=fleet.job)
+            assert {r.replica_id: r.state for r in info.replicas} == dict.fromkeys(REPLICAS, ReplicaState.LOADED)
+            assert _served(client, fleet.job) == dict.fromkeys(REPLICAS, report.version)
+            expected[str(report.version)] = _greedy(fleet.replicas[REPLICAS[0]].url)
+            assert _greedy(fleet.replicas[REPLICAS[1]].url) == expected[str(report.version)]
+            time.sleep(0.2)  # completions that run within this version
+        serving = report.version
+
+        # replica-1's vLLM server dies; its agent lives on, stays planned, and cannot stage what comes next
+        fleet.replicas[REPLICAS[1]].procs[0].stop()
+        before_fault = len(load.made)
+        failed = publish(20)
+        info = client.version_info(failed.version, job=fleet.job)
+        assert failed.state is VersionState.FAILED, info
+        assert "not committed, no replica switched it (all-or-nothing)" in info.reason, info.reason
+        states = {r.replica_id: r.state for r in info.replicas}
+        assert states[REPLICAS[1]] is ReplicaState.FAILED and states[REPLICAS[0]] is not ReplicaState.LOADED, states
+        time.sleep(1.0)  # completions after the failed version settled
+        assert _served(client, fleet.job)[REPLICAS[0]] == serving
+        assert _greedy(fleet.replicas[REPLICAS[0]].url) == expected[str(serving)]  # still the previous weights
+        after_fault = [label for r, label, _ in load.made[before_fault:] if r == REPLICAS[0]]
+        assert after_fault and all(label == str(serving) for label in after_fault), after_fault
+
+        # back, caught up from the volume, and the next version goes through on both
+        fleet.replicas[REPLICAS[1]].stop()
+        fleet.start_replica(REPLICAS[1])
+        fleet.wait_healthy([fleet.replicas[REPLICAS[1]]], timeout_s=600)
+        deadline = time.monotonic() + 120
+        while _served(client, fleet.job).get(REPLICAS[1]) != serving:
+            assert time.monotonic() < deadline, f"{REPLICAS[1]} did not catch up to v{serving}"
+            time.sleep(0.5)
+        report = publish(21)
+        assert report.state is VersionState.READY, client.version_info(report.version, job=fleet.job)
+        assert _served(client, fleet.job) == dict.fromkeys(REPLICAS, report.version)
+        expected[str(report.version)] = _greedy(fleet.replicas[REPLICAS[0]].url)
+    finally:
+        load.stop.set()
+        for t in threads:
+            t.join(60)
+        publisher.close()
+        client.close()
+
+    single = [(label, ids) for _, label, ids in load.made if "," not in label and label in expected]
+    assert len(single) >= 20, f"only {len(single)} of {len(load.made)} completions ran within one version"
+    for label, ids in single:
+        assert ids == expected[label], f"a completion attributed to version {label} is not what {label} generates"
+    labels = {v for _, label, _ in load.made for v in label.split(",")}
+    assert str(failed.version) not in labels, "a completion names the version no replica switched in"
+    assert len(set(expected.values())) > 10  # the versions differ: the check bites
