@@ -8,6 +8,12 @@ in staged mode is that switch (plus vLLM's pause/resume calls, not on this host)
 baseline, in the same run, is one flat device copy of the same bytes on GPU 1.
 
     bash tools/gpu-host.sh python3 bench/staged_switch.py --model qwen3-1.7b --json out.json
+
+``--throughput`` measures instead what generation keeps while versions stage: a decode step's
+stand-in (a batch of 8 activations multiplied by every weight matrix of the replica, reading
+all of its weights as a decode step does, launched eagerly) run back to back on GPU 1,
+steps per second with no transfer and while versions stage back to back (never switched in).
+The trainer's sender shares this process (and its Python interpreter) with the replica here.
 """
 
 from __future__ import annotations
@@ -92,15 +98,79 @@ def _timed(fn: object, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+class DecodeStandIn:
+    """``x @ W.T`` for every weight matrix of ``model`` with a batch of 8: a decode step's weight reads."""
+
+    def __init__(self, model: HarnessModel, batch: int = 8) -> None:
+        self.device = model.device
+        self.weights = [w for w in model.params.values() if w.dim() == 2]
+        self.xs = [torch.randn(batch, w.shape[1], device=self.device, dtype=w.dtype) for w in self.weights]
+        self.outs = [torch.empty(batch, w.shape[0], device=self.device, dtype=w.dtype) for w in self.weights]
+
+    def steps_per_second(self, window_s: float) -> float:
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            t0, steps = time.perf_counter(), 0
+            while time.perf_counter() - t0 < window_s:
+                for x, w, o in zip(self.xs, self.weights, self.outs, strict=True):
+                    torch.matmul(x, w.t(), out=o)
+                torch.cuda.synchronize(self.device)  # a decode step waits for its logits
+                steps += 1
+            return steps / (time.perf_counter() - t0)
+
+
+def throughput(pair: StagedPair, window_s: float) -> dict[str, float]:
+    """Decode stand-in steps/s on the replica's GPU: idle, then while versions stage back to back."""
+    decode = DecodeStandIn(pair.model)
+    idle = decode.steps_per_second(window_s)
+    stop, staged = threading.Event(), [0]
+
+    def stage_forever() -> None:
+        version = 100
+        while not stop.is_set():
+            pair.stage(version)
+            staged[0] += 1
+            version += 1
+
+    stager = threading.Thread(target=stage_forever, daemon=True)
+    stager.start()
+    time.sleep(0.5)  # the first stage under way
+    busy = decode.steps_per_second(window_s)
+    stop.set()
+    stager.join(120)
+    return {"idle_steps_per_s": idle, "staging_steps_per_s": busy, "ratio": busy / idle, "staged": staged[0]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-1.7b", choices=sorted(gpu_models.MODELS))
     p.add_argument("--versions", type=int, default=10, help="timed versions after one warm-up (default 10)")
     p.add_argument("--verify", action="store_true", help="full verification on (default off, as the fleet rows)")
+    p.add_argument(
+        "--throughput",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="measure generation's stand-in idle and while staging, for this many seconds each",
+    )
     p.add_argument("--json", default="", help="write the result here too")
     args = p.parse_args()
     engine = torch.device("cuda:1")
     pair = StagedPair(args.model, "cuda:0", "cuda:1", verify=args.verify)
+    if args.throughput:
+        try:
+            kept = {
+                "card": torch.cuda.get_device_name(engine),
+                "model": args.model,
+                "verify": args.verify,
+                **throughput(pair, args.throughput),
+            }
+        finally:
+            pair.close()
+        print(json.dumps(kept, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(kept, indent=1))
+        return 0
     switches: list[float] = []
     try:
         for version in range(1, args.versions + 2):
