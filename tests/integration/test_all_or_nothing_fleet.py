@@ -26,7 +26,7 @@ from weightsync.cli._localfleet import LocalFleet
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.vocabulary import ReplicaState, SyncMode, VersionState
 from weightsync_inference import proxy
-from weightsync_trainer.publisher import Publisher, PublishReport
+from weightsync_trainer.publisher import PublishReport
 from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -85,17 +85,7 @@ def test_replicas_switch_together_and_a_failed_stage_switches_none(fleet: LocalF
     client = CoordinatorClient(fleet.coordinator_address, insecure=True, timeout_s=60.0)
     fleet.wait_registered(client, timeout_s=120)
     model = support.hf_trainer(fleet.model, seed=0, steps=0)
-    publisher = Publisher(
-        ModuleSource(model),
-        CoordinatorClient(fleet.coordinator_address, insecure=True),
-        job=fleet.job,
-        channels_=fleet.config.channels,
-        node="localhost",
-        checkpoint_dir=fleet.volume,
-        config=fleet.config,
-        timeout_s=30.0,
-        version_timeout_s=fleet.config.timeout_s,
-    )
+    publisher = fleet.publisher(ModuleSource(model), timeout_s=30.0)
     generator = torch.Generator().manual_seed(0)
 
     def publish(step: int) -> PublishReport:

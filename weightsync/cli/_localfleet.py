@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import httpx
 
@@ -33,6 +33,10 @@ from weightsync import jobconfig
 from weightsync.coordinator import faults
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.vocabulary import Channel, PauseMode, SyncMode
+
+if TYPE_CHECKING:
+    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.sources import WeightSource
 
 
 def free_port() -> int:
@@ -300,6 +304,23 @@ class LocalFleet:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{r.replica_id} not healthy within {timeout_s:.0f}s; see {self.logs}")
                 time.sleep(1.0)
+
+    def publisher(self, source: WeightSource, timeout_s: float | None = None) -> Publisher:
+        """The trainer's publisher for this fleet (one rank, on this host): its job's channels, volume and timeouts;
+        ``timeout_s`` bounds a transfer (default: the job's)."""
+        from weightsync_trainer.publisher import Publisher
+
+        return Publisher(
+            source,
+            CoordinatorClient(self.coordinator_address, insecure=True),
+            job=self.job,
+            channels_=self.config.channels,
+            node="localhost",
+            checkpoint_dir=self.volume,
+            config=self.config,
+            timeout_s=self.config.transfer_timeout_s if timeout_s is None else timeout_s,
+            version_timeout_s=self.config.timeout_s,
+        )
 
     def wait_registered(self, client: CoordinatorClient, timeout_s: float) -> None:
         """Every replica's agent registered with the coordinator: a version opened before that would be planned

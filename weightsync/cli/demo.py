@@ -162,17 +162,7 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         client = CoordinatorClient(fleet.coordinator_address, insecure=True, timeout_s=60.0)  # rides out restarts
         fleet.wait_registered(client, timeout_s=120)
         if not args.no_sync:
-            publisher = Publisher(
-                ModuleSource(model),
-                CoordinatorClient(fleet.coordinator_address, insecure=True),
-                job=fleet.job,
-                channels_=fleet.config.channels,
-                node="localhost",
-                checkpoint_dir=fleet.volume,
-                config=fleet.config,
-                timeout_s=fleet.config.transfer_timeout_s,
-                version_timeout_s=fleet.config.timeout_s,
-            )
+            publisher = fleet.publisher(ModuleSource(model))
         policy: int | None = 0  # the version of the trainer's weights: the replicas start on the same ones
         for step in range(args.steps):
             if step == kill_at and not args.no_sync:
