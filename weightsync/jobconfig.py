@@ -48,6 +48,14 @@ class JobConfig:
     all_or_nothing: bool = False
     """Staged mode only: replicas switch a version in only once the ack policy's replicas staged it."""
 
+    def __post_init__(self) -> None:
+        if self.transfer_timeout_s >= self.timeout_s:
+            raise PermanentError(
+                f"job config: sync.transferTimeoutSeconds ({self.transfer_timeout_s:g}) must be below "
+                f"sync.timeoutSeconds ({self.timeout_s:g}): a transfer stalled on a replica that died is abandoned "
+                "only after it, and the version would time out first for every replica"
+            )
+
     @classmethod
     def parse(cls, data: Mapping[str, Any], where: str = "job.json") -> JobConfig:
         try:

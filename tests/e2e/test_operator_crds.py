@@ -58,6 +58,7 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
         ({"spec.inference.tensorParallelSize": 2, "spec.inference.gpusPerReplica": 3}, "spec.inference.gpusPerReplica"),
         ({"spec.trainer.command": []}, "spec.trainer.command"),
         ({"spec.sync.allOrNothing": True}, "spec.sync.allOrNothing needs spec.sync.mode staged"),
+        ({"spec.sync.timeoutSeconds": 60}, "spec.sync.transferTimeoutSeconds must be below spec.sync.timeoutSeconds"),
     ],
     ids=[
         "zero-replicas",
@@ -67,6 +68,7 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
         "tp-gpus",
         "no-command",
         "atomic-in-place",
+        "transfer-timeout",
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(

@@ -167,7 +167,10 @@ def _cpu_job(model: Path) -> dict[str, Any]:
         vllmArgs=["--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.06",
                   "--max-model-len", "256", "--seed", "0"],
     )  # fmt: skip
-    spec["sync"].update(everySteps=1, channels=["cpu", "volume"], timeoutSeconds=120, retention=RETENTION)
+    # a transfer to a replica whose pod is deleted mid-stream is abandoned after 30 s, well inside the version's 120
+    spec["sync"].update(
+        everySteps=1, channels=["cpu", "volume"], timeoutSeconds=120, transferTimeoutSeconds=30, retention=RETENTION
+    )
     return body
 
 

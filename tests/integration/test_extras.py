@@ -170,7 +170,7 @@ def test_coordinator_extra_recovers_versions_from_manifests_without_torch(
 
     volume = tmp_path / "ckpt"
     written = {v: write_version(volume, v, step=10 * v) for v in (1, 2)}  # in this process, which has torch
-    config = JobConfig(JOB, (Channel.VOLUME, Channel.CPU), timeout_s=60, retention=2)
+    config = JobConfig(JOB, (Channel.VOLUME, Channel.CPU), timeout_s=60, transfer_timeout_s=30, retention=2)
     (tmp_path / "job.json").write_text(json.dumps(config.to_json()))
     port, metrics_port = free_port(), free_port()
     stdout, stderr = tmp_path / "coordinator.out", tmp_path / "coordinator.err"

@@ -168,6 +168,10 @@ def test_the_job_s_sync_choices_reach_every_process() -> None:
     assert JobPolicy.of(parsed).all_or_nothing  # what the coordinator and the trainer register with
     assert not jobconfig.JobConfig.parse({"job": "j"}).all_or_nothing
     assert jobconfig.JobConfig.parse({"job": "j"}).sync_mode is SyncMode.IN_PLACE
+    with pytest.raises(
+        PermanentError, match=r"transferTimeoutSeconds \(120\) must be below sync.timeoutSeconds \(60\)"
+    ):
+        jobconfig.JobConfig.parse({"job": "j", "sync": {"timeoutSeconds": 60}})
     with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'lazy' is not"):
         jobconfig.JobConfig.parse({"job": "j", "sync": {"mode": "lazy"}})
     with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'sometimes' is not"):

@@ -171,6 +171,7 @@ class LocalFleet:
             self.job,
             self.channels,
             timeout_s=120.0,
+            transfer_timeout_s=30.0,
             checkpoint_dir=str(self.volume),
             pause_mode=self.pause_mode,
             sync_mode=self.sync_mode,

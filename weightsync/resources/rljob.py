@@ -237,6 +237,12 @@ RLJOB_SPEC_RULES = rules(
         ".sync.quorum",
     ),
     (
+        "self.sync.transferTimeoutSeconds < self.sync.timeoutSeconds",
+        "spec.sync.transferTimeoutSeconds must be below spec.sync.timeoutSeconds: a transfer stalled on a replica "
+        "that died is abandoned only after it, and the version would time out first for every replica",
+        ".sync.transferTimeoutSeconds",
+    ),
+    (
         "!self.sync.allOrNothing || self.sync.mode == 'staged'",
         "spec.sync.allOrNothing needs spec.sync.mode staged (replicas switch together from their stages)",
         ".sync.allOrNothing",
