@@ -8,6 +8,7 @@ client's side is plain HTTP to the proxy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -232,6 +233,41 @@ def test_proxy_hides_dev_routes(served: Served) -> None:
     assert httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).status_code == 200
 
 
+def _running(served: Served) -> float:
+    """vLLM's own gauge of the requests it is generating (as of its last step)."""
+    metrics = httpx.get(f"{served.url}/metrics", timeout=10, trust_env=False).text
+    for line in metrics.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vLLM's /metrics has no vllm:num_requests_running")
+
+
+@contextlib.contextmanager
+def _mid_generation(
+    served: Served, body: dict[str, object], freeze: bool = True
+) -> Iterator[tuple[httpx.Response, str, Iterator[str]]]:
+    """A completion streamed through the proxy, once its first event arrived: the response, that event and the rest
+    of its lines. ``freeze``: vLLM is paused (keep) while it is still generating it. On busy cores the API server can
+    relay a stream far behind the engine, so a first token read here does not mean the generation still runs (CI
+    saw all 2000 tokens finished by then); vLLM's gauge of running requests says, and the stream is tried again (up
+    to 10 times) when it ran out."""
+    for _ in range(10):
+        with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            if not freeze:
+                yield r, first, lines
+                return
+            served.engine.pause()
+            if _running(served) > 0:
+                yield r, first, lines
+                return
+            served.engine.resume()
+            for _ in lines:  # it ended before the freeze: read it out and try again
+                pass
+    pytest.fail("no streamed generation was still running when it was frozen, in 10 tries")
+
+
 def test_a_request_in_flight_survives_an_update(served: Served) -> None:
     """``/pause?mode=keep`` freezes a running generation instead of aborting it; it finishes after resume.
 
@@ -244,11 +280,8 @@ def test_a_request_in_flight_survives_an_update(served: Served) -> None:
             "return_token_ids": True, "stream": True}  # fmt: skip
     ticket, trainer = served.publish(seed=3)
     before = served.engine.weight_version()
-    with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        served.engine.pause()  # frozen first, so it is surely in flight when the update pauses (busy cores)
-        served.replica.apply(ticket)
+    with _mid_generation(served, body) as (r, first, lines):
+        served.replica.apply(ticket)  # pauses the same way, loads, resumes
         rest = list(lines)
         events = [first] + [line for line in rest if line.startswith("data: ")]
     # the rollout says it was generated partly by the old weights and partly by the new
@@ -263,19 +296,15 @@ def test_a_request_in_flight_survives_an_update(served: Served) -> None:
 
 
 def _stream_through_an_update(served: Served, mode: PauseMode, tokens: int) -> tuple[list[int], str, list[str]]:
-    """Stream one greedy completion through the proxy and load a new version (pausing with ``mode``) as soon as its
-    first token arrived; its token ids, its finish reason and the stream's last lines."""
+    """Stream one greedy completion through the proxy and load a new version (pausing with ``mode``) while it is
+    generated; its token ids, its finish reason and the stream's last lines."""
     body = {"prompt": support.PROMPTS[0], "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}  # fmt: skip
     ticket, trainer = served.publish(seed=10 + served.version)
     replica = Replica(HttpEngine(served.url, pause_mode=mode), version=int(served.engine.weight_version()))
-    with httpx.stream("POST", f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False) as r:
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        if mode is PauseMode.ABORT:
-            # frozen first, so the generation is surely still in flight when the update pauses: on 2 busy cores
-            # vLLM's engine can finish 2000 tokens before the API server gets to an abort (CI saw it twice)
-            served.engine.pause()
+    # abort: frozen first, so the generation surely runs when the update pauses; wait: never frozen (it would wait
+    # for a generation that cannot finish)
+    with _mid_generation(served, body, freeze=mode is not PauseMode.WAIT) as (_, first, lines):
         replica.apply(ticket)
         rest = list(lines)
     events = [first] + [line for line in rest if line.startswith("data: ") and line != "data: [DONE]"]
