@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import threading
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import gpu_models  # noqa: E402
+from bench import gpu_models, report  # noqa: E402
 from tests.gpu.fleet_trainer import RandomSource  # noqa: E402
 from tests.gpu.harness import HarnessModel  # noqa: E402
 from weightsync.channels import digests, nccl  # noqa: E402
@@ -167,9 +166,7 @@ def main() -> int:
             }
         finally:
             pair.close()
-        print(json.dumps(kept, indent=1))
-        if args.json:
-            Path(args.json).write_text(json.dumps(kept, indent=1))
+        report.emit(kept, args.json)
         return 0
     switches: list[float] = []
     try:
@@ -193,9 +190,7 @@ def main() -> int:
         "raw_copy_s_median": statistics.median(raw),
     }
     result["ratio"] = result["switch_s_median"] / result["raw_copy_s_median"]
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    report.emit(result, args.json)
     return 0
 
 

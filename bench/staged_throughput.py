@@ -13,7 +13,6 @@ Tokens per second in each, and the ratios to the baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -26,6 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import report  # noqa: E402
 from tests import support  # noqa: E402
 from weightsync.channels import manifests  # noqa: E402
 from weightsync.channels.base import Rendezvous, UpdateTicket  # noqa: E402
@@ -142,9 +142,7 @@ def main() -> int:
         "versions": {"staged": stages, "loaded_in_place": loads},
         "ratio_to_idle": {"staging": staged / idle, "in_place": loaded / idle},
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    report.emit(result, args.json)
     return 0
 
 
