@@ -23,8 +23,10 @@ it forwards a completion route and again after the response ended. A JSON respon
 reported with both: the attribution errs towards "mixed", never towards "one version"). A
 streamed response carries the version it started on in ``x-weightsync-version-start`` and
 ends with an SSE comment line ``: weightsync-versions 12,13`` after vLLM's last event, which
-clients that follow the SSE rules skip. Where vLLM does not say (no development routes), the
-headers are left out. The cost is two loopback reads of ``/weight_info`` per completion.
+clients that follow the SSE rules skip. Where vLLM has no such route (no development routes),
+the headers are left out; where it has one but cannot answer it (an engine that died as the
+completion ended), a JSON completion is refused with 502 rather than returned unattributed,
+and a stream ends without the comment. The cost is two loopback reads of ``/weight_info`` per completion.
 
 Responses stream through as they arrive (server-sent events included); a client that
 goes away closes the upstream request, which makes vLLM abort the generation. JSON
@@ -70,6 +72,10 @@ WEIGHT_INFO = "/weight_info"
 GENERATION = frozenset({"/v1/completions", "/v1/chat/completions"})
 """The routes whose responses say which weight versions generated them."""
 VERSIONS_HEADER = "x-weightsync-versions"
+UNATTRIBUTED = (
+    "vLLM's weight version could not be read {when} the completion ({why}; is the engine still up?): the proxy "
+    "returns no completion it cannot attribute to the weights that made it; retry it"
+)
 START_HEADER = "x-weightsync-version-start"
 SSE_VERSIONS = ": weightsync-versions "
 PAUSED_REASON = (
@@ -140,6 +146,14 @@ class _BodyTooLarge(Exception):
 
 class _ClientGone(Exception):
     pass
+
+
+class _Unattributed(Exception):
+    """vLLM has a weight-version route but did not answer it with a version."""
+
+
+def _named(e: Exception) -> str:
+    return str(e) if isinstance(e, _Unattributed) else type(e).__name__
 
 
 class ProxyApp:
@@ -223,13 +237,21 @@ class ProxyApp:
             return False  # a server without the development routes cannot be paused
 
     async def _weight_version(self) -> int | None:
-        """The version vLLM's engine last finished loading (0: the weights it started with), None if it cannot say."""
-        try:
-            r = await self.client().get(WEIGHT_INFO, timeout=self.config.health_timeout_s)
-            text = str(r.json().get("weight_version")) if r.status_code == 200 else ""
-        except (httpx.HTTPError, ValueError, AttributeError):
+        """The version vLLM's engine last finished loading (0: the weights it started with), None when it has no
+        such route (not in development mode); raises ``_Unattributed`` when it has one but no answer (``httpx``'s
+        errors when vLLM is unreachable)."""
+        r = await self.client().get(WEIGHT_INFO, timeout=self.config.health_timeout_s)  # httpx errors: unreachable
+        if r.status_code == 404:
             return None
-        return int(text) if text.isdigit() else 0 if text in INITIAL_WEIGHT_VERSIONS else None
+        try:
+            text = str(r.json().get("weight_version")) if r.status_code == 200 else f"HTTP {r.status_code}"
+        except (ValueError, AttributeError) as e:
+            raise _Unattributed(f"{WEIGHT_INFO} answered no JSON object") from e
+        if text.isdigit():
+            return int(text)
+        if text in INITIAL_WEIGHT_VERSIONS:
+            return 0
+        raise _Unattributed(text)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -276,10 +298,13 @@ class ProxyApp:
         query = scope.get("query_string", b"").decode("latin-1")
         url = route + (f"?{query}" if query else "")
         client = self.client()
-        start = await self._weight_version() if route in GENERATION else None
         request = client.build_request(str(scope["method"]), url, headers=headers, content=body)
         try:
+            start = await self._weight_version() if route in GENERATION else None
             upstream = await client.send(request, stream=True)
+        except _Unattributed as e:
+            await _respond(send, 502, _error_body(502, "BadGateway", UNATTRIBUTED.format(when="before", why=e)))
+            return
         except httpx.TimeoutException as e:
             message = f"vLLM did not answer within the proxy's timeouts ({type(e).__name__})"
             await _respond(send, 504, _error_body(504, "GatewayTimeout", message))
@@ -343,7 +368,14 @@ async def _relay(upstream: httpx.Response, receive: Receive, send: Send, version
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:  # headers are sent: all we can do is end the stream
             log.warning("upstream stream ended early: %s: %s", type(e).__name__, e)
-        label = await versions.label() if versions is not None else None
+        try:
+            label = await versions.label() if versions is not None else None
+        except (_Unattributed, httpx.HTTPError) as e:
+            if held:
+                message = UNATTRIBUTED.format(when="after", why=_named(e))
+                await _respond(send, 502, _error_body(502, "BadGateway", message))
+                return
+            label = None  # a stream already sent its tokens: it ends without the versions comment
         if held:
             extra = [(VERSIONS_HEADER.encode(), label.encode())] if label else []
             await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers + extra})

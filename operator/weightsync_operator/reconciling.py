@@ -47,10 +47,15 @@ class Memory:
     """(namespace, name, owner uid) of the token and TLS Secrets known to exist."""
     hash_only: set[tuple[str, str, str, str | None]] = field(default_factory=set)
     """(namespace, kind, name, spec hash) of children compared by hash alone (see the module docstring)."""
+    announced: dict[tuple[str, str], RLJobStatus] = field(default_factory=dict)
+    """(namespace, job) -> the status its events were last computed against, set only when a pass completes: a
+    pass that fails after its status patch landed (a write that timed out but was applied, a later delete) loses its
+    events, and the next pass, which reads that status back as its old one, must still say what changed."""
 
     def forget(self, namespace: str, job: str) -> None:
         gone = {(namespace, names.token_secret(job)), (namespace, names.tls_secret(job))}
         self.secrets = {s for s in self.secrets if s[:2] not in gone}
+        self.announced.pop((namespace, job), None)
 
 
 @dataclass(frozen=True)
@@ -101,16 +106,18 @@ def reconcile(
         writes += api.delete("WeightVersion", namespace, stale)
 
     new = status.next_status(spec, old, seen, verdict, summary)
+    told = memory.announced.get((namespace, name), old)
     outcome = Outcome(
-        status=new, writes=writes, events=versions.events(old.current_version, old.last_failed_version, summary)
+        status=new, writes=writes, events=versions.events(told.current_version, told.last_failed_version, summary)
     )
     if new.to_wire() != old.to_wire():
         # Only a restart must not be counted twice; other fields are recomputed every time.
         guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
         api.patch_status("RLJob", namespace, name, new.to_wire(), guard)
         outcome.patched = True
-        outcome.events += _transition_events(old, new, verdict)
+    outcome.events += _transition_events(told, new, verdict)
     outcome.writes += _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts)
+    memory.announced[(namespace, name)] = new
     return outcome
 
 

@@ -576,10 +576,12 @@ def test_weights_reach_every_replica_across_hosts_through_pod_deletions(
             # replica's deletion costs no version: the dead one is dropped from those it was planned for) but
             # those the new coordinator opened before any agent was back, which fail planned for no replica
             final = published[-1][0]
-            for v, state in published:
+            for r in reports:
+                v, state = r["version"], r["state"]
                 if v > cut and state != "READY":
                     message = _status(watch, v).get("message", "")
-                    assert v <= rejoined and "planned for no replica" in message, (v, state, message, published)
+                    # the trainer's report says where its time went (seconds per phase) and what failed
+                    assert v <= rejoined and "planned for no replica" in message, (v, state, message, r, published)
             assert all(s == "READY" for v, s in published if v > rejoined), (rejoined, published)
             assert published[-1][1] == "READY", published
             assert min(v for v, _ in published if v > cut) == cut + 1, (cut, published)  # the counter went on

@@ -281,7 +281,7 @@ def test_a_staging_version_times_out_exactly_at_the_policy_timeout() -> None:
     core.tick()
     info = latest(core)
     assert info.version == v and info.state is VersionState.FAILED
-    assert info.reason == "timed out after 10s waiting for r0"
+    assert info.reason == "timed out after 10s waiting for r0, the publisher's report of what it sent"
     assert info.settled_at == clock.time() and info.opened_at == clock.time() - 10.0  # wall time from the clock too
     abort = next_event(events)
     assert abort.kind is EventKind.ABORT and abort.version == v

@@ -110,3 +110,28 @@ def test_an_operator_that_dies_between_counting_and_deleting_counts_the_failure_
     reconcile()
     ranks = [p for p in api.pods if p["metadata"]["name"] == "j-trainer-0"]
     assert [r["metadata"]["annotations"][names.RESTART_ANNOTATION] for r in ranks] == ["1"]
+
+
+def test_a_pass_that_fails_after_its_status_patch_landed_leaves_its_events_to_the_next() -> None:
+    """The job's Failed phase is announced once, by the pass after one that patched it and then failed.
+
+    The fake's deletion that fails stands in for any write after the patch that fails (an API error or a timeout
+    whose write was applied anyway), which the real control plane gives only at random."""
+    api, memory = FakeApi(), reconciling.Memory()
+    body = {"metadata": {"name": "j", "namespace": "ml", "uid": "u", "generation": 1}, "spec": _spec(0)}
+
+    def reconcile() -> reconciling.Outcome:
+        body["status"] = copy.deepcopy(api.status)
+        return reconciling.reconcile(api, body, reconciling.Settings(), memory=memory)  # type: ignore[arg-type]
+
+    reconcile()
+    rank = next(p for p in api.pods if p["metadata"]["name"] == "j-trainer-0")
+    rank["status"]["phase"] = "Failed"
+    api.crash = True
+    with pytest.raises(_Crash):
+        reconcile()
+    assert api.status["phase"] == "Failed"
+    api.crash = False
+    again = reconcile()
+    assert not again.patched and ("Warning", "PhaseFailed") in [e[:2] for e in again.events], again
+    assert not reconcile().events  # announced once

@@ -160,7 +160,7 @@ class Upstream:
         self.seen: list[dict[str, Any]] = []
         self.disconnected = threading.Event()
         self.paused = False
-        self.version = 7
+        self.version: int | str | None = 7
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -182,6 +182,10 @@ class Upstream:
             await send({"type": "http.response.body", "body": json.dumps({"is_paused": self.paused}).encode()})
             return
         if scope["path"] == "/weight_info":
+            if self.version is None:  # an engine that is going away: the route is there, the answer is not
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send(
                 {"type": "http.response.body", "body": json.dumps({"weight_version": str(self.version)}).encode()}
@@ -190,6 +194,8 @@ class Upstream:
         if body.startswith(b"json"):  # a non-streamed completion; "json-update": a version finishes while it runs
             if body == b"json-update":
                 self.version += 1
+            if body == b"json-gone":  # the engine stops answering as the completion ends
+                self.version = None
             await send(
                 {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
             )
@@ -279,6 +285,23 @@ def test_every_completion_says_which_weight_versions_made_it(wire: tuple[Upstrea
         assert initial.headers[proxy.VERSIONS_HEADER] == "0"
     finally:
         upstream.version = version
+
+
+def test_a_completion_whose_weight_version_cannot_be_read_is_refused_not_returned_unattributed(
+    wire: tuple[Upstream, str],
+) -> None:
+    upstream, url = wire
+    version = upstream.version
+    try:
+        r = httpx.post(f"{url}/v1/completions", content=b"json-gone", timeout=10, trust_env=False)
+        assert r.status_code == 502 and proxy.VERSIONS_HEADER not in r.headers, r.headers
+        assert "could not be read after the completion (HTTP 503" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+        assert r.status_code == 502 and "could not be read before the completion" in r.json()["error"]["message"]
+        assert not any(s["body"] == b"json" for s in upstream.seen[-2:]), "forwarded though unattributable"
+    finally:
+        upstream.version = version
+    assert httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False).status_code == 200
 
 
 def test_health_is_answered_by_the_proxy(wire: tuple[Upstream, str]) -> None:

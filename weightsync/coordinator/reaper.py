@@ -51,7 +51,8 @@ def time_out_versions(state: CoreState, now: float) -> None:
         timeout = job.policy.version_timeout_s
         for rec in list(job.versions.values()):
             if rec.state is VersionState.STAGING and rec.opened_mono and now >= rec.opened_mono + timeout:
-                waiting = ", ".join(rec.waiting()) or "nobody"
+                publisher = [] if rec.sent else ["the publisher's report of what it sent"]
+                waiting = ", ".join(rec.waiting() + publisher) or "nobody"
                 verdicts.finish(
                     state, job, rec, VersionState.FAILED, f"timed out after {timeout:g}s waiting for {waiting}"
                 )
