@@ -11,16 +11,23 @@ baseline, in the same run, is one flat device copy of the same bytes on GPU 1.
 
 ``--throughput`` measures instead what generation keeps while versions stage: a decode step's
 stand-in (a batch of 8 activations multiplied by every weight matrix of the replica, reading
-all of its weights as a decode step does, launched eagerly) run back to back on GPU 1,
-steps per second with no transfer and while versions stage back to back (never switched in).
-The trainer's sender shares this process (and its Python interpreter) with the replica here.
+all of its weights as a decode step does) run back to back on GPU 1, steps per second with no
+transfer and while versions stage back to back (never switched in). The trainer's sender runs
+in a process of its own there, as a trainer does (``--sender-port``: that process's role, driven
+over its stdin and stdout); ``--graph`` replays the stand-in as one CUDA graph, as vLLM's decode
+runs, instead of launching it eagerly.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import secrets
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -35,7 +42,7 @@ from bench import gpu_models, report  # noqa: E402
 from tests.gpu.fleet_trainer import RandomSource  # noqa: E402
 from tests.gpu.harness import HarnessModel  # noqa: E402
 from weightsync.channels import digests, nccl  # noqa: E402
-from weightsync.channels.base import UpdateTicket, WorkerContext, direct_rendezvous  # noqa: E402
+from weightsync.channels.base import Endpoint, Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous  # noqa: E402
 from weightsync.tensors import TensorTable  # noqa: E402
 from weightsync.vocabulary import Channel  # noqa: E402
 from weightsync_inference.receipts import Receipt  # noqa: E402
@@ -43,18 +50,81 @@ from weightsync_inference.staging import STAGED_PARAM, staging_bytes  # noqa: E4
 from weightsync_inference.updates import Updater  # noqa: E402
 
 
-class StagedPair:
-    """A trainer's NCCL sender on one device and a harness replica's updater on another, in one process."""
+def _rendezvous(port: int, secret: str, timeout_s: float) -> Rendezvous:
+    """The one group of a trainer process and a replica process, as both build it from the same arguments."""
+    endpoint = Endpoint("127.0.0.1", port)
+    rdv = Rendezvous(Channel.NCCL, endpoint, "bench", secret, generation=1, rank=1, world_size=2)
+    return rdv.with_timeout(timeout_s)
 
-    def __init__(self, model: str, sender: str, engine: str, timeout_s: float = 60.0, verify: bool = True) -> None:
+
+class _SenderProcess:
+    """The trainer's sender in a process of its own (``--sender-port``): one line in per version, its digests out."""
+
+    def __init__(self, model: str, device: str, timeout_s: float) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        self.secret, self.timeout_s = secrets.token_hex(16), timeout_s
+        args = ["--model", model, "--sender-port", str(self.port), "--sender-secret", self.secret]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": device.removeprefix("cuda:")}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def send(self, version: int, verify: bool) -> dict[str, str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{version} {int(verify)}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the sender process exited ({self.proc.wait(self.timeout_s)}) at version {version}")
+        sent: dict[str, str] = json.loads(line)
+        return sent
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(self.timeout_s)
+
+
+def serve_sender(model: str, port: int, secret: str, timeout_s: float) -> int:
+    """The sender process: stream a version of new random values per line on stdin; print their digests."""
+    table = gpu_models.trainer_table(model)
+    source = RandomSource(table, torch.device("cuda:0"))
+    sender = nccl.NcclSender(device="cuda:0", port=port, timeout_s=timeout_s)
+    sender.take_plan({"replica": _rendezvous(port, secret, timeout_s)})
+    try:
+        for line in sys.stdin:
+            version, verify = (int(x) for x in line.split())
+            source.fill(seed=version)
+            sender.send(UpdateTicket(version, Channel.NCCL, table, table.layout_digest(), verify=bool(verify)),
+                        source.groups())  # fmt: skip
+            sent = {spec.name: digests.digest(t) for spec, t in zip(table, source.tensors, strict=True)}
+            print(json.dumps(sent), flush=True)
+    finally:
+        sender.close()
+    return 0
+
+
+class StagedPair:
+    """A trainer's NCCL sender on one device and a harness replica's updater on another: in one process, or with
+    ``remote`` the sender in a process of its own."""
+
+    def __init__(
+        self, model: str, sender: str, engine: str, timeout_s: float = 60.0, verify: bool = True, remote: bool = False
+    ) -> None:
         self.table: TensorTable = gpu_models.trainer_table(model)
         self.verify, self.timeout_s = verify, timeout_s
-        self.source = RandomSource(self.table, torch.device(sender))
         self.model = HarnessModel(gpu_models.engine_layout(model), torch.device(engine), seed=5)
         self.updater = Updater(self.model, WorkerContext(device=engine))
-        self.sender = nccl.NcclSender(device=sender, timeout_s=timeout_s)
-        rdv = direct_rendezvous(self.sender.offer()).with_timeout(timeout_s)
-        self.sender.take_plan({"replica": rdv})
+        self.remote = _SenderProcess(model, sender, timeout_s) if remote else None
+        if self.remote is not None:
+            rdv = _rendezvous(self.remote.port, self.remote.secret, timeout_s)
+        else:
+            self.source = RandomSource(self.table, torch.device(sender))
+            self.sender = nccl.NcclSender(device=sender, timeout_s=timeout_s)
+            rdv = direct_rendezvous(self.sender.offer()).with_timeout(timeout_s)
+            self.sender.take_plan({"replica": rdv})
         joining = threading.Thread(target=self.updater.init, args=(rdv,))  # joins while the sender forms the group
         joining.start()
         joining.join(timeout_s)
@@ -65,17 +135,21 @@ class StagedPair:
 
     def stage(self, version: int) -> dict[str, str]:
         """Stream ``version`` (new random values) into the replica's stage; the digests of what the trainer holds."""
-        self.source.fill(seed=version)
         self.updater.stage(self.ticket(version), staging_bytes(self.table.total_bytes, len(self.table)))
-        sent = UpdateTicket(version, Channel.NCCL, self.table, self.table.layout_digest(), verify=self.verify)
-        self.sender.send(sent, self.source.groups())
+        if self.remote is not None:
+            digested = self.remote.send(version, self.verify)
+        else:
+            self.source.fill(seed=version)
+            sent = UpdateTicket(version, Channel.NCCL, self.table, self.table.layout_digest(), verify=self.verify)
+            self.sender.send(sent, self.source.groups())
+            digested = {spec.name: digests.digest(t) for spec, t in zip(self.table, self.source.tensors, strict=True)}
         deadline = time.monotonic() + self.timeout_s
         while self.updater.stager.status.state == "receiving" and time.monotonic() < deadline:
             time.sleep(0.001)
         status = self.updater.stager.status
         if status.state != "staged":
             raise RuntimeError(f"version {version} was not staged: {status}")
-        return {spec.name: digests.digest(t) for spec, t in zip(self.table, self.source.tensors, strict=True)}
+        return digested
 
     def switch(self, version: int) -> Receipt:
         """What the replica does paused: the switch through the update lifecycle."""
@@ -85,7 +159,10 @@ class StagedPair:
         return self.updater.receipt
 
     def close(self) -> None:
-        self.sender.close()
+        if self.remote is not None:
+            self.remote.close()
+        else:
+            self.sender.close()
         self.updater.close()
 
 
@@ -100,27 +177,43 @@ def _timed(fn: object, device: torch.device) -> float:
 class DecodeStandIn:
     """``x @ W.T`` for every weight matrix of ``model`` with a batch of 8: a decode step's weight reads."""
 
-    def __init__(self, model: HarnessModel, batch: int = 8) -> None:
+    def __init__(self, model: HarnessModel, batch: int = 8, graph: bool = False) -> None:
         self.device = model.device
         self.weights = [w for w in model.params.values() if w.dim() == 2]
         self.xs = [torch.randn(batch, w.shape[1], device=self.device, dtype=w.dtype) for w in self.weights]
         self.outs = [torch.empty(batch, w.shape[0], device=self.device, dtype=w.dtype) for w in self.weights]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if graph:  # captured before any stage runs, after a warm-up on a side stream (as vLLM captures)
+            with torch.cuda.device(self.device):
+                side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                with torch.cuda.stream(side):
+                    self._step()
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self._step()
+
+    def _step(self) -> None:
+        for x, w, o in zip(self.xs, self.weights, self.outs, strict=True):
+            torch.matmul(x, w.t(), out=o)
 
     def steps_per_second(self, window_s: float) -> float:
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)
             t0, steps = time.perf_counter(), 0
             while time.perf_counter() - t0 < window_s:
-                for x, w, o in zip(self.xs, self.weights, self.outs, strict=True):
-                    torch.matmul(x, w.t(), out=o)
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self._step()
                 torch.cuda.synchronize(self.device)  # a decode step waits for its logits
                 steps += 1
             return steps / (time.perf_counter() - t0)
 
 
-def throughput(pair: StagedPair, window_s: float) -> dict[str, float]:
+def throughput(pair: StagedPair, window_s: float, graph: bool) -> dict[str, float]:
     """Decode stand-in steps/s on the replica's GPU: idle, then while versions stage back to back."""
-    decode = DecodeStandIn(pair.model)
+    decode = DecodeStandIn(pair.model, graph=graph)
     idle = decode.steps_per_second(window_s)
     stop, staged = threading.Event(), [0]
 
@@ -152,17 +245,24 @@ def main() -> int:
         metavar="SECONDS",
         help="measure generation's stand-in idle and while staging, for this many seconds each",
     )
+    p.add_argument("--graph", action="store_true", help="with --throughput: the stand-in replayed as a CUDA graph")
     p.add_argument("--json", default="", help="write the result here too")
+    p.add_argument("--sender-port", type=int, default=0, help=argparse.SUPPRESS)  # the sender process's role
+    p.add_argument("--sender-secret", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.sender_port:
+        return serve_sender(args.model, args.sender_port, args.sender_secret, timeout_s=60.0)
     engine = torch.device("cuda:1")
-    pair = StagedPair(args.model, "cuda:0", "cuda:1", verify=args.verify)
+    pair = StagedPair(args.model, "cuda:0", "cuda:1", verify=args.verify, remote=bool(args.throughput))
     if args.throughput:
         try:
             kept = {
                 "card": torch.cuda.get_device_name(engine),
                 "model": args.model,
                 "verify": args.verify,
-                **throughput(pair, args.throughput),
+                "graph": args.graph,
+                "nccl_max_ctas": os.environ.get("NCCL_MAX_CTAS", "default"),
+                **throughput(pair, args.throughput, args.graph),
             }
         finally:
             pair.close()

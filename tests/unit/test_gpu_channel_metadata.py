@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
 from weightsync.channels import gpu, placement
 from weightsync.channels.ipc import Export
-from weightsync.errors import ModelMismatchError, PermanentError
+from weightsync.errors import ModelMismatchError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorTable
 
 pytestmark = pytest.mark.unit
@@ -98,3 +99,25 @@ def test_wire_casts_floats_and_refuses_a_wrong_shape_naming_the_tensor() -> None
     assert wire.dtype == torch.bfloat16
     with pytest.raises(PermanentError, match=r"'model.norm.weight'.*shape \[3\]"):
         gpu.check_wire(spec, torch.ones(3))
+
+
+class _Polled:
+    """Work that completes ``after_s`` from now, counting how often it was polled (a stand-in for CUDA work)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.due, self.polls = time.monotonic() + after_s, 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return time.monotonic() >= self.due
+
+
+def test_a_wait_beside_generation_polls_rarely_and_a_paused_one_spins() -> None:
+    paused = _Polled(0.05)
+    gpu.wait(paused, 5.0, "paused", lambda: None)
+    with gpu.in_background():
+        staged = _Polled(0.05)
+        gpu.wait(staged, 5.0, "staged", lambda: None)
+    assert staged.polls <= 15 < 100 < paused.polls, (staged.polls, paused.polls)  # 5 ms polls vs a spin, 0.2 ms polls
+    with gpu.in_background(), pytest.raises(TransferTimeoutError, match=r"stuck did not complete within 0\.0s"):
+        gpu.wait(_Polled(10.0), 0.02, "stuck", lambda: None)  # still bounded
