@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -135,4 +136,40 @@ def test_ready_gives_up_on_a_replica_that_never_joined_and_streams_to_the_one_th
     assert set(sender.groups) == {"joins"} and set(report.failed) == {"away"}, report.failed
     assert "did not form" in report.failed["away"]
     assert json.loads((tmp_path / "joins.json").read_text()) == report.digests
+    sender.close()
+
+
+def test_a_frozen_replica_costs_the_sender_one_timeout_and_the_other_replica_nothing(tmp_path: Path) -> None:
+    """A replica that stops reading without closing its connection (a frozen process; a pod whose network went
+    away sends no reset either) fails within one transfer timeout: its group's queued sends are not waited out
+    one after the other."""
+    g = torch.Generator().manual_seed(1)
+    groups = [[torch.randn(1024, 1024, generator=g)] for _ in range(16)]  # 64 MB: more than the sockets buffer
+    ticket = _ticket(groups)
+    assert ticket.table is not None
+    timeout_s = 20  # also how long the receivers have to start and join
+    sender = CpuSender(timeout_s=timeout_s)
+    plan = {
+        rid: direct_rendezvous(sender.offer(), group=f"group-{rid}").with_timeout(timeout_s)
+        for rid in ("lives", "frozen")
+    }
+    sender.take_plan(plan)
+    procs = {rid: _receiver(rdv, ticket.table.layout_digest(), tmp_path / f"{rid}.json") for rid, rdv in plan.items()}
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{rid}.joined").exists() for rid in plan):
+            assert time.monotonic() < deadline, "the receivers never joined"
+            time.sleep(0.05)
+        procs["frozen"].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        report = sender.send(ticket, iter(groups))
+        took = time.monotonic() - t0
+        assert set(report.failed) == {"frozen"}, report.failed
+        assert took < timeout_s * 1.8, f"the sender took {took:.1f}s for a {timeout_s}s transfer timeout"
+        assert procs["lives"].wait(timeout=60) == 0
+        assert json.loads((tmp_path / "lives.json").read_text()) == report.digests
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGCONT)
+            p.kill()
     sender.close()

@@ -22,7 +22,13 @@ one it offered, a receiver to its local address on the route to the sender.
 
 Every wait has a timeout: a peer that dies mid-broadcast makes the other side raise
 ``TransferTimeoutError`` (or gloo's own connection error) instead of hanging; the
-group is then unusable and is rebuilt with the next plan.
+group is then unusable and is rebuilt with the next plan. A peer that stops reading
+without closing its connection (a frozen process, a host whose network went away)
+gives no error at all, so the sender waits on every group's broadcast at once and
+gives each step half the transfer timeout (``STALL_FRACTION``): the receivers wait
+the whole of it, so the others still hold on while a frozen one is dropped. A
+dropped group is released on a thread of its own: gloo's destructor waits out every
+send still queued to the frozen peer.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 BUCKET_BYTES_PARAM = "bucket_bytes"
 """A ticket param both ends read (the sender writes it into the header), so buckets never disagree."""
 MAX_HEADER_BYTES = 64 << 20
+STALL_FRACTION = 0.5
+"""Of the transfer timeout, how long the sender waits for a group to take one step's bytes before dropping it."""
+_POLL_S = 0.001
 
 
 def plan_buckets(table: TensorTable, bucket_bytes: int) -> list[list[tuple[TensorSpec, ...]]]:
@@ -92,6 +101,7 @@ class _Group:
         self.store, self.bind, self.rdv, self.rank = store, bind, rendezvous, rank
         self.timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
         self.pg: Any = None
+        self._posted: list[Any] = []
 
     def connect(self) -> None:
         """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
@@ -115,7 +125,9 @@ class _Group:
     def broadcast(self, tensor: torch.Tensor) -> Any:
         if self.pg is None:
             raise PermanentError("cpu channel: the group is not connected")
-        return self.pg.broadcast(tensor, 0)
+        work = self.pg.broadcast(tensor, 0)
+        self._posted = [w for w in self._posted if not w.is_completed()] + [work]
+        return work
 
     def wait(self, work: Any, what: str) -> None:
         try:
@@ -128,7 +140,21 @@ class _Group:
             ) from e
 
     def close(self) -> None:
-        self.pg = None
+        """Let go of the group without waiting for it: gloo's destructor blocks (holding the GIL, so every thread
+        of the process stops) until each send still queued to the peer ended, a frozen one's after gloo's timeout.
+        The group is kept on a thread of its own until they did."""
+        pg, self.pg = self.pg, None
+        posted, self._posted = [w for w in self._posted if not w.is_completed()], []
+        if pg is not None:
+            name = f"weightsync-cpu-release-{self.rdv.group}"
+            threading.Thread(target=_release, args=(pg, posted), name=name, daemon=True).start()
+            del pg
+
+
+def _release(pg: Any, posted: list[Any]) -> None:
+    while not all(w.is_completed() for w in posted):
+        time.sleep(0.05)
+    del pg, posted  # the last references: nothing is queued, so gloo's destructor returns at once
 
 
 class CpuSender(Sender):
@@ -208,14 +234,24 @@ class CpuSender(Sender):
         return works
 
     def _wait(self, works: dict[str, Any], what: str) -> None:
-        for rid, work in works.items():
-            group = self.groups.get(rid)
-            if group is None:
-                continue
-            try:
-                group.wait(work, what)
-            except TransferTimeoutError as e:
-                self._drop(rid, str(e))
+        """Every group's ``works`` at once: a group that has not taken them within the stall time is dropped."""
+        stall_s = self.timeout_s * STALL_FRACTION
+        deadline = time.monotonic() + stall_s
+        pending = {rid: work for rid, work in works.items() if rid in self.groups}
+        while pending:
+            for rid, work in list(pending.items()):
+                if work.is_completed():
+                    del pending[rid]
+                    try:
+                        self.groups[rid].wait(work, what)  # done: raises if gloo failed it
+                    except TransferTimeoutError as e:
+                        self._drop(rid, str(e))
+            if pending and time.monotonic() > deadline:
+                for rid in pending:
+                    self._drop(rid, f"cpu channel: {what} not taken within {stall_s:.1f}s (the peer stopped reading)")
+                break
+            if pending:
+                time.sleep(_POLL_S)
         if not self.groups:
             raise TransferTimeoutError(f"cpu channel: every group failed ({'; '.join(self.failed.values())})")
 
