@@ -87,6 +87,15 @@ class _SenderProcess:
         self.proc.wait(self.timeout_s)
 
 
+def _send_version(
+    sender: nccl.NcclSender, source: RandomSource, table: TensorTable, version: int, verify: bool
+) -> dict[str, str]:
+    """The trainer's part of one version: new random values, streamed; the digests of what it holds."""
+    source.fill(seed=version)
+    sender.send(UpdateTicket(version, Channel.NCCL, table, table.layout_digest(), verify=verify), source.groups())
+    return {spec.name: digests.digest(t) for spec, t in zip(table, source.tensors, strict=True)}
+
+
 def serve_sender(model: str, port: int, secret: str, timeout_s: float) -> int:
     """The sender process: stream a version of new random values per line on stdin; print their digests."""
     table = gpu_models.trainer_table(model)
@@ -96,11 +105,7 @@ def serve_sender(model: str, port: int, secret: str, timeout_s: float) -> int:
     try:
         for line in sys.stdin:
             version, verify = (int(x) for x in line.split())
-            source.fill(seed=version)
-            sender.send(UpdateTicket(version, Channel.NCCL, table, table.layout_digest(), verify=bool(verify)),
-                        source.groups())  # fmt: skip
-            sent = {spec.name: digests.digest(t) for spec, t in zip(table, source.tensors, strict=True)}
-            print(json.dumps(sent), flush=True)
+            print(json.dumps(_send_version(sender, source, table, version, bool(verify))), flush=True)
     finally:
         sender.close()
     return 0
@@ -139,10 +144,7 @@ class StagedPair:
         if self.remote is not None:
             digested = self.remote.send(version, self.verify)
         else:
-            self.source.fill(seed=version)
-            sent = UpdateTicket(version, Channel.NCCL, self.table, self.table.layout_digest(), verify=self.verify)
-            self.sender.send(sent, self.source.groups())
-            digested = {spec.name: digests.digest(t) for spec, t in zip(self.table, self.source.tensors, strict=True)}
+            digested = _send_version(self.sender, self.source, self.table, version, self.verify)
         deadline = time.monotonic() + self.timeout_s
         while self.updater.stager.status.state == "receiving" and time.monotonic() < deadline:
             time.sleep(0.001)

@@ -190,7 +190,7 @@ class Stager:
         key = tuple(t.data_ptr() for t in dests) + tuple(t.data_ptr() for t in srcs)
         copy = self._switches.get(key)
         if copy is None:
-            copy = self._switches[key] = self._prepare(*_coalesced(dests, srcs))
+            copy = self._prepare(*_coalesced(dests, srcs))
             self._switches = {key: copy}  # one layout at a time: an older one's addresses may be gone
         copy()
 
