@@ -9,7 +9,7 @@ touched, so a stage that fails leaves the replica serving what it served.
 
 The switch is an ordinary update through vLLM's lifecycle (pause, start, update, finish,
 resume) whose receiver is the stage (``StagedReceiver``): tensors the model holds as such
-are copied into their parameters (device copies batched in one call, into the same
+are copied into their parameters (one batched copy kernel, into the same
 addresses, so CUDA graphs stay valid), the rest go through the model's loader as any
 channel's would; with verification on, what landed in the parameters is digested again
 and compared with what was verified at the stage. The pause then lasts for the copy and
@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from weightsync.channels import digests, gpu
+from weightsync.channels import batched, digests, gpu
 from weightsync.channels.base import Placement, Receiver, Rendezvous, UpdateTicket, WorkerContext
 from weightsync.channels.wire import Group, view_from_bytes
 from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
@@ -153,6 +153,7 @@ class Stager:
         t0 = time.perf_counter()
         try:
             if self.device.type == "cuda":
+                batched.warm(self.device)  # the switch's copy kernel compiles here, beside generation
                 # its own stream: the copies and the channel's kernels overlap the engine's forward passes
                 stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
                 with torch.cuda.stream(stream), gpu.in_background():
@@ -185,30 +186,18 @@ class Stager:
         """``dests[i] <- srcs[i]`` for all i (the switch's copy into the parameters).
 
         Prepared once per set of addresses (the stage and the parameters keep theirs between versions): the
-        copies merged where they lie back to back and, on a GPU, captured into a CUDA graph that is replayed: one
-        launch instead of one per tensor, which would be most of a switch's time for a few hundred tensors."""
+        copies merged where they lie back to back and, on a GPU, done by one batched kernel (``batched.copies``):
+        one launch instead of one per tensor, which would be most of a switch's time for a few hundred tensors."""
         key = tuple(t.data_ptr() for t in dests) + tuple(t.data_ptr() for t in srcs)
         copy = self._switches.get(key)
         if copy is None:
-            copy = self._prepare(*_coalesced(dests, srcs))
+            merged = _coalesced(dests, srcs)
+            if batched.available(self.device):
+                copy = batched.copies(*merged)
+            else:
+                copy = functools.partial(torch._foreach_copy_, *merged)
             self._switches = {key: copy}  # one layout at a time: an older one's addresses may be gone
         copy()
-
-    def _prepare(self, dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> Callable[[], None]:
-        if self.device.type != "cuda":
-            return functools.partial(torch._foreach_copy_, dests, srcs)
-        with torch.cuda.device(self.device):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for dest, src in zip(dests, srcs, strict=True):
-                    dest.copy_(src)  # a device-to-device memcpy node each: full copy bandwidth
-        device = self.device
-
-        def replay() -> None:
-            with torch.cuda.device(device):
-                graph.replay()
-
-        return replay
 
     def receiver(self, ticket: UpdateTicket) -> StagedReceiver:
         """The receiver that switches ``ticket``'s version in: refused unless exactly that version is staged."""

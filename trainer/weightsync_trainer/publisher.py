@@ -242,7 +242,9 @@ class Publisher:
                 self.senders[ch] = sender
         if not self.senders and self.volume is None:
             raise PermanentError(f"this trainer can send none of the job's channels {[c.value for c in channels_]}")
-        from weightsync.channels import gpu
+        from weightsync.channels import batched, gpu
+
+        batched.warm(dev)  # the digest kernel compiles now, not inside the first version's stream
 
         caps = models.Capabilities(
             host=node or socket.gethostname(),

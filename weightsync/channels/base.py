@@ -406,6 +406,11 @@ class Receiver(ABC):
         if rendezvous.channel is not cls.channel:
             raise PermanentError(f"a {rendezvous.channel.value} rendezvous cannot start a {cls.channel.value} receiver")
         rendezvous.require(cls.needs)
+        import torch
+
+        from weightsync.channels import batched
+
+        batched.warm(torch.device(ctx.device))  # its digests' kernels compile here, not in the first update's pause
         receiver = cls.from_rendezvous(rendezvous, ctx)
         receiver.begin()
         return receiver

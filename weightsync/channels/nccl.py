@@ -261,8 +261,9 @@ class NcclSender(Sender):
     ) -> dict[str, str]:
         sent_words: list[torch.Tensor] = []
         source = iter(groups)
-        # (work, tensors kept alive until the device is done with them, what)
-        in_flight: deque[tuple[Any, list[torch.Tensor], str]] = deque()
+        # per group: (its works, tensors kept alive until the device is done with them, what); a group's digests
+        # travel with it and do not count against the groups in flight (counted, they halved the pipeline)
+        in_flight: deque[tuple[list[Any], list[torch.Tensor], str]] = deque()
         for i, specs in enumerate(table.groups()):
             tensors = next(source, None)
             if tensors is None or len(tensors) != len(specs):
@@ -270,17 +271,21 @@ class NcclSender(Sender):
                 raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
             wire_tensors = [gpu.wire_tensor(s, t, self.device) for s, t in zip(specs, tensors, strict=True)]
             while len(in_flight) >= IN_FLIGHT_GROUPS:
-                group.wait(in_flight[0][0], ticket.timeout_s, in_flight[0][2])
-                in_flight.popleft()
+                works, _, what = in_flight.popleft()
+                for work in works:
+                    group.wait(work, ticket.timeout_s, what)
             what = f"group {i} broadcast (starting at {specs[0].name!r})"
-            in_flight.append((group.broadcast([t for t in wire_tensors if t.numel()]), wire_tensors, what))
+            works = [group.broadcast([t for t in wire_tensors if t.numel()])]
             if ticket.verify:
                 # digests computed on the device while the group is on the wire; no host sync until the end
                 words = digests.words(wire_tensors, self.device)
                 sent_words.append(words)
-                in_flight.append((group.broadcast([words]), [words], f"group {i} digests"))
-        for work, _, what in in_flight:
-            group.wait(work, ticket.timeout_s, what)
+                works.append(group.broadcast([words]))
+                wire_tensors.append(words)
+            in_flight.append((works, wire_tensors, what))
+        for works, _, what in in_flight:
+            for work in works:
+                group.wait(work, ticket.timeout_s, what)
         if next(source, None) is not None:
             raise PermanentError("the trainer yielded more groups than the table lists")
         return digests.from_words(table.tensors, torch.cat(sent_words).cpu()) if sent_words else {}

@@ -1,0 +1,56 @@
+"""The batched kernels compiled for a real GPU (``weightsync.channels.batched``): a model's digests in one launch
+equal the per-tensor digests bit for bit and still name a single flipped bit; a switch's batched copy lands every
+byte. The CPU tier runs the same kernels under Triton's interpreter (``tests/unit/test_batched.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import gpu_models
+from weightsync.channels import batched, digests
+from weightsync.channels.wire import view_from_bytes
+from weightsync.tensors import align
+
+pytestmark = pytest.mark.gpu
+
+
+def _tensors(device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(3)
+    out = []
+    for spec in gpu_models.trainer_table("qwen3-1.7b"):
+        t = torch.empty(spec.shape, dtype=torch.bfloat16, device=device)
+        t.view(torch.int16).random_(generator=gen)
+        out.append(t)
+    return out
+
+
+def test_batched_digests_equal_per_tensor_digests_and_catch_one_bit() -> None:
+    device = torch.device("cuda:0")
+    if not batched.available(device):
+        pytest.skip("Triton is not installed")
+    tensors = _tensors(device)
+    odd = torch.arange(3, dtype=torch.bfloat16, device=device)  # not whole words: the per-tensor path
+    tensors.append(odd)
+    want = torch.stack([digests.word(t) for t in tensors])
+    assert torch.equal(digests.words(tensors), want)
+    embed = tensors[0].view(torch.int16).view(-1)
+    embed[embed.numel() - 5] ^= 1  # the last chunk of the largest tensor
+    got = digests.words(tensors)
+    changed = (got != want).nonzero().flatten().tolist()
+    assert changed == [0]
+
+
+def test_batched_copies_land_every_byte_into_separate_parameters() -> None:
+    device = torch.device("cuda:0")
+    if not batched.available(device):
+        pytest.skip("Triton is not installed")
+    table = gpu_models.trainer_table("qwen3-1.7b")
+    stage = torch.empty(max(align(s.end) for s in table), dtype=torch.uint8, device=device)
+    views = [view_from_bytes(stage, s) for s in table]
+    for v, t in zip(views, _tensors(device), strict=True):
+        v.copy_(t)
+    params = [torch.full_like(v, 7.0) for v in views]
+    batched.copies(params, views)()
+    # bit patterns: random bfloat16 bits include NaNs, which never compare equal as numbers
+    assert all(torch.equal(p.view(torch.int16), v.view(torch.int16)) for p, v in zip(params, views, strict=True))

@@ -1,0 +1,74 @@
+"""The batched digest and copy kernels, run by Triton's interpreter on the CPU (the same kernel code a GPU
+compiles; the GPU tier runs them compiled, ``tests/gpu/test_batched_gpu.py``).
+
+Triton reads ``TRITON_INTERPRET`` when it is imported, which the test session has done long before, so
+``test_batched.py`` runs this module in a pytest of its own with the variable set.
+
+A batched digest must equal ``digests.word`` of each tensor bit for bit (the trainer's and a replica's digests
+meet whatever path computed them), and a flipped bit must still change it; a batched copy must land every byte
+where a copy of each pair would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from weightsync.channels import batched, digests
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="test_batched.py runs it, interpreted"),
+]
+
+
+def _weights() -> list[torch.Tensor]:
+    """Tensors of a model's kinds, more than one chunk among them, not in address order."""
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(batched.CHUNK * 4 * 2 + 4096, generator=gen).to(torch.bfloat16)  # 2 chunks and 1024 words
+    fused = torch.randn(96, 64, generator=gen)
+    return [fused[32:64], big, torch.randn(4096, generator=gen).to(torch.bfloat16), fused[0:32], torch.ones(2)]
+
+
+def test_batched_digests_equal_the_per_tensor_digests() -> None:
+    tensors = _weights()
+    assert all(batched.eligible(t) for t in tensors)
+    got = batched.Digests(tensors)(tensors)
+    assert got.tolist() == [int(digests.word(t)) for t in tensors]
+
+
+def test_a_flipped_bit_in_any_chunk_changes_that_tensors_digest_only() -> None:
+    tensors = _weights()
+    prepared = batched.Digests(tensors)
+    before = prepared(tensors).tolist()
+    big = tensors[1].view(torch.int16)
+    big[batched.CHUNK * 4 * 2 + 3] ^= 1 << 9  # a bit in the big tensor's third chunk (4 bf16 to a word)
+    after = prepared(tensors).tolist()
+    assert after[1] != before[1]
+    assert after[:1] + after[2:] == before[:1] + before[2:]
+
+
+def test_words_mixes_batched_and_per_tensor_digests_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "available", lambda device: True)
+    odd = torch.arange(3, dtype=torch.bfloat16)  # 6 bytes: not whole words
+    unaligned = torch.arange(64, dtype=torch.float32)[2:34]  # 8 bytes past a 16-byte aligned start
+    tensors = [*_weights(), odd, unaligned]
+    assert not batched.eligible(odd) and not batched.eligible(unaligned)
+    assert digests.words(tensors).tolist() == [int(digests.word(t)) for t in tensors]
+
+
+def test_batched_copies_land_every_pair_and_leave_the_rest_untouched() -> None:
+    srcs = _weights()
+    stage = torch.zeros(sum(t.numel() * t.element_size() for t in srcs) + 64, dtype=torch.uint8)
+    dests, at = [], 0
+    for t in srcs:
+        n = t.numel() * t.element_size()
+        dests.append(stage[at : at + n].view(t.dtype).view(t.shape))
+        at += n
+    cast = torch.zeros(4096)  # a bfloat16 source into float32: not bytes, copied by torch
+    batched.copies([*dests, cast], [*srcs, srcs[2]])()
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs, strict=True))
+    assert torch.equal(cast, srcs[2].float())
+    assert not stage[at:].any()
