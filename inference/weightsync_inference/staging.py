@@ -37,7 +37,7 @@ from weightsync.channels import batched, digests, gpu
 from weightsync.channels.base import Placement, Receiver, Rendezvous, UpdateTicket, WorkerContext
 from weightsync.channels.wire import Group, view_from_bytes
 from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
-from weightsync.tensors import ALIGNMENT, TensorTable, align
+from weightsync.tensors import ALIGNMENT, TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel, SyncPhase
 
 STAGED_PARAM = "staged"
@@ -103,7 +103,7 @@ class Stager:
         self.verified: dict[str, str] = {}
         self._views: dict[str, torch.Tensor] = {}
         self._layout = ""
-        self._switches: dict[tuple[int, ...], Callable[[], None]] = {}
+        self._switch: tuple[tuple[str, int, int], _Switch] | None = None
 
     def begin(self, ticket: UpdateTicket, receiver: Receiver, nbytes: int) -> None:
         """Allocate the stage (``StagingUnavailable`` if it cannot be), then receive ``ticket`` into it on a thread."""
@@ -127,7 +127,7 @@ class Stager:
 
     def _release(self) -> None:
         self._buffer, self._views, self._layout = torch.empty(0, dtype=torch.uint8), {}, ""
-        self._switches = {}
+        self._switch = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -182,22 +182,13 @@ class Stager:
                 raise IntegrityError(f"tensors {unverified[:5]!r} were staged without a digest to check them against")
         self.table, self.verified = receiver.table, dict(receiver.verified)
 
-    def copy_in(self, dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        """``dests[i] <- srcs[i]`` for all i (the switch's copy into the parameters).
-
-        Prepared once per set of addresses (the stage and the parameters keep theirs between versions): the
-        copies merged where they lie back to back and, on a GPU, done by one batched kernel (``batched.copies``):
-        one launch instead of one per tensor, which would be most of a switch's time for a few hundred tensors."""
-        key = tuple(t.data_ptr() for t in dests) + tuple(t.data_ptr() for t in srcs)
-        copy = self._switches.get(key)
-        if copy is None:
-            merged = _coalesced(dests, srcs)
-            if batched.available(self.device):
-                copy = batched.copies(*merged)
-            else:
-                copy = functools.partial(torch._foreach_copy_, *merged)
-            self._switches = {key: copy}  # one layout at a time: an older one's addresses may be gone
-        copy()
+    def switch_for(self, table: TensorTable, dests: Mapping[str, torch.Tensor]) -> _Switch:
+        """The switch of ``table``'s stage into ``dests`` (the model's in-place views), prepared once per layout and
+        set of views: a switch then does no per-tensor work in Python beyond what verification needs."""
+        key = (table.layout_digest(), id(dests), self._buffer.data_ptr())  # the views' addresses never change
+        if self._switch is None or self._switch[0] != key:
+            self._switch = key, _Switch.prepare(table, dests, self._views, self.device)
+        return self._switch[1]
 
     def receiver(self, ticket: UpdateTicket) -> StagedReceiver:
         """The receiver that switches ``ticket``'s version in: refused unless exactly that version is staged."""
@@ -256,6 +247,41 @@ def _bytes(first: torch.Tensor, nbytes: int) -> torch.Tensor:
     return raw.set_(first.untyped_storage(), first.storage_offset() * first.element_size(), (nbytes,), (1,))
 
 
+@dataclass
+class _Switch:
+    """What one switch does for one layout: the pairs copied into parameters and the rest, per group, for the
+    loader."""
+
+    pairs: list[tuple[TensorSpec, torch.Tensor]]
+    """(spec, the parameter's view) of every tensor copied in place, in table order."""
+    names: frozenset[str]
+    copy: Callable[[], None]
+    """``dest <- stage`` for every pair: the copies merged where they lie back to back on both sides and, on a
+    GPU, one batched kernel (``batched.copies``): one launch instead of one per tensor, which would be most of a
+    switch's time for a few hundred tensors."""
+    rest: list[list[tuple[TensorSpec, torch.Tensor]]]
+    """Per table group, (spec, stage view) of the tensors that go through the model's loader (groups with none
+    left out)."""
+
+    @classmethod
+    def prepare(
+        cls,
+        table: TensorTable,
+        dests: Mapping[str, torch.Tensor],
+        views: Mapping[str, torch.Tensor],
+        device: torch.device,
+    ) -> _Switch:
+        pairs = [(spec, dests[spec.name]) for spec in table if spec.name in dests]
+        merged = _coalesced([d for _, d in pairs], [views[s.name] for s, _ in pairs])
+        copy: Callable[[], None]
+        if batched.available(device):
+            copy = batched.copies(*merged)
+        else:
+            copy = functools.partial(torch._foreach_copy_, *merged)
+        rest = [[(s, views[s.name]) for s in group if s.name not in dests] for group in table.groups()]
+        return cls(pairs, frozenset(s.name for s, _ in pairs), copy, [r for r in rest if r])
+
+
 class StagedReceiver(Receiver):
     """Replays a staged version into the engine: the switch's receiver (see the module docstring)."""
 
@@ -275,23 +301,19 @@ class StagedReceiver(Receiver):
         stage = self.stage
         table = self.table = stage.table
         assert table is not None
-        views = stage._views
-        dests = place(table) if place is not None else {}
-        pairs = [(spec, dests[spec.name]) for spec in table if spec.name in dests]
-        if pairs:
-            stage.copy_in([d for _, d in pairs], [views[s.name] for s, _ in pairs])
-            self.in_place = {s.name for s, _ in pairs}
+        switch = stage.switch_for(table, place(table) if place is not None else {})
+        if switch.pairs:
+            switch.copy()
+            self.in_place = set(switch.names)
             if ticket.verify:
                 # what the parameters hold now, against what was verified at the stage
-                expected = digests.to_words([stage.verified[s.name] for s, _ in pairs], pairs[0][1].device)
-                self.check_later([(s, d) for s, d in pairs], expected)
+                expected = digests.to_words([stage.verified[s.name] for s, _ in switch.pairs], stage.device)
+                self.check_later(switch.pairs, expected)
                 self.checks_done()
-        for group in table.groups():
-            rest = [(spec, views[spec.name]) for spec in group if spec.name not in dests]
-            if rest:
-                if ticket.verify:
-                    self.verified.update({s.name: stage.verified[s.name] for s, _ in rest})
-                yield rest
+        for rest in switch.rest:
+            if ticket.verify:
+                self.verified.update({s.name: stage.verified[s.name] for s, _ in rest})
+            yield rest
 
 
 __all__ = ["STAGED_PARAM", "StageStatus", "StagedReceiver", "Stager", "StagingUnavailable", "merge", "staging_bytes"]
