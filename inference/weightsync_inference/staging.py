@@ -23,7 +23,6 @@ loads that version in place.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import time
@@ -187,7 +186,7 @@ class Stager:
         set of views: a switch then does no per-tensor work in Python beyond what verification needs."""
         key = (table.layout_digest(), id(dests), self._buffer.data_ptr())  # the views' addresses never change
         if self._switch is None or self._switch[0] != key:
-            self._switch = key, _Switch.prepare(table, dests, self._views, self.device)
+            self._switch = key, _Switch.prepare(table, dests, self._views)
         return self._switch[1]
 
     def receiver(self, ticket: UpdateTicket) -> StagedReceiver:
@@ -265,19 +264,10 @@ class _Switch:
 
     @classmethod
     def prepare(
-        cls,
-        table: TensorTable,
-        dests: Mapping[str, torch.Tensor],
-        views: Mapping[str, torch.Tensor],
-        device: torch.device,
+        cls, table: TensorTable, dests: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]
     ) -> _Switch:
         pairs = [(spec, dests[spec.name]) for spec in table if spec.name in dests]
-        merged = _coalesced([d for _, d in pairs], [views[s.name] for s, _ in pairs])
-        copy: Callable[[], None]
-        if batched.available(device):
-            copy = batched.copies(*merged)
-        else:
-            copy = functools.partial(torch._foreach_copy_, *merged)
+        copy = batched.copies(*_coalesced([d for _, d in pairs], [views[s.name] for s, _ in pairs]))
         rest = [[(s, views[s.name]) for s in group if s.name not in dests] for group in table.groups()]
         return cls(pairs, frozenset(s.name for s, _ in pairs), copy, [r for r in rest if r])
 

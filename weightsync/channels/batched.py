@@ -197,9 +197,10 @@ def warm(device: torch.device) -> None:
 
 def copies(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Callable[[], None]:
     """``dests[i] <- srcs[i]`` for all i, prepared once: one launch for the pairs that allow it, a batched
-    ``copy_`` for the rest (other dtypes, unaligned views)."""
+    ``copy_`` for the rest (other dtypes, unaligned views) and everywhere batched kernels do not run."""
     pairs = list(zip(dests, srcs, strict=True))
-    fast = [d.dtype == s.dtype and d.numel() == s.numel() and eligible(d) and eligible(s) for d, s in pairs]
+    kernels = bool(pairs) and available(pairs[0][0].device)
+    fast = [kernels and d.dtype == s.dtype and d.numel() == s.numel() and eligible(d) and eligible(s) for d, s in pairs]
     batch = Copies(*zip(*(p for p, f in zip(pairs, fast, strict=True) if f), strict=True)) if any(fast) else None
     rest_d = [d for (d, _), f in zip(pairs, fast, strict=True) if not f]
     rest_s = [s for (_, s), f in zip(pairs, fast, strict=True) if not f]

@@ -18,21 +18,22 @@ writing, ``receive`` waits for it (bounded by the ticket's timeout), checks the 
 against the coordinator's layout digest, and acknowledges when its copies are done,
 which the trainer awaits with ``release`` before it overwrites its tensors.
 
-The copies of a version into the engine's parameters are recorded once into a CUDA
-graph and replayed: hundreds of small copies cost one launch (the calibration showed
-per-tensor launches, not bytes, make 310 copies 1.5x one flat copy).
+The copies of a version into the engine's parameters are prepared once per layout as one
+batched copy kernel (``batched.copies``): hundreds of small copies cost one launch (the
+calibration showed per-tensor launches, not bytes, make 310 copies 1.5x one flat copy; a
+CUDA graph of them, used before, still cost 1.36x).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 import torch
 
-from weightsync.channels import digests, gpu, wire
+from weightsync.channels import batched, digests, gpu, wire
 from weightsync.channels.base import (
     Endpoint,
     Offer,
@@ -238,7 +239,7 @@ class _Prepared:
     groups: list[Group]  # every tensor: its destination when copied there, else its view of the trainer's memory
     staged: list[Group]  # the tensors handed to the loader
     direct: frozenset[str]  # the tensors copied into their destinations
-    graph: torch.cuda.CUDAGraph | None
+    copy: Callable[[], None] | None
 
 
 class IpcReceiver(Receiver):
@@ -285,11 +286,11 @@ class IpcReceiver(Receiver):
     def _prepare(
         self, ticket: UpdateTicket, table: TensorTable, meta: Mapping[str, Any], dests: Mapping[str, torch.Tensor]
     ) -> _Prepared:
-        """The version's groups and its direct copies, recorded into one CUDA graph.
+        """The version's groups and its direct copies, as one batched copy.
 
         Reused as long as the table, the trainer's buffers and the destinations are the
-        same as last time (the steady state): a version then costs one graph launch,
-        not hundreds of Python-level views and copies.
+        same as last time (the steady state): a version then costs one launch, not
+        hundreds of Python-level views and copies.
         """
         p = self._prepared
         if p and p.tensors == table.tensors and p.locations == meta["locations"] and p.dests is dests:
@@ -304,20 +305,15 @@ class IpcReceiver(Receiver):
             and d.shape == views[s.name].shape
             and d.device == self.device
         }
-        graph = None
-        if direct:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for s in table:
-                    if s.name in direct:
-                        dests[s.name].copy_(views[s.name])
+        pairs = [(dests[s.name], views[s.name]) for s in table if s.name in direct]
+        copy = batched.copies([d for d, _ in pairs], [v for _, v in pairs]) if pairs else None
         groups = [[(s, dests[s.name] if s.name in direct else views[s.name]) for s in g] for g in table.groups()]
         staged = [[(s, t) for s, t in g if s.name not in direct] for g in groups]
-        self._prepared = _Prepared(table.tensors, meta["locations"], dests, groups, staged, frozenset(direct), graph)
+        self._prepared = _Prepared(table.tensors, meta["locations"], dests, groups, staged, frozenset(direct), copy)
         return self._prepared
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
-        """Copy the version into its destinations (one graph launch); yield the rest as views of the trainer's memory.
+        """Copy the version into its destinations (one launch); yield the rest as views of the trainer's memory.
 
         ``place`` should return the same mapping for the same table, so the recorded copies are kept.
         """
@@ -329,8 +325,8 @@ class IpcReceiver(Receiver):
         )
         prepared = self._prepare(ticket, table, meta, place(table) if place is not None else {})
         self.in_place = set(prepared.direct)
-        if prepared.graph is not None:
-            prepared.graph.replay()
+        if prepared.copy is not None:
+            prepared.copy()
         expected = digests.to_words([meta["digests"][s.name] for s in table], self.device) if ticket.verify else None
         start = 0
         for group, staged in zip(prepared.groups, prepared.staged, strict=True):
