@@ -75,11 +75,19 @@ def spawn(name: str, cmd: list[str], logs: Path, env: dict[str, str] | None = No
     return Proc(name, popen, log)
 
 
-VLLM_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+VLLM_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 """Dev mode for the weight-transfer routes; the engine in the server's process (with the ``uni`` executor). vLLM's
 default puts the engine and its worker in two more processes talking over shared-memory queues whose readers spin
 for a second after every message: on a small CPU machine, two replicas' spinning starved the transfer (publish ->
-READY p50 0.55-0.95 s against 0.12 s in process, tiny model, 2 cores)."""
+READY p50 0.55-0.95 s against 0.12 s in process, tiny model, 2 cores). One OpenMP thread per replica, not pinned:
+vLLM's CPU worker otherwise binds as many OpenMP threads as the machine has cores to all of them, in every replica,
+and with several replicas and a trainer on the same cores each OpenMP region of a load (the loaders' copies, the
+oneDNN repacking) waited for threads that were not running (the load 72 ms against 22 ms, tiny model, 2 cores)."""
 WORKER_EXTENSION = "weightsync_inference.worker.WorkerExtension"
 """What the agent asks vLLM's workers through ``/collective_rpc`` (``weightsync_inference.worker``)."""
 

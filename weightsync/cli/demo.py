@@ -131,6 +131,9 @@ def _run(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         print(msg, file=say, flush=True)
 
     torch.manual_seed(args.seed)
+    # one thread, as each replica has (_localfleet.VLLM_ENV): the trainer, the replicas and their agents share the
+    # machine's cores, and the tiny model's training step gains nothing from more
+    torch.set_num_threads(1)
     kill_at = args.steps // 2 if args.kill_at is None else args.kill_at
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     model_dir = tiny_models.generate(args.preset)
