@@ -13,6 +13,7 @@ not a cryptographic hash (the volume's shard files carry sha256 for that).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,7 @@ _PREPARED = 256
 """Batched digests kept prepared, by the addresses and sizes of their tensors (a receiver's buckets and a
 stage's views keep theirs from version to version)."""
 _prepared: dict[tuple[tuple[int, int] | None, ...], batched.Digests] = {}
+_prepared_lock = threading.Lock()
 
 
 def _odd(device: torch.device) -> torch.Tensor:
@@ -79,10 +81,11 @@ def words(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -
 
 
 def _batched(tensors: Sequence[torch.Tensor], key: tuple[tuple[int, int] | None, ...]) -> torch.Tensor:
-    prepared = _prepared.pop(key, None) or batched.Digests(tensors)
-    _prepared[key] = prepared  # most recently used last
-    if len(_prepared) > _PREPARED:
-        del _prepared[next(iter(_prepared))]
+    with _prepared_lock:  # a stage's thread and the engine's digest at once
+        prepared = _prepared.pop(key, None) or batched.Digests(tensors)
+        _prepared[key] = prepared  # most recently used last
+        if len(_prepared) > _PREPARED:
+            del _prepared[next(iter(_prepared))]
     return prepared(tensors)
 
 
