@@ -14,8 +14,10 @@ controller-manager, the scheduler, KWOK's node heartbeats, this script's own rea
 windows and cancels out.
 
 At the largest count it then patches ``spec.suspend`` on every job at once (from a thread pool)
-and times, per job, the patch until the job's status says Suspended with no trainer pods left
-(p50, p99), and the same for resuming; it reads the operator's resident memory and CPU time.
+and times, per job, the patch until the job's status says Suspended, and until its children say so too
+(the inference StatefulSet and coordinator Deployment scaled to 0, every trainer pod deleted or being deleted)
+(p50, p99); the same for resuming (status Running: every pod back and ready); it reads the operator's resident
+memory and CPU time.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.chart import Operator, example, installed  # noqa: E402
 from tests.e2e.conftest import Kube, _bring_up  # noqa: E402
+from weightsync.resources import JOB_LABEL  # noqa: E402
+from weightsync_operator.names import COMPONENT_LABEL, Component  # noqa: E402
 
 
 def requests_total(kube: Kube) -> float:
@@ -51,33 +57,92 @@ def rate(kube: Kube, window: float) -> float:
     return (requests_total(kube) - before) / window
 
 
-def wait_all(kube: Kube, namespace: str, names: list[str], phase: str, timeout: float) -> dict[str, float]:
-    """When each job first showed ``phase`` (monotonic seconds), from a watch: polling lists of 50 jobs ten times
-    a second loaded the API server this measures (2 cores) as much as a share of the operator's own writes."""
+Obj = dict[str, Any]
+
+
+def first_held(
+    kube: Kube,
+    list_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    held: Callable[[dict[str, Obj]], set[str]],
+    names: list[str],
+    timeout: float,
+    listed: threading.Event | None = None,
+) -> dict[str, float]:
+    """When each of ``names`` first held (monotonic seconds): ``held`` maps the live objects of ``list_fn`` (name ->
+    object) to the jobs whose condition holds. One list, then a watch: polling lists of 50 jobs ten times a second
+    loaded the API server this measures (2 cores) as much as a share of the operator's own writes. ``listed`` is set
+    once the list is read (a change made after it is seen)."""
     from kubernetes import watch
 
-    group = ("weightsync.io", "v1alpha1", namespace, "rljobs")
-    listed = kube.custom.list_namespaced_custom_object(*group)
-    seen = {
-        j["metadata"]["name"]: time.monotonic() for j in listed["items"] if j.get("status", {}).get("phase") == phase
-    }
+    answer = list_fn(*args, label_selector=JOB_LABEL, _preload_content=False)
+    first = json.loads(answer.data)
+    live = {o["metadata"]["name"]: o for o in first["items"]}
+    wanted, seen = set(names), dict[str, float]()
+
+    def note() -> None:
+        now = time.monotonic()
+        for job in held(live) & wanted:
+            seen.setdefault(job, now)
+
+    note()
+    if listed is not None:
+        listed.set()
     deadline = time.monotonic() + timeout
-    version = listed["metadata"]["resourceVersion"]
-    while len(seen.keys() & set(names)) < len(names):
+    version = first["metadata"]["resourceVersion"]
+    while not wanted <= seen.keys():
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"{len(set(names) - seen.keys())} jobs not {phase} after {timeout:.0f}s")
+            raise TimeoutError(f"{len(wanted - seen.keys())} jobs not done by {list_fn.__name__} in {timeout:.0f}s")
         stream = watch.Watch().stream(
-            kube.custom.list_namespaced_custom_object, *group, resource_version=version, timeout_seconds=int(left) + 1
+            list_fn, *args, label_selector=JOB_LABEL, resource_version=version, timeout_seconds=int(left) + 1
         )
         for event in stream:
-            job = event["object"]
-            version = job["metadata"]["resourceVersion"]
-            if job.get("status", {}).get("phase") == phase:
-                seen.setdefault(job["metadata"]["name"], time.monotonic())
-            if len(seen.keys() & set(names)) == len(names):
+            obj = event["raw_object"]
+            version = obj["metadata"]["resourceVersion"]
+            if event["type"] == "DELETED":
+                live.pop(obj["metadata"]["name"], None)
+            else:
+                live[obj["metadata"]["name"]] = obj
+            note()
+            if wanted <= seen.keys():
                 break
     return seen
+
+
+def _component(obj: Obj) -> tuple[str, str]:
+    labels = obj["metadata"].get("labels") or {}
+    return labels.get(JOB_LABEL, ""), labels.get(COMPONENT_LABEL, "")
+
+
+def in_phase(phase: str) -> Callable[[dict[str, Obj]], set[str]]:
+    return lambda live: {n for n, j in live.items() if j.get("status", {}).get("phase") == phase}
+
+
+def scaled_to_zero(component: Component) -> Callable[[dict[str, Obj]], set[str]]:
+    def held(live: dict[str, Obj]) -> set[str]:
+        children = [(_component(o)[0], o) for o in live.values() if _component(o)[1] == component]
+        return {job for job, _ in children} - {job for job, o in children if o["spec"].get("replicas")}
+
+    return held
+
+
+def trainers_gone(names: list[str]) -> Callable[[dict[str, Obj]], set[str]]:
+    """Jobs none of whose trainer pods is still meant to run (each deleted or being deleted)."""
+    return lambda live: (
+        set(names)
+        - {
+            _component(p)[0]
+            for p in live.values()
+            if _component(p)[1] == Component.TRAINER and not p["metadata"].get("deletionTimestamp")
+        }
+    )
+
+
+def wait_all(kube: Kube, namespace: str, names: list[str], phase: str, timeout: float) -> dict[str, float]:
+    """When each job first showed ``phase`` in its status."""
+    group = ("weightsync.io", "v1alpha1", namespace, "rljobs")
+    return first_held(kube, kube.custom.list_namespaced_custom_object, group, in_phase(phase), names, timeout)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -85,19 +150,45 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def spec_change(kube: Kube, namespace: str, names: list[str], suspend: bool) -> dict[str, float]:
-    body = {"spec": {"suspend": suspend}}
-    started: dict[str, float] = {}
+def spec_change(kube: Kube, namespace: str, names: list[str], suspend: bool) -> dict[str, Any]:
+    """Patch ``spec.suspend`` on every job at once; per job, the time until its status shows the new phase and, for
+    a suspend, until its children show it too (inference and coordinator scaled to 0, no trainer pod left running)."""
+    phase = "Suspended" if suspend else "Running"
+    rljobs = ("weightsync.io", "v1alpha1", namespace, "rljobs")
+    watches: dict[str, tuple[Callable[..., Any], tuple[Any, ...], Callable[[dict[str, Obj]], set[str]]]] = {
+        "status": (kube.custom.list_namespaced_custom_object, rljobs, in_phase(phase))
+    }
+    if suspend:
+        apps, ns = kube.apps, (namespace,)
+        watches["inference"] = (apps.list_namespaced_stateful_set, ns, scaled_to_zero(Component.INFERENCE))
+        watches["coordinator"] = (apps.list_namespaced_deployment, ns, scaled_to_zero(Component.COORDINATOR))
+        watches["trainer"] = (kube.core.list_namespaced_pod, ns, trainers_gone(names))
+    listed = {what: threading.Event() for what in watches}
+    with ThreadPoolExecutor(len(watches)) as watching:
+        done = {
+            what: watching.submit(first_held, kube, fn, args, held, names, 300, listed[what])
+            for what, (fn, args, held) in watches.items()
+        }
+        for event in listed.values():
+            event.wait(60)
+        body = {"spec": {"suspend": suspend}}
+        started: dict[str, float] = {}
 
-    def patch(name: str) -> None:
-        started[name] = time.monotonic()
-        kube.custom.patch_namespaced_custom_object("weightsync.io", "v1alpha1", namespace, "rljobs", name, body)
+        def patch(name: str) -> None:
+            started[name] = time.monotonic()
+            kube.custom.patch_namespaced_custom_object(*rljobs, name, body)
 
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(patch, names))
-    done = wait_all(kube, namespace, names, "Suspended" if suspend else "Running", 300)
-    took = [done[n] - started[n] for n in names]
-    return {"p50_s": statistics.median(took), "p99_s": pct(took, 0.99), "max_s": max(took)}
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(patch, names))
+        seen = {what: future.result() for what, future in done.items()}
+
+    def summary(took: list[float]) -> dict[str, float]:
+        return {"p50_s": statistics.median(took), "p99_s": pct(took, 0.99), "max_s": max(took)}
+
+    row = summary([seen["status"][n] - started[n] for n in names])
+    if suspend:
+        row["with_children"] = summary([max(s[n] for s in seen.values()) - started[n] for n in names])
+    return row
 
 
 def proc_stats(pid: int) -> dict[str, float]:

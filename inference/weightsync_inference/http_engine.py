@@ -189,10 +189,23 @@ class HttpEngine:
         """The version the engine last finished loading (one of ``INITIAL_WEIGHT_VERSIONS`` before the first)."""
         return str(self._call("GET", "/weight_info")["weight_version"])
 
-    def _workers(self, method: str, *args: str) -> list[dict[str, Any]]:
+    @property
+    def between_steps(self) -> bool:
+        return self.pause_mode is PauseMode.KEEP
+
+    def switch(self, update_info: dict[str, Any]) -> receipts.Receipt:
+        timeout = float(update_info.get("timeout_s", self.transfer_timeout_s))
+        answers = self._workers("weightsync_switch", json.dumps(update_info), timeout_s=timeout)
+        return receipts.merge([receipts.Receipt.from_dict(r) for r in answers])
+
+    def label(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", body={"new_version": version})
+
+    def _workers(self, method: str, *args: str, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """One JSON answer per worker from the weightsync worker extension (``/collective_rpc``; string args)."""
-        body = {"method": method, "timeout": self.control_timeout_s, "args": list(args)}
-        answer = self._call("POST", "/collective_rpc", body=body)
+        timeout = timeout_s if timeout_s is not None else self.control_timeout_s
+        body = {"method": method, "timeout": timeout, "args": list(args)}
+        answer = self._call("POST", "/collective_rpc", body=body, timeout_s=timeout + ENGINE_GRACE_S)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
             raise PermanentError(

@@ -2,11 +2,17 @@
 
     pause -> start -> update (concurrently with the sender) -> finish(version) -> resume
 
+A staged version (``staging``) is switched in the same way, or, where requests in flight are
+kept across an update anyway (``PauseMode.KEEP``), with no pause at all: one call that the
+engine runs between two of its steps (``switch``), bracketed by the version it reports.
+
 The rules this module keeps (see DESIGN.md, failure rules):
 - A failure before any byte reached a parameter (a corrupt shard refused, a peer
   that never connected) resumes the replica on the version it had.
 - A failure after bytes landed leaves the replica PAUSED and ``TORN``: it must not
-  serve a mix. Only a whole version (``recover``) makes it serve again.
+  serve a mix. Only a whole version (``recover``) makes it serve again. A switch between
+  steps that tears leaves the engine refusing to step (``worker.weightsync_switch``) and
+  paused once the lifecycle's pause lands.
 - Every step has a timeout; a step that times out counts as a failure of that step.
 
 The engine tells the two failures apart in its receipt (``Receipt.torn``), which the
@@ -15,6 +21,7 @@ lifecycle reads back after a failure: a field, not text in an error message.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -56,6 +63,20 @@ class EngineControl(Protocol):
 
     def weight_version(self) -> str:
         """The version the engine last finished loading (not a number before the first update)."""
+        ...
+
+    @property
+    def between_steps(self) -> bool:
+        """Whether a staged version may switch in between two steps with no pause around it: where a pause would
+        keep the requests in flight (``PauseMode.KEEP``), they straddle the switch either way."""
+        ...
+
+    def switch(self, update_info: dict[str, Any]) -> Receipt:
+        """Switch a staged version in with one call that the engine runs between two of its steps; its receipt."""
+        ...
+
+    def label(self, version: str) -> None:
+        """Set the weight version the engine reports (what completions are attributed to)."""
         ...
 
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
@@ -162,20 +183,7 @@ class Replica:
                     f"not a successful load of {ticket.version}"
                 )
         except Exception as e:
-            if self._torn():
-                self.state = EngineState.TORN
-                raise UpdateFailed(
-                    f"version {ticket.version} failed after bytes reached the parameters: {e}; "
-                    "the replica stays paused until a whole version loads",
-                    EngineState.TORN,
-                ) from e
-            self.control.resume()
-            self.state = EngineState.SERVING
-            raise UpdateFailed(
-                f"version {ticket.version} was refused before any parameter changed: {e}; "
-                f"the replica keeps serving version {self.version}",
-                EngineState.SERVING,
-            ) from e
+            raise self._failed(ticket, e, self.control.resume) from e
         self.version = ticket.version
         t_resume = time.perf_counter()
         self.control.resume()
@@ -215,9 +223,13 @@ class Replica:
 
     def switch(self, ticket: UpdateTicket, staged: StageStatus | None = None) -> UpdateOutcome:
         """Switch ``ticket``'s staged version in (waiting for its stage unless ``staged`` says it is done): the
-        pause lasts for the switch only."""
+        pause lasts for the switch only, and there is none where the engine switches between steps."""
         status = staged or self.wait_staged(ticket)
-        outcome = self.apply(dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True}))
+        switch_ticket = dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True})
+        if self.state is EngineState.SERVING and self.control.between_steps:
+            outcome = self._between_steps(switch_ticket)
+        else:
+            outcome = self.apply(switch_ticket)
         # the stage's transfer and verification happened while the replica served; the switch's own copy and
         # check are part of its load
         switch = outcome.seconds
@@ -227,6 +239,50 @@ class Replica:
             SyncPhase.LOAD: sum(switch.get(p, 0.0) for p in (SyncPhase.TRANSFER, SyncPhase.VERIFY, SyncPhase.LOAD)),
         }
         return outcome
+
+    def _between_steps(self, ticket: UpdateTicket) -> UpdateOutcome:
+        """One engine call, run between two steps, with no pause: generation stops for that call only. While it
+        may run, the engine reports both versions, so a completion across it names both (the proxy reads the
+        version before and after each completion), and then the new one."""
+        self.control.label(f"{self.version},{ticket.version}")
+        t_switch = time.perf_counter()
+        try:
+            receipt = self.control.switch(ticket.to_update_info())
+            if receipt.version != ticket.version or not receipt.ok:
+                raise WeightsyncError(
+                    f"the engine's receipt is for version {receipt.version} ({'ok' if receipt.ok else receipt.error}), "
+                    f"not a successful switch to {ticket.version}"
+                )
+        except Exception as e:
+            raise self._failed(ticket, e, lambda: self.control.label(str(self.version)), pause=True) from e
+        switched = time.perf_counter() - t_switch
+        self.control.label(str(ticket.version))
+        self.version = ticket.version
+        seconds = {**receipt.seconds, SyncPhase.PAUSE: 0.0, SyncPhase.RESUME: 0.0, SyncPhase.TOTAL: switched}
+        return UpdateOutcome(ticket.version, receipt, seconds)
+
+    def _failed(
+        self, ticket: UpdateTicket, error: Exception, restore: Callable[[], None], pause: bool = False
+    ) -> UpdateFailed:
+        """The failure of ``ticket``'s update: TORN when bytes reached the parameters (paused first with ``pause``:
+        the engine refuses to step until then), else ``restore`` the serving version."""
+        if self._torn():
+            self.state = EngineState.TORN
+            if pause:
+                with contextlib.suppress(WeightsyncError):  # an engine that stepped since has stopped: vLLM failed
+                    self.control.pause()
+            return UpdateFailed(
+                f"version {ticket.version} failed after bytes reached the parameters: {error}; "
+                "the replica stays paused until a whole version loads",
+                EngineState.TORN,
+            )
+        restore()
+        self.state = EngineState.SERVING
+        return UpdateFailed(
+            f"version {ticket.version} was refused before any parameter changed: {error}; "
+            f"the replica keeps serving version {self.version}",
+            EngineState.SERVING,
+        )
 
     def _torn(self) -> bool:
         """Whether a failed (or unfinished) update left bytes in the parameters, by the engine's own receipt.

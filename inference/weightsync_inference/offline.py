@@ -65,6 +65,16 @@ class OfflineEngine:
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
 
+    between_steps = True
+    """Its pause is a no-op anyway: a switch is one call."""
+
+    def switch(self, update_info: dict[str, Any]) -> receipts.Receipt:
+        answers = self.llm.collective_rpc("weightsync_switch", args=(json.dumps(update_info),))
+        return receipts.merge([receipts.Receipt.from_dict(r) for r in answers])
+
+    def label(self, version: str) -> None:
+        self.llm.llm_engine.engine_core.set_weight_version(version)
+
     def identity(self) -> list[receipts.Identity]:
         return [receipts.Identity.from_dict(r) for r in self.llm.collective_rpc("weightsync_identity")]
 

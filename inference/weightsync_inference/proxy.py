@@ -20,7 +20,9 @@ Every completion says which weights made it: the proxy reads vLLM's weight versi
 it forwards a completion route and again after the response ended. A JSON response carries
 ``x-weightsync-versions: 12``, or ``12,13`` when an update finished while it was in flight
 (its tokens may come from both; a request that waited out an update in vLLM's queue is also
-reported with both: the attribution errs towards "mixed", never towards "one version"). A
+reported with both: the attribution errs towards "mixed", never towards "one version"; while a
+staged version switches in between two steps, vLLM reports ``12,13`` and the completions that
+read it are reported with both). A
 streamed response carries the version it started on in ``x-weightsync-version-start`` and
 ends with an SSE comment line ``: weightsync-versions 12,13`` after vLLM's last event, which
 clients that follow the SSE rules skip. Where vLLM has no such route (no development routes),
@@ -236,10 +238,11 @@ class ProxyApp:
         except (httpx.HTTPError, ValueError, AttributeError):
             return False  # a server without the development routes cannot be paused
 
-    async def _weight_version(self) -> int | None:
-        """The version vLLM's engine last finished loading (0: the weights it started with), None when it has no
-        such route (not in development mode); raises ``_Unattributed`` when it has one but no answer (``httpx``'s
-        errors when vLLM is unreachable)."""
+    async def _weight_version(self) -> Span | None:
+        """The versions vLLM's engine may be generating with: the one it last finished loading (0: the weights it
+        started with), or two while a staged version switches in between steps (the agent labels the engine
+        ``"12,13"`` around that call); None when it has no such route (not in development mode); raises
+        ``_Unattributed`` when it has one but no answer (``httpx``'s errors when vLLM is unreachable)."""
         r = await self.client().get(WEIGHT_INFO, timeout=self.config.health_timeout_s)  # httpx errors: unreachable
         if r.status_code == 404:
             return None
@@ -247,10 +250,11 @@ class ProxyApp:
             text = str(r.json().get("weight_version")) if r.status_code == 200 else f"HTTP {r.status_code}"
         except (ValueError, AttributeError) as e:
             raise _Unattributed(f"{WEIGHT_INFO} answered no JSON object") from e
-        if text.isdigit():
-            return int(text)
         if text in INITIAL_WEIGHT_VERSIONS:
-            return 0
+            return 0, 0
+        low, _, high = text.partition(",")
+        if low.isdigit() and (high or low).isdigit() and int(low) <= int(high or low):
+            return int(low), int(high or low)
         raise _Unattributed(text)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -326,19 +330,27 @@ async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
+Span = tuple[int, int]
+"""The lowest and highest weight version an engine may be generating with."""
+
+
+def _text(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low},{high}"
+
+
 @dataclass(frozen=True)
 class _Versions:
-    """A completion's weight versions: the one read before it was forwarded, and how to read the one after."""
+    """A completion's weight versions: those read before it was forwarded, and how to read those after."""
 
-    start: int
-    read: Callable[[], Awaitable[int | None]]
+    start: Span
+    read: Callable[[], Awaitable[Span | None]]
 
     async def label(self) -> str | None:
         """``"12"``, ``"12,13"`` when the version changed in flight, None when vLLM no longer says."""
         end = await self.read()
         if end is None:
             return None
-        return str(self.start) if end == self.start else f"{self.start},{end}"
+        return _text(min(self.start[0], end[0]), max(self.start[1], end[1]))
 
 
 async def _relay(upstream: httpx.Response, receive: Receive, send: Send, versions: _Versions | None = None) -> None:
@@ -353,7 +365,7 @@ async def _relay(upstream: httpx.Response, receive: Receive, send: Send, version
     ]
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
     if versions is not None and streamed:
-        headers.append((START_HEADER.encode(), str(versions.start).encode()))
+        headers.append((START_HEADER.encode(), _text(*versions.start).encode()))
     held = versions is not None and not streamed
     if not held:
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})

@@ -12,7 +12,12 @@ answer per worker:
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
   worker's stage beside generation (``staging``), and how far it got. The stage RPC
   returns once its receive runs on a thread of its own: the engine's step loop, which
-  runs these calls between steps, is not held for the transfer.
+  runs these calls between steps, is not held for the transfer;
+- ``weightsync_switch``: switch a staged version in with one call (start, update, finish),
+  which the step loop runs between two steps: generation stops for the switch only, with
+  no pause around it. A switch that fails after bytes reached the parameters leaves the
+  worker refusing every later step (vLLM's engine then fails loudly) until a whole version
+  loads: a step never runs on a mix of two versions.
 
 Only JSON-safe dicts cross the boundary (and JSON text as arguments: vLLM's dev route passes strings only).
 """
@@ -20,6 +25,7 @@ Only JSON-safe dicts cross the boundary (and JSON text as arguments: vLLM's dev 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from weightsync.errors import PermanentError
@@ -28,7 +34,12 @@ QUALNAME = "weightsync_inference.worker.WorkerExtension"
 
 
 class WorkerExtension:
+    # vLLM's worker, which this class extends (annotations only: vLLM refuses an extension that redefines them)
     weight_transfer_engine: Any
+    execute_model: Callable[..., Any]
+    start_weight_update: Callable[[], None]
+    update_weights: Callable[[dict[str, Any]], None]
+    finish_weight_update: Callable[[], None]
 
     def _weightsync_engine(self) -> Any:
         from weightsync_inference.engine import WeightsyncEngine
@@ -60,6 +71,37 @@ class WorkerExtension:
         except StagingUnavailable as e:
             return {"ok": False, "error": str(e)}
         return {"ok": True, "error": ""}
+
+    def weightsync_switch(self, update_info: str) -> dict[str, Any]:
+        """``update_info``: the switch's ticket (naming its staged version) as JSON text; answers the receipt."""
+        engine = self._weightsync_engine()
+        try:
+            self.start_weight_update()
+            self.update_weights(json.loads(update_info))
+            self.finish_weight_update()
+        except BaseException:
+            if engine.updater.torn:
+                self._refuse_steps_while_torn(engine)
+            raise
+        receipt: dict[str, Any] = engine.receipt.to_dict()
+        return receipt
+
+    def _refuse_steps_while_torn(self, engine: Any) -> None:
+        """Until an update leaves the weights whole, every step raises (the instance's ``execute_model`` shadows the
+        class's; vLLM's engine treats the error as fatal, so no request gets tokens from a mix); the first step
+        after a whole version loaded drops the shadow."""
+        step = type(self).execute_model
+
+        def execute_model(*args: Any, **kwargs: Any) -> Any:
+            if engine.updater.torn:
+                raise PermanentError(
+                    f"weightsync: this worker's weights are torn ({engine.receipt.error}); it refuses to step until "
+                    "a whole version loads"
+                )
+            del self.execute_model
+            return step(self, *args, **kwargs)
+
+        self.execute_model = execute_model
 
     def weightsync_stage_status(self) -> dict[str, Any]:
         status: dict[str, Any] = self._weightsync_engine().updater.stager.status.to_dict()

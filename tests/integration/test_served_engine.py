@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests import support
+from tests.integration import faulty_worker
 from weightsync.channels import manifests
 from weightsync.channels.base import Offer, Rendezvous, UpdateTicket
 from weightsync.channels.volume import VolumeSender
@@ -34,7 +35,7 @@ from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Capabilities, JobPolicy, summarize
 from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import Channel, EngineState, PauseMode, ReplicaState, VersionState
-from weightsync_inference import proxy, worker
+from weightsync_inference import proxy
 from weightsync_inference.agent import Agent, AgentConfig
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica, UpdateFailed, UpdateOutcome
@@ -52,6 +53,7 @@ DEV_ROUTES = [
     "/start_weight_update",
     "/update_weights",
     "/finish_weight_update",
+    "/update_weight_version",
     "/weight_checker",
     "/weight_info",
     "/collective_rpc",
@@ -104,6 +106,7 @@ class Served:
     proxy_url: str
     engine: HttpEngine
     replica: Replica
+    log: Path
     version: int = 0
     serving: torch.nn.Module | None = None
 
@@ -127,13 +130,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = support.tiny_model()
     port, proxy_port = _free_port(), _free_port()
     url, proxy_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
-    env = {**support.env_without_proxies(), "VLLM_SERVER_DEV_MODE": "1"}
+    # the repository on the path: the workers load the test's extension (the product's plus one fault)
+    env = {**support.env_without_proxies(), "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)}
     vllm_cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--host", "127.0.0.1", "--port", str(port), "--model", str(folder),
         "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
         "--weight-transfer-config", json.dumps({"backend": Channel.VOLUME.engine_name}),
-        "--worker-extension-cls", worker.QUALNAME,
+        "--worker-extension-cls", faulty_worker.QUALNAME,
     ]  # fmt: skip
     # the proxy command module alone (its add_arguments/run, as `weightsync proxy` calls them), so a
     # half-added command elsewhere in the shared CLI cannot break this module's fixture
@@ -152,7 +156,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         replica = Replica(engine)
         root = work / "volume"
         replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
-        yield Served(root, folder, url, proxy_url, engine, replica)
+        yield Served(root, folder, url, proxy_url, engine, replica, work / "vllm.log")
         engine.close()
     finally:
         for proc in reversed(procs):
@@ -531,3 +535,40 @@ def test_a_refused_catch_up_is_acked_backs_off_and_leaves_the_serving_engine_alo
             agent.stop()
         trainer.close()
         coordinator.stop(0.5)
+
+
+def test_a_staged_switch_that_tears_stops_the_engine_from_stepping(served: Served) -> None:
+    """A stage that goes bad after it was verified (one bit flipped by the test's worker extension) tears a switch
+    between steps: the switch's check catches the bit after the bytes reached the parameters.
+
+    Idle, the replica is paused before any step, TORN, and a whole version brings it back (its worker steps again).
+    Should a step come before the pause (here vLLM is resumed by hand, as if a request raced it), the worker
+    refuses it: vLLM's engine fails and the completion gets no token from the mix. Runs last: it stops the server.
+    """
+    replica = served.replica
+    summary = summarize(ModuleSource(support.hf_trainer(served.folder, seed=31)).table())
+    nbytes = staging_bytes(summary.total_bytes, summary.tensor_count)
+
+    def torn_switch(seed: int) -> None:
+        ticket, _ = served.publish(seed=seed)
+        replica.stage(ticket, nbytes)
+        staged = replica.wait_staged(ticket)
+        served.engine._workers("weightsync_test_flip_staged_bit", "model.norm.weight")
+        with pytest.raises(UpdateFailed, match="failed after bytes reached the parameters") as err:
+            replica.switch(ticket, staged)
+        assert err.value.state is EngineState.TORN and replica.state is EngineState.TORN
+        assert served.engine.is_paused() and served.engine.receipt().torn
+
+    torn_switch(seed=31)
+    recovery, trainer = served.publish(seed=32)
+    replica.apply(recovery)
+    assert replica.state is EngineState.SERVING and not served.engine.is_paused()
+    support.assert_generates_like(served.engine, trainer)
+    served.serving = trainer
+
+    torn_switch(seed=33)
+    served.engine.resume()
+    body = {"prompt": support.PROMPTS[1], "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    r = httpx.post(f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False)
+    assert r.status_code != 200, r.text
+    assert "refuses to step until a whole version loads" in served.log.read_text()

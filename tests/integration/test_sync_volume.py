@@ -23,6 +23,7 @@ from weightsync.channels.volume import VolumeSender
 from weightsync.tensors import TensorTable, manifest_checksum
 from weightsync.vocabulary import Channel, EngineState, SyncPhase
 from weightsync_inference.lifecycle import Replica, UpdateFailed, UpdateOutcome
+from weightsync_inference.staging import staging_bytes
 from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import LoraMergedSource, ModuleSource, WeightSource
 
@@ -104,6 +105,23 @@ def test_transformers_model_syncs_bit_exact(live: Live) -> None:
     assert outcome.seconds[SyncPhase.TOTAL] >= outcome.seconds[SyncPhase.LOAD] > 0
     assert live.engine.weight_version() == str(live.version)
     assert live.engine.greedy(support.PROMPTS, support.TOKENS) != before
+    support.assert_generates_like(live.engine, trainer)
+
+
+def test_offline_engine_switches_a_staged_version_in_one_call(live: Live) -> None:
+    """``OfflineEngine`` stages a version beside its weights and switches it in with one ``collective_rpc``
+    (``weightsync_switch``), its reported version set around the call; the receipt is the engine's own."""
+    trainer = support.hf_trainer(live.folder, seed=5)
+    before = live.engine.greedy(support.PROMPTS, support.TOKENS)
+    published = live.publish(ModuleSource(trainer))
+    ticket = published.ticket()
+    live.replica.stage(ticket, staging_bytes(published.table.total_bytes, len(published.table)))
+    staged = live.replica.wait_staged(ticket)
+    assert live.engine.greedy(support.PROMPTS, support.TOKENS) == before  # staged beside: nothing switched yet
+    outcome = live.replica.switch(ticket, staged)
+    assert outcome.receipt.ok and outcome.receipt == live.engine.receipt()
+    assert dict(outcome.receipt.digests) == published.digests
+    assert live.engine.weight_version() == str(published.version)
     support.assert_generates_like(live.engine, trainer)
 
 

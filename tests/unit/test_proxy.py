@@ -275,6 +275,14 @@ def test_every_completion_says_which_weight_versions_made_it(wire: tuple[Upstrea
         upstream.version += 1
         rest = list(lines)
     assert rest[-2:] == [f"{proxy.SSE_VERSIONS}{before + 1},{before + 2}", ""], rest
+    # while a staged version switches in between two steps the engine reports both: so does every completion
+    # that read it, before or after
+    upstream.version, version = f"{before + 2},{before + 3}", upstream.version  # type: ignore[assignment]
+    try:
+        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+        assert r.headers[proxy.VERSIONS_HEADER] == f"{before + 2},{before + 3}"
+    finally:
+        upstream.version = version
     # routes that generate nothing carry no versions
     tokenized = httpx.post(f"{url}/tokenize", content=b"json", timeout=10, trust_env=False)
     assert proxy.VERSIONS_HEADER not in tokenized.headers
