@@ -121,12 +121,9 @@ def in_phase(phase: str) -> Callable[[dict[str, Obj]], set[str]]:
     return lambda live: {n for n, j in live.items() if j.get("status", {}).get("phase") == phase}
 
 
-def scaled_to_zero(component: Component) -> Callable[[dict[str, Obj]], set[str]]:
-    def held(live: dict[str, Obj]) -> set[str]:
-        children = [(_component(o)[0], o) for o in live.values() if _component(o)[1] == component]
-        return {job for job, _ in children} - {job for job, o in children if o["spec"].get("replicas")}
-
-    return held
+def scaled_to_zero(live: dict[str, Obj]) -> set[str]:
+    """Jobs whose workload (a StatefulSet or Deployment: one per job and kind) has no replicas."""
+    return {_component(o)[0] for o in live.values() if not o["spec"].get("replicas")}
 
 
 def trainers_gone(names: list[str]) -> Callable[[dict[str, Obj]], set[str]]:
@@ -162,8 +159,8 @@ def spec_change(kube: Kube, namespace: str, names: list[str], suspend: bool) -> 
     }
     if suspend:
         apps, ns = kube.apps, (namespace,)
-        watches["inference"] = (apps.list_namespaced_stateful_set, ns, scaled_to_zero(Component.INFERENCE))
-        watches["coordinator"] = (apps.list_namespaced_deployment, ns, scaled_to_zero(Component.COORDINATOR))
+        watches["inference"] = (apps.list_namespaced_stateful_set, ns, scaled_to_zero)
+        watches["coordinator"] = (apps.list_namespaced_deployment, ns, scaled_to_zero)
         watches["trainer"] = (kube.core.list_namespaced_pod, ns, trainers_gone(names))
     listed = {what: threading.Event() for what in watches}
     with ThreadPoolExecutor(len(watches)) as watching:
