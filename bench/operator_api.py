@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -44,11 +46,19 @@ from weightsync.resources import JOB_LABEL  # noqa: E402
 from weightsync_operator.names import COMPONENT_LABEL, Component  # noqa: E402
 
 
+def request_counts(kube: Kube) -> Counter[str]:
+    """``apiserver_request_total`` by verb and resource (``"PATCH rljobs/status"``)."""
+    counts: Counter[str] = Counter()
+    for line in kube.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            what = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
+            counts[f"{labels.get('verb', '')} {what}"] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def requests_total(kube: Kube) -> float:
-    text = kube.kubectl("get", "--raw", "/metrics").stdout
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("apiserver_request_total{")
-    )
+    return sum(request_counts(kube).values())
 
 
 def rate(kube: Kube, window: float) -> float:
@@ -233,7 +243,11 @@ def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: 
         wait_all(kube, namespace, names, "Running", 120)
         if changes:
             time.sleep(settle)
+            before = request_counts(kube)
             row["suspend"] = spec_change(kube, namespace, names, True)
+            # what the API server did meanwhile (the operator's writes, the controllers' and KWOK's answers)
+            mix = request_counts(kube) - before
+            row["suspend"]["requests"] = {"total": sum(mix.values()), **dict(mix.most_common(12))}
             row["resume"] = spec_change(kube, namespace, names, False)
             assert operator.proc is not None
             row["operator_after_changes"] = proc_stats(operator.proc.pid)

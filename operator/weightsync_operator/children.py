@@ -11,7 +11,6 @@ with the live object, field by field, ignoring what the API server adds.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -45,11 +44,16 @@ class Owner:
 
 def spec_hash(obj: Obj) -> str:
     """A short digest of what the operator would write, ignoring the hash annotation itself."""
-    bare = copy.deepcopy(obj)
-    meta = bare.get("metadata", {})
-    meta.get("annotations", {}).pop(names.HASH_ANNOTATION, None)
-    if not meta.get("annotations", True):
-        del meta["annotations"]
+    bare = obj
+    if "metadata" in obj:  # copies of the two levels it changes only: a reconcile hashes every child on every pass
+        meta = dict(obj["metadata"])
+        if "annotations" in meta:
+            kept = {k: v for k, v in meta["annotations"].items() if k != names.HASH_ANNOTATION}
+            if kept:
+                meta["annotations"] = kept
+            else:
+                del meta["annotations"]
+        bare = {**obj, "metadata": meta}
     return hashlib.sha256(json.dumps(bare, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -16,12 +16,13 @@ operator may only get and create them); the reconcile's ``Memory`` keeps which
 exist.
 
 One daemon per job never runs two reconciles of that job at once; the blocking
-API calls run on a small thread pool. Deleting an RLJob cancels its daemon at
+API calls run on a small thread pool (a pass's independent writes side by side,
+``reconciling._WRITES``). Deleting an RLJob cancels its daemon at
 once (``cancellation_timeout``), so the deletion is not held by a reconcile in
-flight. kopf keeps its own bookkeeping under our group: diff-base annotations
-``weightsync.io/...`` and the finalizer ``weightsync.io/cleanup``, which holds an
-RLJob's deletion until its WeightVersion objects are gone (the coordinator may
-not have set ownerReferences on them).
+flight. kopf keeps its own bookkeeping under our group: a diff-base annotation
+``weightsync.io/last-handled``, kept empty (``_NoSpecDiff``), and the finalizer
+``weightsync.io/cleanup``, which holds an RLJob's deletion until its WeightVersion
+objects are gone (the coordinator may not have set ownerReferences on them).
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ def _resource(kind: Kind) -> tuple[str, str, str]:
 
 def _index_id(kind: Kind) -> str:
     return f"by_job_{kind.plural}"
+
+
+class _NoSpecDiff(kopf.AnnotationsDiffBaseStorage):  # type: ignore[misc]
+    """kopf's record of the last handled spec, kept empty. No handler here reacts to a diff (the daemon reconciles
+    whatever changed), so all kopf did with one was write it back to the RLJob after every spec change: a PATCH
+    per change (50 of them for 50 jobs suspended at once), each waking the job's reconcile once more."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> Any:
+        return {}
 
 
 class PhaseCounts:
@@ -152,7 +162,7 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = names.CLEANUP_FINALIZER
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled")
+        settings.persistence.diffbase_storage = _NoSpecDiff(prefix=GROUP, key="last-handled")
         settings.posting.level = logging.WARNING  # our own events say what changed
         settings.watching.server_timeout = 1800
         settings.background.cancellation_polling = 1.0
@@ -160,8 +170,9 @@ def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf
             settings.watching.label_selectors[_resource(kind)] = JOB_LABEL
 
     def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Obj]:
-        obj = _snapshot(body)
-        obj.get("metadata", {}).pop("managedFields", None)
+        # managedFields left out before the copy: often most of a pod's bytes, and nothing reads them
+        meta = {k: v for k, v in dict(body.get("metadata", {})).items() if k != "managedFields"}
+        obj = copy.deepcopy({**dict(body), "metadata": meta})
         return {(str(body.metadata.namespace), str(body.metadata.labels[JOB_LABEL])): obj}
 
     async def poke(body: kopf.Body, **_: Any) -> None:

@@ -13,7 +13,9 @@ Secrets) and children whose live form the server normalises so that it never
 looks like what was applied (compared by hash only, logged once, never re-applied
 in a loop).
 
-Order matters in one place: the status patch that records a gang restart is
+A pass's writes that do not depend on each other go out side by side (the
+children's applies, the status patch, the ranks' deletes). Order matters in one
+place: the status patch that records a gang restart is
 written before the trainer pods are deleted. If the operator dies in between,
 the next reconcile sees the failed pod again but the count is already there and
 the pods are deleted then (the pod was created under the previous count, so it
@@ -24,8 +26,10 @@ restart from the budget.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from weightsync.resources.rljob import RLJobSpec, RLJobStatus
 from weightsync_operator import children, names, status, versions
@@ -33,6 +37,8 @@ from weightsync_operator.kubeapi import Api, Obj
 from weightsync_operator.names import Component
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Reads(Protocol):
@@ -93,32 +99,48 @@ def reconcile(
     verdict = status.decide_trainer(spec, old, trainer, placed)
     parked = verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED)
 
-    writes = _ensure_children(api, reads, memory, owner, spec, settings, parked)
     seen = status.Observed(generation=int(meta.get("generation", 0)))
     seen.coordinator_ready = _ready(reads.get("Deployment", namespace, names.child(name, Component.COORDINATOR)))
     seen.inference_ready = _ready(reads.get("StatefulSet", namespace, names.child(name, Component.INFERENCE)))
     seen.trainer = trainer
     seen.pods = views
-
     found = versions.parse(name, reads.list("WeightVersion", namespace, names.label_selector(name)), owner.uid)
     summary = versions.summarize(found)
+    new = status.next_status(spec, old, seen, verdict, summary)
+    patching = None
+    if new.to_wire() != old.to_wire():
+        # Only a restart must not be counted twice; other fields are recomputed every time. The status is what was
+        # read, not what the children's writes return, so it goes out beside them: on a busy API server one write
+        # takes hundreds of milliseconds.
+        guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
+        patching = _WRITES.submit(api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
+
+    writes = _ensure_children(api, reads, memory, owner, spec, settings, parked)
     for stale in versions.beyond_retention(found, spec.sync.retention):
         writes += api.delete("WeightVersion", namespace, stale)
-
-    new = status.next_status(spec, old, seen, verdict, summary)
     told = memory.announced.get((namespace, name), old)
     outcome = Outcome(
         status=new, writes=writes, events=versions.events(told.current_version, told.last_failed_version, summary)
     )
-    if new.to_wire() != old.to_wire():
-        # Only a restart must not be counted twice; other fields are recomputed every time.
-        guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
-        api.patch_status("RLJob", namespace, name, new.to_wire(), guard)
+    if patching is not None:
+        patching.result()  # before the trainer's deletes (see the module docstring)
         outcome.patched = True
     outcome.events += _transition_events(told, new, verdict)
     outcome.writes += _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts)
     memory.announced[(namespace, name)] = new
     return outcome
+
+
+_WRITES = ThreadPoolExecutor(max_workers=32, thread_name_prefix="write")
+"""Where a pass's independent writes run side by side: on a busy API server each takes hundreds of milliseconds,
+and one after the other they made a suspend's pass several times one write."""
+
+
+def _each(write: Callable[[T], R], items: list[T]) -> list[R]:
+    """``write`` of every item, concurrently when there are several; the first error is raised."""
+    if len(items) < 2:
+        return [write(item) for item in items]
+    return list(_WRITES.map(write, items))
 
 
 def _ready(obj: dict[str, Any] | None) -> int:
@@ -144,6 +166,7 @@ def _ensure_children(
         if reads.get("Secret", owner.namespace, secret_name) is None:
             writes += api.create(secret(owner))
         memory.secrets.add(known)
+    stale = []
     for obj in children.desired(owner, spec, settings.coordinator_image, settings.coordinator_role, parked):
         meta = obj["metadata"]
         current = reads.get(obj["kind"], owner.namespace, meta["name"])
@@ -153,7 +176,9 @@ def _ensure_children(
                 continue
         elif not children.drifted(obj, current):
             continue
-        applied = api.apply(obj)
+        stale.append((obj, key))
+    for (obj, key), applied in zip(stale, _each(api.apply, [obj for obj, _ in stale]), strict=True):
+        meta = obj["metadata"]
         writes += 1
         if applied is not None and not children.covers(applied, obj):
             log.warning(
@@ -181,10 +206,8 @@ def _drive_trainer(
     if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT):
         return 0
     if verdict != status.Verdict.RUN:
-        for pod in pods:
-            if not pod.deleting:
-                writes += api.delete("Pod", owner.namespace, pod.name)
-        return writes
+        doomed = [pod.name for pod in pods if not pod.deleting]
+        return sum(_each(lambda name: api.delete("Pod", owner.namespace, name), doomed))
     by_name = {p.name: p for p in pods}
     bodies = {p["metadata"]["name"]: p for p in live}
     for desired in children.trainer_pods(owner, spec):

@@ -23,7 +23,10 @@ def api_client() -> client.ApiClient:
         config.load_incluster_config()  # type: ignore[no-untyped-call,unused-ignore]
     except config.ConfigException:
         config.load_kube_config()  # type: ignore[no-untyped-call,unused-ignore]
-    return client.ApiClient()
+    configuration = client.Configuration.get_default_copy()
+    # a connection for every reconcile thread and every concurrent write (handlers.WORKERS, reconciling._WRITES)
+    configuration.connection_pool_maxsize = 64
+    return client.ApiClient(configuration)
 
 
 def run(
