@@ -327,8 +327,8 @@ def _print_summary(result: dict[str, Any]) -> None:
         phases = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in result["publish_phases_p50"].items())
         print(f"  the trainer's wait by phase, p50 ms: {phases}")
     if result["sync_latency_by_phase"]:
-        print("\nSYNC LATENCY BY PHASE AND CHANNEL (replicas' acks, from the coordinator's /metrics; total - the rest")
-        print("  = the agent's start/finish/receipt calls to vLLM)")
+        print("\nSYNC LATENCY BY PHASE AND CHANNEL (replicas' acks, from the coordinator's /metrics; total: pause to")
+        print("  resume in place, the switch call alone when staged, where transfer and verify ran beside generation)")
         print(f"  {'phase/channel':24} {'count':>6} {'mean s':>9}")
         for key, row in sorted(result["sync_latency_by_phase"].items()):
             print(f"  {key:24} {int(row['count']):6d} {row['mean']:9.3f}")
