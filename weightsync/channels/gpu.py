@@ -23,14 +23,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 from weightsync.channels.wire import TORCH_DTYPES, dtype_name
 from weightsync.errors import PermanentError, TransferTimeoutError
-from weightsync.tensors import TensorSpec
+from weightsync.tensors import TensorSpec, align
 
 _SPIN_S = 0.002
 """Busy-poll this long before sleeping between polls: most waits end within a layer group's time."""
@@ -77,6 +77,34 @@ def check_wire(spec: TensorSpec, tensor: torch.Tensor) -> None:
             f"tensor {spec.name!r}: got dtype {dtype_name(tensor.dtype)} shape {list(tensor.shape)}, "
             f"the table says dtype {spec.dtype} shape {list(spec.shape)}"
         )
+
+
+def wire_group(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """``wire_tensor`` of each tensor of a group, with those that must change (cast, moved, made contiguous) made in
+    one allocation and one batched copy: one launch and one allocation instead of one each per tensor (fp32 master
+    weights cast tensor by tensor cost the sender 2.5 ms of host time per Qwen3-1.7B version), and views that lie
+    where they lay in the group's last version relative to one another, so its prepared digests are reused."""
+    out: list[torch.Tensor] = []
+    convert: list[int] = []
+    for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
+        check_wire(spec, tensor)
+        ready = tensor.device == device and tensor.dtype == TORCH_DTYPES[spec.dtype] and tensor.is_contiguous()
+        out.append(tensor.detach())
+        if not ready:
+            convert.append(i)
+    if convert:
+        sizes = [align(specs[i].nbytes) for i in convert]
+        raws = torch.split(torch.empty(sum(sizes), dtype=torch.uint8, device=device), sizes)
+        views = [
+            raw[: specs[i].nbytes].view(TORCH_DTYPES[specs[i].dtype]).view(specs[i].shape)
+            for raw, i in zip(raws, convert, strict=True)
+        ]
+        torch._foreach_copy_(views, [out[i] for i in convert], non_blocking=True)
+        for i, view in zip(convert, views, strict=True):
+            out[i] = view
+    return out
 
 
 def wire_tensor(spec: TensorSpec, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

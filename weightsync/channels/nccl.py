@@ -269,7 +269,7 @@ class NcclSender(Sender):
             if tensors is None or len(tensors) != len(specs):
                 got = "nothing" if tensors is None else f"{len(tensors)} tensors"
                 raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
-            wire_tensors = [gpu.wire_tensor(s, t, self.device) for s, t in zip(specs, tensors, strict=True)]
+            wire_tensors = gpu.wire_group(specs, tensors, self.device)
             while len(in_flight) >= IN_FLIGHT_GROUPS:
                 works, _, what = in_flight.popleft()
                 for work in works:
