@@ -129,6 +129,16 @@ def _concurrently(main: Callable[[], None], side: Callable[[], None] | None, tim
         raise errors[0]
 
 
+def _loaded(receipt: Receipt, ticket: UpdateTicket) -> Receipt:
+    """``receipt``, if it says the engine loaded ``ticket``'s version whole; else the error that it did not."""
+    if receipt.version != ticket.version or not receipt.ok:
+        raise WeightsyncError(
+            f"the engine's receipt is for version {receipt.version} ({'ok' if receipt.ok else receipt.error}), "
+            f"not a successful load of {ticket.version}"
+        )
+    return receipt
+
+
 class Replica:
     """Drives one engine through updates and remembers whether it may serve."""
 
@@ -176,12 +186,7 @@ class Replica:
                 lambda: self.control.update(ticket.to_update_info()), send, ticket.timeout_s, "update_weights"
             )
             self.control.finish(str(ticket.version))
-            receipt = self.control.receipt()
-            if receipt.version != ticket.version or not receipt.ok:
-                raise WeightsyncError(
-                    f"the engine's receipt is for version {receipt.version} ({'ok' if receipt.ok else receipt.error}), "
-                    f"not a successful load of {ticket.version}"
-                )
+            receipt = _loaded(self.control.receipt(), ticket)
         except Exception as e:
             raise self._failed(ticket, e, self.control.resume) from e
         self.version = ticket.version
@@ -247,12 +252,7 @@ class Replica:
         self.control.label(f"{self.version},{ticket.version}")
         t_switch = time.perf_counter()
         try:
-            receipt = self.control.switch(ticket.to_update_info())
-            if receipt.version != ticket.version or not receipt.ok:
-                raise WeightsyncError(
-                    f"the engine's receipt is for version {receipt.version} ({'ok' if receipt.ok else receipt.error}), "
-                    f"not a successful switch to {ticket.version}"
-                )
+            receipt = _loaded(self.control.switch(ticket.to_update_info()), ticket)
         except Exception as e:
             raise self._failed(ticket, e, lambda: self.control.label(str(self.version)), pause=True) from e
         switched = time.perf_counter() - t_switch

@@ -95,7 +95,7 @@ def test_ipc_export_is_plain_data_and_a_malformed_one_is_refused() -> None:
 
 def test_wire_casts_floats_and_refuses_a_wrong_shape_naming_the_tensor() -> None:
     spec = TABLE["model.norm.weight"]
-    wire = gpu.wire_tensor(spec, torch.ones(H, dtype=torch.float32), torch.device("cpu"))
+    (wire,) = gpu.wire_group([spec], [torch.ones(H, dtype=torch.float32)], torch.device("cpu"))
     assert wire.dtype == torch.bfloat16
     with pytest.raises(PermanentError, match=r"'model.norm.weight'.*shape \[3\]"):
         gpu.check_wire(spec, torch.ones(3))

@@ -135,15 +135,6 @@ def _chunked(tensors: Sequence[torch.Tensor]) -> Chunks:
     return lowest, owner, (ptrs[owner] - ptrs[lowest]) // 16 + first // 2, first, count
 
 
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A chunk table on ``device`` without waiting for it: from pageable memory a copy blocks the host until the
-    stream reaches it, which behind a group's casts and broadcasts stalled a sender that prepares tables every
-    version (fp32 weights cast into new wire tensors: full verification took 7x the transfer)."""
-    if device.type == "cuda":
-        table = table.pin_memory()  # torch's pinned cache frees it only once the copy is done
-    return table.to(device, non_blocking=True)
-
-
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t`` as int64 words: the kernels' pointer argument (16-byte aligned, so Triton specialises on it)."""
     return t.view(-1).view(torch.int64)
@@ -157,7 +148,7 @@ class Digests:
         self._lowest, owner, offsets, first, count = _chunked(tensors)
         self.device = tensors[0].device
         self._chunks = int(owner.numel())
-        self._table = _to_device(torch.stack([offsets, first, count, owner]), self.device)
+        self._table = torch.stack([offsets, first, count, owner]).to(self.device, non_blocking=True)
         self._count = len(tensors)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -180,7 +171,7 @@ class Copies:
         self._dst, self._src = _words(dests[dst]), _words(srcs[src])
         self.device = dests[0].device
         self._chunks = int(owner.numel())
-        self._table = _to_device(torch.stack([dst_offsets, src_offsets, count]), self.device)
+        self._table = torch.stack([dst_offsets, src_offsets, count]).to(self.device, non_blocking=True)
 
     def __call__(self) -> None:
         _, copy_chunks = _kernels()
