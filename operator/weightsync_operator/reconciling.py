@@ -14,7 +14,8 @@ looks like what was applied (compared by hash only, logged once, never re-applie
 in a loop).
 
 A pass's writes that do not depend on each other go out side by side (the
-children's applies, the status patch, the ranks' deletes). Order matters in one
+status patch beside the children's applies, the ranks' deletes); the children are
+applied in order (a pod's claim and config exist before the pod). Order matters in one
 place: the status patch that records a gang restart is
 written before the trainer pods are deleted. If the operator dies in between,
 the next reconcile sees the failed pod again but the count is already there and
@@ -177,7 +178,8 @@ def _ensure_children(
         elif not children.drifted(obj, current):
             continue
         stale.append((obj, key))
-    for (obj, key), applied in zip(stale, _each(api.apply, [obj for obj, _ in stale]), strict=True):
+    for obj, key in stale:  # in order: a workload's PersistentVolumeClaim and ConfigMap exist before its pods
+        applied = api.apply(obj)
         meta = obj["metadata"]
         writes += 1
         if applied is not None and not children.covers(applied, obj):
