@@ -225,6 +225,9 @@ def _nccl_pair(rank: int, plans: Any, fp32: bool) -> dict[str, Any]:
     return results
 
 
+IPC_VERSIONS = (1, 2, 3)
+
+
 def _ipc_pair(rank: int, plans: Any, fp32: bool) -> dict[str, Any]:
     device = _cuda(0)
     results: dict[str, Any] = {}
@@ -232,19 +235,22 @@ def _ipc_pair(rank: int, plans: Any, fp32: bool) -> dict[str, Any]:
         sender = ipc.IpcSender.create(SenderConfig(device=str(device), timeout_s=TIMEOUT_S))
         rdv = _plan(sender, plans)
         sources = _sources(device, fp32)
-        for version in (1, 2):  # the second version reuses the exports of the first
-            if version == 2:
+        for version in IPC_VERSIONS:
+            if version == 2:  # the second version reuses the exports of the first
                 _step(sources)
                 sender.take_plan({REPLICA: rdv})
+                results["exports"] = sender._next_id
+            if version == 3:  # a tensor moved to new memory (``param.data = ...``): exported, its location sent again
+                sources[0] = sources[0] + 1
             report = sender.send(_sender_ticket(version, Channel.IPC), _groups(sources))
             results[f"sent{version}"], results[f"failed{version}"] = report.digests, report.failed
             sender.release(version, TIMEOUT_S)  # the replica copied it: the trainer may change its tensors
-        results["exports"] = sender._next_id
+        results["exports_after"] = sender._next_id
         sender.close()
         return results
     receiver = ipc.IpcReceiver.start(_rendezvous(plans), WorkerContext(0, 1, str(device)))
     engine = _Engine(device)
-    for version in (1, 2):
+    for version in IPC_VERSIONS:
         results[f"got{version}"] = _receive_all(receiver, _replica_ticket(version, Channel.IPC), engine, device)
     receiver.close()
     return results
@@ -312,11 +318,13 @@ def test_ipc_sync_is_bit_exact_and_exports_once(fp32: bool) -> None:
     results = _run(_ipc_pair, 2, fp32)
     assert [r.get("error") for r in results] == [None, None], results
     sender, receiver = results
-    for v in (1, 2):
+    for v in IPC_VERSIONS:
         assert sender[f"failed{v}"] == {}
         _check(receiver[f"got{v}"], sender[f"sent{v}"])
-    assert sender["sent1"] != sender["sent2"]
+    assert sender["sent1"] != sender["sent2"] != sender["sent3"]
     assert sender["exports"] == len(TABLE)  # one export per buffer, none for the second version
+    # the third: one more export when the trainer's tensor is a new allocation (a cast buffer is reused)
+    assert sender["exports_after"] == len(TABLE) + (0 if fp32 else 1)
 
 
 def test_nccl_peer_killed_mid_broadcast_fails_sender_within_timeout() -> None:
