@@ -179,6 +179,19 @@ class Fleet:
                 if proc in procs:
                     procs.remove(proc)
 
+    def dump_stacks(self) -> None:
+        """For a failure's record: every live agent and coordinator writes its threads' stacks to its log (their
+        SIGUSR1); those that exited are named with their exit codes."""
+        for name, proc in self.named.items():
+            if name != "coordinator" and not name.endswith("-agent"):
+                continue
+            if proc.poll() is not None:
+                print(f"{name} exited with code {proc.returncode}")
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+
     def stop_host(self, host: str) -> None:
         """Kill every process on ``host`` at once (vLLM's engine and workers included), like a pod deleted."""
         pids = subprocess.run(["ip", "netns", "pids", self.hosts.namespace(host)], capture_output=True, text=True)

@@ -168,8 +168,9 @@ class Agent:
         self._lock = threading.Lock()
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
 
-    def run(self) -> None:
-        """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``."""
+    def run(self) -> bool:
+        """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``; False when the
+        coordinator's stream ended without one (said in the log: the process must not end in silence)."""
         c = self.config
 
         def register() -> models.Lease:
@@ -178,7 +179,7 @@ class Agent:
             )
 
         if until_registered(register, f"replica {c.replica_id}", self._stop) is None:
-            return
+            return True
         threading.Thread(target=self.follow_durable, name="weightsync-follow-durable", daemon=True).start()
         for assignment in self.client.watch():
             if self._stop.is_set():
@@ -188,6 +189,9 @@ class Agent:
                     self.handle(assignment)
             except WeightsyncError as e:
                 log.error("replica %s: version %d: %s", self.config.replica_id, assignment.version, e)
+        if not self._stop.is_set():
+            log.error("replica %s: the coordinator's stream ended and no stop was asked for", c.replica_id)
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()

@@ -149,8 +149,10 @@ def _converge(run: Run) -> tuple[float, float]:
     deadline = time.monotonic() + 300
     while not converged():
         if time.monotonic() > deadline:
+            run.fleet.dump_stacks()
             raise AssertionError(
-                f"not converged: newest READY {run.client.get_job(JOB).newest_ready}, {_members(run.client)}"
+                f"not converged: newest READY {run.client.get_job(JOB).newest_ready}, {_members(run.client)} "
+                f"(every agent's and the coordinator's threads are in their logs under {run.fleet.work})"
             )
         time.sleep(0.25)
     return time.monotonic() - run.cleared_at, bound

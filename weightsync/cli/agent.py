@@ -10,6 +10,7 @@ while loading, and serves its own /metrics (version, lag, sync durations).
 
 The job's channels and NCCL domain come from the job config ($WEIGHTSYNC_CONFIG, the
 job.json the operator mounts) unless flags say otherwise; the node from $NODE_NAME.
+SIGUSR1 writes every thread's stack to stderr (where a stuck agent is).
 
 Example (one pod's sidecar, or one process on a workstation):
 
@@ -20,6 +21,7 @@ Example (one pod's sidecar, or one process on a workstation):
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import socket
@@ -142,11 +144,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"metrics: {server.url}", flush=True)
     agent = Agent(engine, client, config, agent_metrics)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack to stderr, for a stuck agent
     caps = agent.capabilities
     print(
         f"agent {args.replica_id}: following {args.coordinator} for job {job_name}; {caps.engine.value} engine, "
         f"{caps.devices} worker(s), receives {','.join(c.value for c in caps.channels)}",
         flush=True,
     )
-    agent.run()
-    return 0
+    return 0 if agent.run() else 1

@@ -20,6 +20,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -223,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack to stderr, for a stuck server
     done.wait()
     coordinator.stop(grace_s=2.0)
     if store is not None:

@@ -319,11 +319,15 @@ class CoordinatorClient:
                     yield serde.event(event)
             except grpc.RpcError as e:
                 code = e.code()
-                if self._closed.is_set() or code is grpc.StatusCode.CANCELLED:
+                if self._closed.is_set():
                     return
                 if code is grpc.StatusCode.NOT_FOUND:  # lease gone (expired, coordinator restarted)
                     self._reregister(stale=lease_id)
-                elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                elif code not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.CANCELLED,  # by the server or a proxy on the way, not by us: open it again
+                ):
                     raise _error(e) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
