@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -265,15 +266,19 @@ def main() -> int:
     p.add_argument("--window", type=float, default=60.0, help="seconds of each request-rate window")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait after the jobs are Running")
     p.add_argument("--json", default=None)
+    p.add_argument("--operator-log", default=None, help="keep the operator's log here (its reconciles, one a line)")
     args = p.parse_args()
     kube = Kube(_bring_up())
     rows = []
-    with tempfile.TemporaryDirectory() as tmp, installed(kube, Path(tmp)) as operator:
-        time.sleep(3)
-        for jobs in args.jobs:
-            row = run_count(kube, operator, jobs, args.window, args.settle, jobs == max(args.jobs))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        with installed(kube, Path(tmp)) as operator:
+            time.sleep(3)
+            for jobs in args.jobs:
+                row = run_count(kube, operator, jobs, args.window, args.settle, jobs == max(args.jobs))
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        if args.operator_log:
+            shutil.copyfile(operator.log, args.operator_log)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

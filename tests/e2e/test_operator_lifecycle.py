@@ -144,6 +144,11 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     )
     kube.kubectl("patch", "rlj", JOB, "-n", namespace, "--type", "merge", "-p", '{"spec": {"suspend": false}}')
     wait_phase(kube, namespace, JOB, "Running")
+    # kopf keeps no copy of the handled spec on the job (no handler reads a diff), so a spec change is not
+    # written back to the RLJob (one PATCH per change, each waking the reconcile again)
+    annotations = kube.kubectl("get", "rlj", JOB, "-n", namespace, "-o", "jsonpath={.metadata.annotations}").stdout
+    handled = json.loads(annotations or "{}").get("weightsync.io/last-handled") or "{}"
+    assert json.loads(handled) == {}, annotations
 
     # the TLS Secret: a CA and the coordinator's certificate, owned by the job, mounted by every pod
     tls = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)
