@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from weightsync.cli import main
+from weightsync.cli._localfleet import weightsync_cmd
 
 pytestmark = pytest.mark.unit
 
@@ -37,3 +40,11 @@ def test_env_var_supplies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_models_rejects_unknown_preset(capsys: pytest.CaptureFixture[str]) -> None:
     assert main.main(["models", "nope"]) == 2
     assert "unknown preset(s) nope" in capsys.readouterr().out
+
+
+def test_agent_gives_up_on_a_vllm_that_never_answers() -> None:
+    # nothing listens on port 1: /health never answers, and the agent says so after its wait, exit 1
+    argv = ["--vllm-url", "http://127.0.0.1:1", "--wait-vllm", "1.5", "--coordinator", "127.0.0.1:1", "--insecure"]
+    done = subprocess.run(weightsync_cmd("agent", *argv), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "vLLM at http://127.0.0.1:1 is not ready after 2s" in done.stderr

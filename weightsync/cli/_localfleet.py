@@ -341,9 +341,26 @@ class LocalFleet:
                     return
             except faults.NotFound:  # no member registered yet: the job does not exist
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"agents of {sorted(self.replicas)} not registered within {timeout_s:.0f}s")
+            agents = [p for r in self.replicas.values() for p in r.procs if p.name.endswith("-agent")]
+            if any(p.popen.poll() is not None for p in agents) or time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"agents of {sorted(self.replicas)} not registered within {timeout_s:.0f}s\n" + self._record(agents)
+                )
             time.sleep(0.5)
+
+    def _record(self, procs: list[Proc], lines: int = 40) -> str:
+        """For a failure's message: each process's exit code, or its threads' stacks (its SIGUSR1), and the end of
+        its log: the fleet's logs live in a temporary directory a CI run does not keep."""
+        for p in procs:
+            if p.popen.poll() is None:
+                os.kill(p.popen.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for p in procs:
+            state = "running" if p.popen.poll() is None else f"exited with code {p.popen.returncode}"
+            tail = (self.logs / f"{p.name}.log").read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {p.name} ({state}), its log's last {len(tail)} lines:\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def stop(self) -> None:
         self._stopping.set()

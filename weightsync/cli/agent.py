@@ -27,6 +27,13 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightsync.coordinator.client import CoordinatorClient
+    from weightsync.metrics import AgentMetrics
+    from weightsync_inference.agent import Agent, AgentConfig
+    from weightsync_inference.http_engine import HttpEngine
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.errors import WeightsyncError
     from weightsync.vocabulary import Channel, PauseMode, SyncMode
-    from weightsync_inference.agent import Agent, AgentConfig
+    from weightsync_inference.agent import AgentConfig
     from weightsync_inference.http_engine import HttpEngine
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack to stderr, waiting included
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per call to vLLM is noise, errors are not
     if not args.coordinator:
@@ -114,12 +122,6 @@ def run(args: argparse.Namespace) -> int:
     pause_mode = PauseMode(args.pause_mode) if args.pause_mode else (job.pause_mode if job else PauseMode.KEEP)
     sync_mode = SyncMode(args.sync_mode) if args.sync_mode else (job.sync_mode if job else SyncMode.IN_PLACE)
     engine = HttpEngine(args.vllm_url, transfer_timeout_s=update_timeout, pause_mode=pause_mode)
-    deadline = time.monotonic() + args.wait_vllm
-    while not engine.healthy():
-        if time.monotonic() > deadline:
-            print(f"vLLM at {args.vllm_url} is not healthy after {args.wait_vllm:.0f}s", file=sys.stderr)
-            return 1
-        time.sleep(1.0)
     volume = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     config = AgentConfig(
         job=job_name,
@@ -142,9 +144,11 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         server = metrics.serve(args.metrics_port, args.metrics_host)
         print(f"metrics: {server.url}", flush=True)
-    agent = Agent(engine, client, config, agent_metrics)
+    agent = _attach(engine, client, config, agent_metrics, args.wait_vllm)
+    if agent is None:
+        print(f"vLLM at {args.vllm_url} is not ready after {args.wait_vllm:.0f}s", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # every thread's stack to stderr, for a stuck agent
     caps = agent.capabilities
     print(
         f"agent {args.replica_id}: following {args.coordinator} for job {job_name}; {caps.engine.value} engine, "
@@ -152,3 +156,27 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     return 0 if agent.run() else 1
+
+
+def _attach(
+    engine: HttpEngine, client: CoordinatorClient, config: AgentConfig, agent_metrics: AgentMetrics, wait_s: float
+) -> Agent | None:
+    """The agent once vLLM is healthy and its workers answer (what they serve, who they are), or None after
+    ``wait_s``. vLLM answers ``/health`` before a loaded machine lets its workers answer every call in time: a
+    call that times out at startup is waited out here, not fatal."""
+    import logging
+
+    from weightsync.errors import RetryableError
+    from weightsync_inference.agent import Agent
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if engine.healthy():
+            try:
+                return Agent(engine, client, config, agent_metrics)
+            except RetryableError as e:
+                logging.getLogger(__name__).warning(
+                    "replica %s: vLLM is up but its workers do not answer yet: %s", config.replica_id, e
+                )
+        time.sleep(1.0)
+    return None
