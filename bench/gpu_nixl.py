@@ -5,7 +5,9 @@
 GPU 0 is the trainer, GPU 1 the engine (two processes). Measured, median of
 ``--reps`` after a warm-up: ``raw_flat_broadcast`` (one NCCL broadcast of the table's
 bytes), ``raw_nixl_flat_read`` (one NIXL READ of one registered flat buffer of the
-same bytes into another, timed on the engine), and our channel end to end: the
+same bytes into another, timed on the engine), ``raw_nixl_tensor_descs_*`` (the
+trainer's tensors READ with one descriptor each, in one transfer and in one transfer
+per group posted together: NIXL's cost per descriptor, no channel code), and our channel end to end: the
 trainer's bf16 tensors (registered as they are, once) to engine-layout parameters
 (fused qkv/gate_up, each parameter its own allocation, through the direct plan),
 ``send`` + ``receive`` + the trainer's ``release`` (it awaits the engine's ack), at the
@@ -41,6 +43,7 @@ import gpu_models  # type: ignore[import-not-found,unused-ignore]
 
 from weightsync.channels import nixl, placement
 from weightsync.channels.base import Rendezvous, SenderConfig, WorkerContext, direct_rendezvous
+from weightsync.tensors import TensorTable, align
 from weightsync.vocabulary import Channel
 
 
@@ -75,6 +78,65 @@ def raw_nixl_read(nbytes: int, rank: int, reps: int, device: torch.device) -> fl
     return t
 
 
+def raw_nixl_tensor_reads(table: TensorTable, rank: int, reps: int, device: torch.device) -> tuple[float, float]:
+    """The trainer's tensors (each its own registered allocation) READ into one flat buffer with one descriptor
+    per tensor, no channel code: as one transfer, and as one transfer per table group all posted at once (the
+    channel's shape with every group in flight). What NIXL costs per descriptor, against the flat read."""
+    agent = nixl._nixl_agent(f"raw-tensors-{rank}")
+    box: list[str] = [""]
+    tensors: list[torch.Tensor] = []
+    if rank == 0:
+        tensors = gpu_channels.trainer_tensors(table, device)
+        agent.register_memory([(t.data_ptr(), t.nbytes, device.index, "") for t in tensors], "VRAM")
+        segments = [(t.data_ptr(), t.nbytes) for t in tensors]
+        box[0] = json.dumps({"md": nixl.encode_metadata(agent.get_agent_metadata()), "segments": segments})
+    dist.broadcast_object_list(box, 0)
+    handles: list[Any] = []
+    if rank == 1:
+        peer = json.loads(box[0])
+        agent.add_remote_agent(nixl.decode_metadata(peer["md"], "raw trainer metadata"))
+        flat = torch.empty(sum(align(n, 256) for _, n in peer["segments"]), dtype=torch.uint8, device=device)
+        agent.register_memory(flat)
+        local, offset = [], 0
+        for _, n in peer["segments"]:
+            local.append((flat.data_ptr() + offset, n, device.index))
+            offset += align(n, 256)
+        remote = [(a, n, 0) for a, n in peer["segments"]]
+        index = {s.name: i for i, s in enumerate(table)}
+        spans = [[index[s.name] for s in g] for g in table.groups()]
+
+        def xfer(ids: list[int]) -> Any:
+            return agent.initialize_xfer(
+                "READ",
+                agent.get_xfer_descs([local[i] for i in ids], "VRAM"),
+                agent.get_xfer_descs([remote[i] for i in ids], "VRAM"),
+                "raw-tensors-0",
+            )
+
+        handles = [xfer(list(range(len(local))))] + [xfer(ids) for ids in spans]
+
+    def read(posted: list[Any]) -> Callable[[], None]:
+        def run() -> None:
+            for h in posted:
+                if agent.transfer(h) == "ERR":
+                    raise RuntimeError("raw NIXL read: ERR")
+            for h in posted:
+                state = agent.check_xfer_state(h)
+                while state == "PROC":
+                    state = agent.check_xfer_state(h)
+                if state != "DONE":
+                    raise RuntimeError(f"raw NIXL read: {state}")
+
+        return run
+
+    one = float(gpu_channels.median_time(read(handles[:1]), reps, device))
+    per_group = float(gpu_channels.median_time(read(handles[1:]), reps, device))
+    dist.barrier()
+    for h in handles:
+        h.release()
+    return one, per_group
+
+
 def worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = torch.device("cuda", rank)
@@ -87,6 +149,9 @@ def worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
     res["raw_flat_broadcast"] = gpu_channels.flat_broadcast(nbytes, reps, dev)
     torch.cuda.empty_cache()
     res["raw_nixl_flat_read"] = raw_nixl_read(nbytes, rank, reps, dev)
+    torch.cuda.empty_cache()
+    one, per_group = raw_nixl_tensor_reads(table, rank, reps, dev)
+    res["raw_nixl_tensor_descs_one_read"], res["raw_nixl_tensor_descs_read_per_group"] = one, per_group
     torch.cuda.empty_cache()
 
     box: list[str] = [""]

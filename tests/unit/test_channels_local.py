@@ -13,7 +13,7 @@ from weightsync.channels import digests, manifests
 from weightsync.channels.base import Endpoint, Offer, Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous
 from weightsync.channels.manifests import Manifest, latest_version, list_versions
 from weightsync.channels.volume import VolumeReceiver, VolumeSender
-from weightsync.channels.wire import dtype_name
+from weightsync.channels.wire import dtype_name, table_groups
 from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError
 from weightsync.tensors import TensorTable, manifest_checksum
 from weightsync.vocabulary import Channel
@@ -153,6 +153,18 @@ def test_sender_rejects_tensor_that_contradicts_the_table(tmp_path: Path) -> Non
     with pytest.raises(PermanentError, match=r"tensor 'g1.t0': got dtype float64"):
         VolumeSender(tmp_path).send(ticket, iter(groups))
     assert list_versions(tmp_path) == []
+
+
+def test_senders_refuse_groups_that_do_not_match_the_table() -> None:
+    groups = _groups()
+    table = _table(groups)
+    assert [len(ts) for _, _, ts in table_groups(table, groups)] == [1, 2, 1]
+    with pytest.raises(PermanentError, match=r"group 1 \(starting at 'g1.t0'\): got 1 tensors, expected 2"):
+        list(table_groups(table, [groups[0], groups[1][:1], groups[2]]))
+    with pytest.raises(PermanentError, match=r"group 2 .*got nothing"):
+        list(table_groups(table, groups[:2]))
+    with pytest.raises(PermanentError, match="more groups than the table lists"):
+        list(table_groups(table, [*groups, groups[2]]))
 
 
 def test_update_info_round_trip_and_validation() -> None:

@@ -211,7 +211,7 @@ class IpcSender(Sender):
         if ticket.table is None or self._store is None:
             raise PermanentError("ipc channel: send needs a ticket with the table and a plan (take_plan) first")
         table = ticket.table
-        tensors = _in_table_order(table, groups)
+        tensors = [t for _, _, group in wire.table_groups(table, groups) for t in group]
         if not self._steady(table, tensors):
             self._share(table, tensors)
         elif self._refresh:
@@ -272,21 +272,6 @@ class IpcSender(Sender):
 
     def close(self) -> None:
         self._located, self._exports, self._cast = {}, {}, {}
-
-
-def _in_table_order(table: TensorTable, groups: Iterable[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The trainer's tensors as one list in the table's order; refuses groups that do not match the table's."""
-    tensors: list[torch.Tensor] = []
-    source = iter(groups)
-    for i, specs in enumerate(table.groups()):
-        group = next(source, None)
-        if group is None or len(group) != len(specs):
-            got = "nothing" if group is None else f"{len(group)} tensors"
-            raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
-        tensors.extend(group)
-    if next(source, None) is not None:
-        raise PermanentError("the trainer yielded more groups than the table lists")
-    return tensors
 
 
 @dataclass(frozen=True)

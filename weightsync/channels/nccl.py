@@ -260,15 +260,10 @@ class NcclSender(Sender):
         self, group: NcclGroup, ticket: UpdateTicket, table: TensorTable, groups: Iterable[Sequence[torch.Tensor]]
     ) -> dict[str, str]:
         sent_words: list[torch.Tensor] = []
-        source = iter(groups)
         # per group: (its works, tensors kept alive until the device is done with them, what); a group's digests
         # travel with it and do not count against the groups in flight (counted, they halved the pipeline)
         in_flight: deque[tuple[list[Any], list[torch.Tensor], str]] = deque()
-        for i, specs in enumerate(table.groups()):
-            tensors = next(source, None)
-            if tensors is None or len(tensors) != len(specs):
-                got = "nothing" if tensors is None else f"{len(tensors)} tensors"
-                raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
+        for i, specs, tensors in wire.table_groups(table, groups):
             wire_tensors = gpu.wire_group(specs, tensors, self.device)
             while len(in_flight) >= IN_FLIGHT_GROUPS:
                 works, _, what = in_flight.popleft()
@@ -286,8 +281,6 @@ class NcclSender(Sender):
         for works, _, what in in_flight:
             for work in works:
                 group.wait(work, ticket.timeout_s, what)
-        if next(source, None) is not None:
-            raise PermanentError("the trainer yielded more groups than the table lists")
         return digests.from_words(table.tensors, torch.cat(sent_words).cpu()) if sent_words else {}
 
     def close(self) -> None:

@@ -317,20 +317,13 @@ class NixlSender(Sender):
         table = ticket.table
         found: dict[str, str] = {}
         located: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        source = iter(groups)
         changed = False
-        for i, specs in enumerate(table.groups()):
-            tensors = next(source, None)
-            if tensors is None or len(tensors) != len(specs):
-                got = "nothing" if tensors is None else f"{len(tensors)} tensors"
-                raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
+        for _, specs, tensors in wire.table_groups(table, groups):
             for spec, tensor in zip(specs, tensors, strict=True):
-                wire = self._wire(spec, tensor)
-                if wire.numel():
-                    changed |= self._registry.ensure(wire)
-                located[spec.name] = (tensor, wire, wire.data_ptr())
-        if next(source, None) is not None:
-            raise PermanentError("the trainer yielded more groups than the table lists")
+                buffer = self._wire(spec, tensor)
+                if buffer.numel():
+                    changed |= self._registry.ensure(buffer)
+                located[spec.name] = (tensor, buffer, buffer.data_ptr())
         if ticket.verify:  # kernels for every tensor, one host sync for the version
             words = digests.words([located[s.name][1] for s in table], self.device)
             found = digests.from_words(table.tensors, words.cpu())

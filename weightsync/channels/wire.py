@@ -23,7 +23,7 @@ import datetime
 import json
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -248,6 +248,23 @@ def fits_in_place(spec: TensorSpec, device: torch.device, view: torch.Tensor | N
         and tuple(view.shape) == spec.shape
         and view.is_contiguous()
     )
+
+
+def table_groups(
+    table: TensorTable, groups: Iterable[Sequence[torch.Tensor]]
+) -> Iterator[tuple[int, tuple[TensorSpec, ...], Sequence[torch.Tensor]]]:
+    """(index, specs, the trainer's tensors) of each of ``table``'s groups, as the trainer yields them (a sender
+    streams a group while the next is gathered); refuses a group that does not match the table's, and more
+    groups than it lists."""
+    source = iter(groups)
+    for i, specs in enumerate(table.groups()):
+        tensors = next(source, None)
+        if tensors is None or len(tensors) != len(specs):
+            got = "nothing" if tensors is None else f"{len(tensors)} tensors"
+            raise PermanentError(f"group {i} (starting at {specs[0].name!r}): got {got}, expected {len(specs)}")
+        yield i, specs, tensors
+    if next(source, None) is not None:
+        raise PermanentError("the trainer yielded more groups than the table lists")
 
 
 def check_tensor(spec: TensorSpec, tensor: torch.Tensor) -> None:
