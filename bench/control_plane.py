@@ -7,7 +7,8 @@ only after it), the version is READY and the publisher's wait returns (the issue
 "register -> plan -> acks -> READY"). ``--with-joined`` adds the barrier the live
 channels use (every planned receiver joined before the publisher sends): one more
 RPC per replica and one more wait. Timed from ``open_version`` to the return of
-``wait_version``, in the publisher (this process). The coordinator runs as its
+``report_sent``, which waits for the verdict in the same call as the publisher's
+does, in the publisher (this process). The coordinator runs as its
 own ``weightsync coordinator`` process; each simulated replica is a real client
 in its own process (``--per-process`` packs several per process for big fleets).
 
@@ -157,8 +158,7 @@ def sync_latency(n: int, syncs: int, warmup: int, per_process: int, with_joined:
             opened = trainer.open_version(step, TABLE)
             if with_joined:
                 trainer.wait_receivers_joined(opened.version, timeout_s=60)
-            trainer.report_sent(opened.version, "", {})
-            state = trainer.wait_version(opened.version, timeout_s=60).state
+            state = trainer.report_sent(opened.version, "", {}, wait_s=60).state
             elapsed = time.perf_counter() - t0
             if state is not VersionState.READY:
                 raise RuntimeError(f"version {opened.version} ended {state.value}")

@@ -192,7 +192,10 @@ class CpuSender(Sender):
             if rid in self.groups or rid in self._forming:
                 continue
             group = _Group(wire.own_connection(self._store), self.host, rdv, 0)
-            thread = threading.Thread(target=self._form, args=(rid, group), name=f"weightsync-cpu-{rdv.group}")
+            # a daemon: a trainer that exits must not wait out the formation of a group whose receiver never came
+            thread = threading.Thread(
+                target=self._form, args=(rid, group), name=f"weightsync-cpu-{rdv.group}", daemon=True
+            )
             self._members[rid] = rdv
             self._forming[rid] = (thread, group)
             thread.start()

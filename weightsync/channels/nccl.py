@@ -212,7 +212,9 @@ class NcclSender(Sender):
             wire.own_connection(self._store), wanted.with_timeout(self.timeout_s), 0, self.device, self.host
         )
         self._group, self._form_error, self._tables = group, "", wire.Tables()
-        self._forming = threading.Thread(target=self._form, args=(group,), name=f"weightsync-nccl-{wanted.group}")
+        self._forming = threading.Thread(  # a daemon, as the cpu channel's: exiting never waits for a formation
+            target=self._form, args=(group,), name=f"weightsync-nccl-{wanted.group}", daemon=True
+        )
         self._forming.start()
 
     def _form(self, group: NcclGroup) -> None:
