@@ -83,7 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="in-place: pause for the whole transfer and load; staged: receive beside generation into a second "
         "copy of the weights, pause only to switch it in (default: the job config's, else in-place)",
     )
-    p.add_argument("--wait-vllm", type=float, default=600.0, help="seconds to wait for vLLM to become healthy")
+    p.add_argument(
+        "--wait-vllm",
+        type=float,
+        default=600.0,
+        help="seconds to wait for vLLM to become healthy and its workers to answer (default 600)",
+    )
     p.add_argument("--token-file", default=None, help="bearer token file (or WEIGHTSYNC_TOKEN)")
     p.add_argument("--tls-ca", default=None, help="CA that signed the coordinator's certificate")
     p.add_argument("--insecure", action="store_true", help="plaintext to the coordinator: local runs only")
