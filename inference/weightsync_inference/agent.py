@@ -45,7 +45,7 @@ from pathlib import Path
 from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
-from weightsync.errors import WeightsyncError
+from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.metrics import AgentMetrics
 from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
@@ -132,9 +132,12 @@ def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Cap
 
 
 def served_version(control: EngineControl) -> int:
-    """The version the engine serves by its own account (a restarted agent must not report 0)."""
+    """The version the engine serves by its own account (a restarted agent must not report 0): 0 for an engine
+    that keeps no version; an engine too slow to answer yet raises (``RetryableError``), to be waited out."""
     try:
         text = control.weight_version()
+    except RetryableError:
+        raise
     except WeightsyncError:
         return 0
     return int(text) if text.isdigit() else 0
