@@ -189,6 +189,7 @@ class OperatorMetrics:
     reconciles_total: Counter
     reconcile_seconds: Histogram
     jobs: Gauge
+    leader: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry = REGISTRY) -> OperatorMetrics:
@@ -207,6 +208,11 @@ class OperatorMetrics:
                 registry=registry,
             ),
             jobs=Gauge("weightsync_operator_jobs", "RLJobs by phase.", ["phase"], registry=registry),
+            leader=Gauge(
+                "weightsync_operator_leader",
+                "1 while this operator holds the leader Lease and reconciles, 0 while it stands by.",
+                registry=registry,
+            ),
         )
 
 

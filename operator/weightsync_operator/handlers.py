@@ -145,13 +145,15 @@ def _snapshot(body: kopf.Body) -> Obj:
     return copy.deepcopy(dict(body))
 
 
-def build_registry(api: Api, options: Options, metrics: OperatorMetrics) -> kopf.OperatorRegistry:
-    """A registry with the operator's handlers bound to ``api``, ``options`` and ``metrics``."""
+def build_registry(
+    api: Api, options: Options, metrics: OperatorMetrics, pool: ThreadPoolExecutor
+) -> kopf.OperatorRegistry:
+    """A registry with the operator's handlers bound to ``api``, ``options`` and ``metrics``; the blocking calls of
+    reconciles run on ``pool`` (at most ``WORKERS`` threads are useful)."""
     registry = kopf.OperatorRegistry()
     phases = PhaseCounts(metrics)
     wakers = Wakers()
     memory = Memory()
-    pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="reconcile")
     has_job = {JOB_LABEL: kopf.PRESENT}
 
     @kopf.on.login(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]

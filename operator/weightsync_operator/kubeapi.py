@@ -55,6 +55,12 @@ KINDS = {
         Kind("weightsync.io/v1alpha1", "WeightVersion", "weightversions"),
     )
 }
+"""The kinds a job owns or reads (every one but Secret and RLJob is watched, see ``handlers.WATCHED``)."""
+LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
+"""The leader election's lock (``leader``): the operator's own, never a job's."""
+_PATHS = {**KINDS, LEASE.kind: LEASE}
+TIMEOUT_S = 30.0
+"""No API call blocks longer (a reconcile's retry backoff takes over)."""
 
 
 class ApiError(Exception):
@@ -82,6 +88,7 @@ class Api:
         body: Any = None,
         query: dict[str, str] | None = None,
         content_type: str = "application/json",
+        timeout: float = TIMEOUT_S,
     ) -> Obj | None:
         if query:
             path = f"{path}?{urlencode(query)}"
@@ -89,7 +96,7 @@ class Api:
         params = self._client.param_serialize(
             method, path, header_params=headers, body=body, auth_settings=["BearerToken"]
         )
-        response = self._client.call_api(*params)
+        response = self._client.call_api(*params, _request_timeout=timeout)
         data = response.read()  # type: ignore[no-untyped-call,unused-ignore]
         text = data.decode() if isinstance(data, bytes) else str(data or "")
         if not 200 <= response.status < 300:
@@ -97,9 +104,9 @@ class Api:
         parsed: Obj | None = json.loads(text) if text else None
         return parsed
 
-    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+    def get(self, kind: str, namespace: str, name: str, timeout: float = TIMEOUT_S) -> Obj | None:
         try:
-            return self._call("GET", KINDS[kind].path(namespace, name))
+            return self._call("GET", _PATHS[kind].path(namespace, name), timeout=timeout)
         except ApiError as err:
             if err.status == 404:
                 return None
@@ -122,10 +129,21 @@ class Api:
             content_type="application/apply-patch+yaml",
         )
 
-    def create(self, obj: Obj) -> bool:
+    def create(self, obj: Obj, timeout: float = TIMEOUT_S) -> bool:
         """Create ``obj`` unless it exists; True when this call created it."""
         try:
-            self._call("POST", KINDS[obj["kind"]].path(obj["metadata"]["namespace"]), body=obj)
+            self._call("POST", _PATHS[obj["kind"]].path(obj["metadata"]["namespace"]), body=obj, timeout=timeout)
+        except ApiError as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    def replace(self, obj: Obj, timeout: float = TIMEOUT_S) -> bool:
+        """PUT ``obj`` if its ``metadata.resourceVersion`` is still current; False when somebody wrote in between."""
+        meta = obj["metadata"]
+        try:
+            self._call("PUT", _PATHS[obj["kind"]].path(meta["namespace"], meta["name"]), body=obj, timeout=timeout)
         except ApiError as err:
             if err.status == 409:
                 return False

@@ -7,6 +7,7 @@ resync, so every reaction a test waits for comes from an event.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -31,16 +32,22 @@ RUN_OPERATOR = (
 
 
 class Operator:
-    """The operator as a local process under the chart's ServiceAccount; stop and start it at will."""
+    """The operator as a local process under the chart's ServiceAccount; stop and start it at will. It runs with
+    the chart's leader election (its Lease in the release namespace), so several may run side by side."""
 
     def __init__(self, release: str, system: str, kubeconfig: Path, log: Path) -> None:
         self.release, self.system, self.kubeconfig, self.log = release, system, kubeconfig, log
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    @property
+    def lease(self) -> str:
+        return f"{self.release}-weightsync-leader"
+
+    def start(self, *extra: str) -> None:
         env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
         args = ["--coordinator-role", f"{self.release}-weightsync-coordinator"]
         args += ["--metrics-port", "0", "--liveness-port", str(free_port())]
+        args += [f"--leader-elect-namespace={self.system}", f"--leader-elect-name={self.lease}", *extra]
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
@@ -84,6 +91,18 @@ def installed(kube: Kube, tmp: Path) -> Iterator[Operator]:
         print(op.log.read_text()[-4000:])
         kube.helm("uninstall", release, "-n", system, check=False)
         kube.core.delete_namespace(system)
+
+
+def children(kube: Kube, namespace: str, job: str) -> dict[str, list[str]]:
+    """The names of a job's children (and pods) by kind."""
+    out = kube.kubectl(
+        "get", "deploy,sts,svc,netpol,pvc,cm,secret,sa,rolebinding,pods", "-n", namespace,
+        "-l", f"weightsync.io/job={job}", "-o", "json",
+    ).stdout  # fmt: skip
+    kinds: dict[str, list[str]] = {}
+    for item in json.loads(out)["items"]:
+        kinds.setdefault(item["kind"], []).append(item["metadata"]["name"])
+    return {k: sorted(v) for k, v in kinds.items()}
 
 
 def example(name: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.chart import EXAMPLE_JOB, REPO, Operator, example, rljob, wait_phase
+from tests.e2e.chart import EXAMPLE_JOB, REPO, Operator, children, example, rljob, wait_phase
 from tests.e2e.conftest import Kube, Timeouts
 
 pytestmark = pytest.mark.e2e
@@ -23,20 +23,7 @@ JOB = EXAMPLE_JOB
 
 
 def _children(kube: Kube, namespace: str) -> dict[str, list[str]]:
-    out = kube.kubectl(
-        "get",
-        "deploy,sts,svc,netpol,pvc,cm,secret,sa,rolebinding,pods",
-        "-n",
-        namespace,
-        "-l",
-        f"weightsync.io/job={JOB}",
-        "-o",
-        "json",
-    ).stdout
-    kinds: dict[str, list[str]] = {}
-    for item in json.loads(out)["items"]:
-        kinds.setdefault(item["kind"], []).append(item["metadata"]["name"])
-    return {k: sorted(v) for k, v in kinds.items()}
+    return children(kube, namespace, JOB)
 
 
 def _version(kube: Kube, kubeconfig: Path, namespace: str, version: int, phase: str) -> None:

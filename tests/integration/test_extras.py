@@ -209,6 +209,7 @@ def test_coordinator_extra_recovers_versions_from_manifests_without_torch(
 
 OPERATOR_START = """
 import json, sys
+from concurrent.futures import ThreadPoolExecutor
 import yaml
 from kubernetes import client
 from weightsync.metrics import OperatorMetrics
@@ -217,7 +218,7 @@ from weightsync_operator import Options, Settings, build_registry, children
 from weightsync_operator.kubeapi import Api
 
 # what weightsync_operator.running.run builds before kopf dials the API server (no credentials loaded)
-build_registry(Api(client.ApiClient()), Options(Settings()), OperatorMetrics.create())
+build_registry(Api(client.ApiClient()), Options(Settings()), OperatorMetrics.create(), ThreadPoolExecutor(1))
 # what its first reconcile of examples/rljob.yaml would apply
 spec = RLJobSpec.model_validate(yaml.safe_load(open(sys.argv[1]).read())["spec"])
 owner = children.Owner("grpo", "ml", "uid-1")

@@ -48,3 +48,12 @@ def test_agent_gives_up_on_a_vllm_that_never_answers() -> None:
     done = subprocess.run(weightsync_cmd("agent", *argv), capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert "vLLM at http://127.0.0.1:1 is not ready after 2s" in done.stderr
+
+
+def test_operator_refuses_a_renew_deadline_that_could_let_two_leaders_overlap() -> None:
+    args = ["operator", "--leader-elect-lease-seconds", "15", "--leader-elect-renew-deadline-seconds", "20"]
+    with pytest.raises(SystemExit) as exc:
+        main.main(args)
+    assert str(exc.value) == (
+        "weightsync operator: leader election needs 0 < retry (2.0s) < renew deadline (20.0s) < lease duration (15.0s)"
+    )

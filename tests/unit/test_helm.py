@@ -67,6 +67,33 @@ def test_default_render() -> None:
     assert check["serviceAccountName"] == pod["serviceAccountName"] and check["securityContext"]["runAsNonRoot"]
 
 
+def test_two_operator_replicas_elect_a_leader_on_the_charts_lease() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _template("--set", "operator.replicas=2")}
+    deploy = docs[("Deployment", "ws-weightsync")]
+    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"] == {"type": "RollingUpdate"}
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert {"--leader-elect-namespace=weightsync-system", "--leader-elect-name=ws-weightsync-leader"} <= set(
+        container["args"]
+    )
+    assert "--no-leader-elect" not in container["args"]
+    assert container["env"] == [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    # the Lease rights: create any (RBAC cannot name what does not exist yet), read and renew only this one
+    role = docs[("Role", "ws-weightsync-leader")]
+    assert role["metadata"]["namespace"] == "weightsync-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "update"],
+            "resourceNames": ["ws-weightsync-leader"],
+        },
+    ]
+    binding = docs[("RoleBinding", "ws-weightsync-leader")]
+    account = {"kind": "ServiceAccount", "name": "ws-weightsync", "namespace": "weightsync-system"}
+    assert binding["subjects"] == [account]
+
+
 def test_gpu_values_render() -> None:
     docs = {(d["kind"], d["metadata"]["name"]): d for d in _template("-f", str(GPU_VALUES))}
     assert docs[("ServiceMonitor", "ws-weightsync")]["metadata"]["labels"]["release"] == "kube-prometheus-stack"

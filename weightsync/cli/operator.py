@@ -4,11 +4,18 @@ Watches every namespace unless --namespace is given (repeatable). Serves a
 liveness endpoint at :<liveness-port>/healthz and Prometheus metrics at
 :<metrics-port>/metrics. Credentials come from the pod's ServiceAccount, or from
 $KUBECONFIG outside a cluster.
+
+Any number of operators may run: they elect a leader on a Lease (--leader-elect-*),
+and only the leader reconciles; the others answer /healthz and wait to take over.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from weightsync_operator.leader import Election
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +41,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics; 0 disables it")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     parser.add_argument(
+        "--no-leader-elect",
+        action="store_true",
+        help="reconcile without taking the leader Lease (only when no other operator can run)",
+    )
+    parser.add_argument(
+        "--leader-elect-namespace",
+        default="",
+        help="namespace of the Lease (default: $POD_NAMESPACE, the pod's own namespace, else 'default')",
+    )
+    parser.add_argument("--leader-elect-name", default="weightsync-operator", help="name of the Lease")
+    parser.add_argument(
+        "--leader-elect-identity", default="", help="this candidate's name (default: $POD_NAME or the host, + random)"
+    )
+    parser.add_argument(
+        "--leader-elect-lease-seconds",
+        type=float,
+        default=15.0,
+        help="a standby takes over after the Lease went this long unrenewed",
+    )
+    parser.add_argument(
+        "--leader-elect-renew-deadline-seconds",
+        type=float,
+        default=10.0,
+        help="the leader exits when it could not renew for this long (less than the lease)",
+    )
+    parser.add_argument(
+        "--leader-elect-retry-seconds", type=float, default=2.0, help="how often the Lease is renewed or tried"
+    )
+    parser.add_argument(
         "--check-uninstall",
         action="store_true",
         help="do not run: exit 1 naming the RLJobs that still exist in the watched namespaces, 0 when there are "
@@ -49,14 +85,43 @@ def run(args: argparse.Namespace) -> int:
         return _check_uninstall(args.namespace)
 
     settings = Settings(coordinator_image=args.coordinator_image, coordinator_role=args.coordinator_role)
+    try:
+        election = _election(args) if not args.no_leader_elect else None
+    except ValueError as err:
+        raise SystemExit(f"weightsync operator: {err}") from None
     run_operator(
         Options(settings=settings, resync_seconds=args.resync_seconds),
         args.namespace,
         args.liveness_port,
         args.metrics_port,
         args.log_level,
+        election,
     )
     return 0
+
+
+def _election(args: argparse.Namespace) -> Election:
+    from weightsync_operator.leader import Election, Timing, default_identity
+
+    timing = Timing(
+        lease_s=args.leader_elect_lease_seconds,
+        renew_deadline_s=args.leader_elect_renew_deadline_seconds,
+        retry_s=args.leader_elect_retry_seconds,
+    )
+    return Election(
+        namespace=args.leader_elect_namespace or _own_namespace(),
+        name=args.leader_elect_name,
+        identity=args.leader_elect_identity or default_identity(),
+        timing=timing,
+    )
+
+
+def _own_namespace() -> str:
+    import os
+    from pathlib import Path
+
+    in_pod = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return os.environ.get("POD_NAMESPACE") or (in_pod.read_text().strip() if in_pod.exists() else "default")
 
 
 def _check_uninstall(namespaces: list[str]) -> int:

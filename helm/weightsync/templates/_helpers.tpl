@@ -32,3 +32,8 @@ app.kubernetes.io/component: operator
 {{- define "weightsync.coordinatorRole" -}}
 {{- printf "%s-coordinator" (include "weightsync.fullname" .) -}}
 {{- end -}}
+
+{{/* The Lease the operators elect their leader on (in the release namespace). */}}
+{{- define "weightsync.leaderLease" -}}
+{{- printf "%s-leader" (include "weightsync.fullname" .) -}}
+{{- end -}}
