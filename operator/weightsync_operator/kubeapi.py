@@ -139,16 +139,18 @@ class Api:
             raise
         return True
 
-    def replace(self, obj: Obj, timeout: float = TIMEOUT_S) -> bool:
-        """PUT ``obj`` if its ``metadata.resourceVersion`` is still current; False when somebody wrote in between."""
+    def replace(self, obj: Obj, timeout: float = TIMEOUT_S) -> Obj | None:
+        """PUT ``obj`` if its ``metadata.resourceVersion`` is still current: the object as written, or None when
+        somebody wrote in between."""
         meta = obj["metadata"]
         try:
-            self._call("PUT", _PATHS[obj["kind"]].path(meta["namespace"], meta["name"]), body=obj, timeout=timeout)
+            return self._call(
+                "PUT", _PATHS[obj["kind"]].path(meta["namespace"], meta["name"]), body=obj, timeout=timeout
+            )
         except ApiError as err:
             if err.status == 409:
-                return False
+                return None
             raise
-        return True
 
     def delete(self, kind: str, namespace: str, name: str, propagation: str = "Background") -> bool:
         """Delete if present; True when this call deleted it."""

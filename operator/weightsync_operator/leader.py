@@ -7,9 +7,10 @@ The rules are client-go's (the ones controller-runtime operators such as KubeRay
   ``renewTime``: the hosts' clocks may disagree).
 - Every write carries the ``resourceVersion`` it read, so of two candidates racing for a free
   Lease the API server takes one and refuses the other (409).
-- The leader renews every ``retry_s``. Once it has not renewed for ``renew_deadline_s``, or it
-  sees another holder, it stops at once (``on_lost``; the operator exits the process, the only
-  way to stop reconciles running in threads). A standby takes over only after ``lease_s``
+- The leader renews every ``retry_s`` with one PUT of the Lease as it last wrote it (a standby
+  reads it with one GET per try). Once the leader has not renewed for ``renew_deadline_s``, or
+  it sees another holder, it stops at once (``on_lost``; the operator exits the process, the
+  only way to stop reconciles running in threads). A standby takes over only after ``lease_s``
   without a change, which is longer than the deadline, so the two never reconcile together.
 - A leader that stops cleanly releases the Lease (empties the holder), so a standby takes over
   at its next try instead of after ``lease_s``.
@@ -84,12 +85,19 @@ class Lease:
     """The holder the last attempt saw ("" when free or unknown)."""
     _seen: tuple[str, float] = ("", 0.0)
     """The record's resourceVersion last seen, and when (monotonic): the clock a takeover is judged by."""
+    _written: Obj | None = None
+    """The Lease as this candidate last wrote it: a leader renews it with one PUT, no GET (a 409 says somebody
+    else wrote, and the next attempt reads)."""
 
     def attempt(self, timeout: float) -> bool:
         """One try to take or renew the Lease; True when this candidate holds it afterwards."""
-        current = self.api.get(LEASE.kind, self.namespace, self.name, timeout=timeout)
         now = _now()
         mine = {"holderIdentity": self.identity, "leaseDurationSeconds": round(self.timing.lease_s), "renewTime": now}
+        if self._written is not None:
+            self._written = self.api.replace({**self._written, "spec": {**self._written["spec"], **mine}}, timeout)
+            if self._written is not None:
+                return True
+        current = self.api.get(LEASE.kind, self.namespace, self.name, timeout=timeout)
         if current is None:
             body: Obj = {
                 "apiVersion": LEASE.api_version,
@@ -97,7 +105,7 @@ class Lease:
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": {**mine, "acquireTime": now, "leaseTransitions": 0},
             }
-            won = self.api.create(body, timeout=timeout)
+            won = self.api.create(body, timeout=timeout)  # the first renewal reads what was created
             self.holder = self.identity if won else ""
             self._seen = ("", 0.0)
             return won
@@ -116,7 +124,8 @@ class Lease:
             "acquireTime": now if taking_over else spec.get("acquireTime", now),
             "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (1 if taking_over else 0),
         }
-        if not self.api.replace({**current, "spec": spec}, timeout=timeout):
+        self._written = self.api.replace({**current, "spec": spec}, timeout=timeout)
+        if self._written is None:
             return False  # somebody wrote in between: the next attempt reads who
         self.holder = self.identity
         return True
@@ -145,8 +154,9 @@ class Lease:
             while not stop.wait(self.timing.retry_s):
                 left = self.timing.renew_deadline_s - (time.monotonic() - renewed)
                 try:
-                    # two calls per attempt, each bounded so a hung one ends within the deadline
-                    if left > 0 and self.attempt(timeout=max(left / 2, 0.1)):
+                    # up to three calls per attempt (a refused PUT, the GET, the PUT), each bounded so that hung
+                    # ones end within the deadline
+                    if left > 0 and self.attempt(timeout=max(left / 3, 0.1)):
                         renewed = time.monotonic()
                         continue
                 except Exception as err:  # noqa: BLE001 - any failure is a failed renewal
