@@ -48,32 +48,32 @@ from tests.e2e.conftest import Kube, _bring_up  # noqa: E402
 from weightsync.resources import JOB_LABEL  # noqa: E402
 from weightsync_operator.names import COMPONENT_LABEL, Component  # noqa: E402
 
+OWN = "the operator's own"
+"""The key of ``request_counts`` that counts the operator's requests: API Priority and Fairness puts those of
+ServiceAccounts outside kube-system in the flow schema ``service-accounts``, and here that is the operator alone
+(KWOK runs no pod, so no job's ServiceAccount calls)."""
+OWN_FLOW = ("apiserver_flowcontrol_dispatched_requests_total{", 'flow_schema="service-accounts"')
+
 
 def request_counts(kube: Kube) -> Counter[str]:
-    """``apiserver_request_total`` by verb and resource (``"PATCH rljobs/status"``)."""
+    """``apiserver_request_total`` by verb and resource (``"PATCH rljobs/status"``), and the operator's own
+    requests under ``OWN``."""
     counts: Counter[str] = Counter()
     for line in kube.kubectl("get", "--raw", "/metrics").stdout.splitlines():
         if line.startswith("apiserver_request_total{"):
             labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
             what = labels.get("resource", "") + ("/" + labels["subresource"] if labels.get("subresource") else "")
             counts[f"{labels.get('verb', '')} {what}"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(OWN_FLOW[0]) and OWN_FLOW[1] in line:
+            counts[OWN] += float(line.rsplit(" ", 1)[1])
     return counts
 
 
-OWN_FLOW = ("apiserver_flowcontrol_dispatched_requests_total{", 'flow_schema="service-accounts"')
-
-
 def requests_total(kube: Kube) -> tuple[float, float]:
-    """Every request the API server answered, and the operator's own: API Priority and Fairness puts the requests
-    of ServiceAccounts outside kube-system in the flow schema ``service-accounts``, and here that is the operator
-    alone (KWOK runs no pod, so no job's ServiceAccount calls)."""
-    everything = own = 0.0
-    for line in kube.kubectl("get", "--raw", "/metrics").stdout.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            everything += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(OWN_FLOW[0]) and OWN_FLOW[1] in line:
-            own += float(line.rsplit(" ", 1)[1])
-    return everything, own
+    """Every request the API server answered, and the operator's own."""
+    counts = request_counts(kube)
+    own = counts.pop(OWN, 0.0)
+    return sum(counts.values()), own
 
 
 def rate(kube: Kube, window: float) -> tuple[float, float]:
@@ -264,7 +264,8 @@ def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: 
             row["suspend"] = spec_change(kube, namespace, names, True)
             # what the API server did meanwhile (the operator's writes, the controllers' and KWOK's answers)
             mix = request_counts(kube) - before
-            row["suspend"]["requests"] = {"total": sum(mix.values()), **dict(mix.most_common(12))}
+            own = mix.pop(OWN, 0.0)
+            row["suspend"]["requests"] = {"total": sum(mix.values()), "operator": own, **dict(mix.most_common(12))}
             row["resume"] = spec_change(kube, namespace, names, False)
             assert operator.proc is not None
             row["operator_after_changes"] = proc_stats(operator.proc.pid)

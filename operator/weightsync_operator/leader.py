@@ -146,7 +146,7 @@ class Lease:
             stop.wait(self.timing.retry_s)
         return False
 
-    def keep(self, on_lost: Callable[[str], None], stop: threading.Event) -> threading.Thread:
+    def keep(self, on_lost: Callable[[str], None], stop: threading.Event) -> None:
         """Renew in a daemon thread until ``stop``; call ``on_lost(why)`` once leadership may have gone."""
 
         def renew() -> None:
@@ -166,9 +166,7 @@ class Lease:
                 if time.monotonic() - renewed >= self.timing.renew_deadline_s:
                     return on_lost(f"the Lease was not renewed for {self.timing.renew_deadline_s:g}s")
 
-        thread = threading.Thread(target=renew, name="leader-lease", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=renew, name="leader-lease", daemon=True).start()
 
     def release(self) -> None:
         """Give the Lease up (if still held) so a standby takes over at its next try."""

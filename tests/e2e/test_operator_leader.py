@@ -79,7 +79,7 @@ def test_one_holder_at_a_time_and_a_leader_that_cannot_renew_stops_before_anothe
         assert lost.empty()
 
         # the leader's renewals refused by the API server: it gives up within its deadline
-        binding = f"{operator.lease}"  # the chart's Role and RoleBinding share the Lease's name
+        binding = operator.lease  # the chart's Role and RoleBinding share the Lease's name
         saved = json.loads(kube.kubectl("get", "rolebinding", binding, "-n", operator.system, "-o", "json").stdout)
         last_renewal = _time(_lease(kube, operator)["renewTime"])
         revoked = time.monotonic()
