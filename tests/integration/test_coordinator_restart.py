@@ -135,7 +135,12 @@ def test_ready_state_survives_a_coordinator_kill(tmp_path: Path) -> None:
         states = {v.version: (v.state, v.durable, v.manifest_checksum) for v in observer.list_versions(JOB)}
         assert states == {v1: (VersionState.SUPERSEDED, True, checksum), v2: (VersionState.READY, False, "")}
 
-        # both clients ride through the restart: renewals re-register, numbering continues
+        # both clients ride through the restart: renewals re-register, numbering continues. A version opened
+        # before r0 is back would be planned for no replica and fail (READY means acked), so wait for it.
+        deadline = time.monotonic() + 30
+        while "r0" not in {m.member_id for m in observer.get_job(JOB).members}:
+            assert time.monotonic() < deadline, "r0 did not register again after the coordinator restart"
+            time.sleep(0.1)
         v3 = trainer.open_version(3, summary, offers=[CPU_OFFER]).version
         assert v3 == v2 + 1
         trainer.report_sent(v3, "", {})
