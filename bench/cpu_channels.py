@@ -279,7 +279,7 @@ def main() -> None:
                 manifest_checksum=checksum,
                 step=version,
                 verify=False,
-                params={"root": str(root)},
+                root=str(root),
             )
             replica.apply(ticket)
             results[key].append(time.perf_counter() - t0)

@@ -33,7 +33,7 @@ from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.vocabulary import EngineState, SyncPhase
 from weightsync_inference.receipts import Identity, Receipt
-from weightsync_inference.staging import STAGED_PARAM, StageStatus, StagingUnavailable
+from weightsync_inference.staging import StageStatus, StagingUnavailable
 
 
 class EngineControl(Protocol):
@@ -230,7 +230,7 @@ class Replica:
         """Switch ``ticket``'s staged version in (waiting for its stage unless ``staged`` says it is done): the
         pause lasts for the switch only, and there is none where the engine switches between steps."""
         status = staged or self.wait_staged(ticket)
-        switch_ticket = dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True})
+        switch_ticket = dataclasses.replace(ticket, staged=True)
         if self.state is EngineState.SERVING and self.control.between_steps:
             outcome = self._between_steps(switch_ticket)
         else:

@@ -33,7 +33,7 @@ def _ticket(groups: list[list[torch.Tensor]]) -> UpdateTicket:
         [[(f"l{i}.t{j}", dtype_name(t.dtype), tuple(t.shape)) for j, t in enumerate(g)] for i, g in enumerate(groups)]
     )
     # the bucket size travels in the stream's header: the receivers are never told it
-    return UpdateTicket(1, Channel.CPU, table, table.layout_digest(), params={"bucket_bytes": 1 << 19})
+    return UpdateTicket(1, Channel.CPU, table, table.layout_digest(), bucket_bytes=1 << 19)
 
 
 def _receiver(rdv: Rendezvous, layout_digest: str, out: Path, die_after: int | None = None) -> subprocess.Popen[bytes]:

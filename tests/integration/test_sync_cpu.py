@@ -115,7 +115,7 @@ class Live:
             layout_digest=table.layout_digest(),
             manifest_checksum=manifest_checksum(manifests.manifest_path(volume, self.version).read_bytes()),
             step=self.version,
-            params={"root": str(volume)},
+            root=str(volume),
         )
 
 

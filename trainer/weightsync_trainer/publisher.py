@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from weightsync import channels, jobconfig
-from weightsync.channels import manifests
+from weightsync.channels import manifests, nccl, rules
 from weightsync.channels.base import Sender, SenderConfig, SendReport, UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
@@ -115,25 +115,6 @@ def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int =
         take_part(source)
         return SendReport()
     return sender.send(ticket, source.groups())
-
-
-def _feasible(channel: Channel, device: torch.device, nccl_domain: str, volume: Path | None) -> str:
-    """Why this process cannot send ``channel`` (empty when it can)."""
-    cuda = device.type == "cuda"
-    if channel is Channel.VOLUME and volume is None:
-        return "no checkpoint directory"
-    if channel is Channel.IPC and not cuda:
-        return "the trainer's weights are not on a GPU"
-    if channel is Channel.NIXL and not (cuda and importlib.util.find_spec("nixl") is not None):
-        return "NIXL is not importable or the weights are not on a GPU"
-    if channel is Channel.NCCL:
-        from weightsync.channels import nccl
-
-        if not nccl_domain:
-            return "the job has no NCCL domain"
-        if not cuda and nccl.transport() == "nccl":
-            return "the trainer's weights are not on a GPU"
-    return ""
 
 
 class _Tee:
@@ -228,13 +209,12 @@ class Publisher:
             raise PermanentError("the publisher's rank 0 needs a coordinator client")
         dev = torch.device(device)
         volume = Path(checkpoint_dir) if checkpoint_dir else None
-        domain = nccl_domain or (config.nccl_domain if config else "")
+        found = self._discover(dev, node, nccl_domain or (config.nccl_domain if config else ""), volume, job, volume_id)
+        offered, why = rules.usable(channels_, found, sends=True, nccl_transport=nccl.transport())
+        for ch, reason in why.items():
+            log.warning("not offering %s: %s", ch.value, reason)
         sender_config = SenderConfig(host=host, device=device, timeout_s=timeout_s, root=str(volume or ""))
-        for ch in channels_:
-            why = _feasible(ch, dev, domain, volume)
-            if why:
-                log.warning("not offering %s: %s", ch.value, why)
-                continue
+        for ch in offered:
             sender = channels.sender_class(ch).create(sender_config)
             if isinstance(sender, VolumeSender):
                 self.volume = sender
@@ -242,25 +222,34 @@ class Publisher:
                 self.senders[ch] = sender
         if not self.senders and self.volume is None:
             raise PermanentError(f"this trainer can send none of the job's channels {[c.value for c in channels_]}")
-        from weightsync.channels import batched, gpu
+        from weightsync.channels import batched
 
         batched.warm(dev)  # the digest kernel compiles now, not inside the first version's stream
 
-        caps = models.Capabilities(
-            host=node or socket.gethostname(),
-            gpu_uuids=(gpu.uuid(dev),) if dev.type == "cuda" else (),
-            channels=tuple(self._all_senders()),
-            nccl_domain=domain,
-            nixl=Channel.NIXL in self.senders,
-            volume_id=volume_id or (job if volume else ""),
-            volume_mount=str(volume or ""),
-            engine=models.EngineKind.GPU if dev.type == "cuda" else models.EngineKind.CPU,
-        )
+        caps = dataclasses.replace(found, channels=tuple(self._all_senders()), nixl=Channel.NIXL in self.senders)
         policy = models.JobPolicy.of(config) if config else None
         offers = self._offers()
         until_registered(
             lambda: client.register_trainer(job, trainer_id, caps, policy=policy, offers=offers),
             f"trainer {trainer_id}",
+        )
+
+    @staticmethod
+    def _discover(
+        dev: torch.device, node: str, domain: str, volume: Path | None, job: str, volume_id: str
+    ) -> models.Capabilities:
+        """What this trainer process can send from, for ``channels.rules`` (its channels are filled in after)."""
+        from weightsync.channels import gpu
+
+        cuda = dev.type == "cuda"
+        return models.Capabilities(
+            host=node or socket.gethostname(),
+            gpu_uuids=(gpu.uuid(dev),) if cuda else (),
+            nccl_domain=domain,
+            nixl=cuda and importlib.util.find_spec("nixl") is not None,
+            volume_id=volume_id or (job if volume else ""),
+            volume_mount=str(volume or ""),
+            engine=models.EngineKind.GPU if cuda else models.EngineKind.CPU,
         )
 
     def _all_senders(self) -> dict[Channel, Sender]:
@@ -534,6 +523,7 @@ def publish_adapter(source: LoraAdapterSource, volume: VolumeSender, version: in
         Channel.VOLUME,
         source.table(),
         step=step,
-        params={"shard_name": ADAPTER_FILE, "files": {ADAPTER_CONFIG: source.adapter_config()}},
+        shard_name=ADAPTER_FILE,
+        files={ADAPTER_CONFIG: source.adapter_config()},
     )
     return send(source, volume, ticket)

@@ -256,7 +256,10 @@ class UpdateTicket:
 
     ``table`` may be left out: the channel then carries it (and the receiver checks it
     against ``layout_digest``). ``manifest_checksum`` is what the coordinator recorded for
-    a volume version; the volume receiver refuses a manifest that does not match it.
+    a volume version; the volume receiver refuses a manifest that does not match it. The
+    channel-specific fields below are typed and checked here like the rest: a field the
+    ticket's channel cannot use is refused where the ticket is built, not ignored where
+    it is read.
     """
 
     version: int
@@ -267,33 +270,65 @@ class UpdateTicket:
     step: int = 0
     verify: bool = True
     timeout_s: float = 300.0
-    params: Mapping[str, Any] = field(default_factory=dict)
+    root: str = ""
+    """Volume: the volume's root as this replica mounts it (empty: the receiver's own)."""
+    bucket_bytes: int = 0
+    """CPU stream: the sender's bucket size (0: its default). The stream's header carries the size the sender
+    used, so the receiver never needs it."""
+    shard_name: str = ""
+    """Volume sender: write the version as this one file (a PEFT adapter folder) instead of numbered shards."""
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Volume sender: side files written beside the shards (plain file name -> text, e.g. ``adapter_config.json``)."""
+    staged: bool = False
+    """Switch in the version staged for this ticket (staged mode) instead of receiving it over the channel."""
 
     def __post_init__(self) -> None:
+        where = f"version {self.version}'s {self.channel.value} ticket"
         if self.version < 1:
             raise PermanentError(f"version must be >= 1, got {self.version}")
         if self.timeout_s <= 0:
-            raise PermanentError(f"timeout_s must be positive, got {self.timeout_s}")
+            raise PermanentError(f"{where}: timeout_s must be positive, got {self.timeout_s}")
         if self.table is not None and not len(self.table):
-            raise PermanentError(f"version {self.version}: the ticket's table is empty; leave it out instead")
+            raise PermanentError(f"{where}: the table is empty; leave it out instead")
+        if self.bucket_bytes < 0:
+            raise PermanentError(f"{where}: bucket_bytes must be >= 0 (0: the sender default), got {self.bucket_bytes}")
+        if self.bucket_bytes and self.channel is not Channel.CPU:
+            raise PermanentError(f"{where}: bucket_bytes is for the cpu stream only; leave it 0")
+        volume_only = {"root": self.root, "shard_name": self.shard_name, "files": self.files}
+        misplaced = [name for name, value in volume_only.items() if value and self.channel is not Channel.VOLUME]
+        if misplaced:
+            raise PermanentError(f"{where}: {', '.join(misplaced)} are for the volume only; leave them empty")
+        for name in ([self.shard_name] if self.shard_name else []) + list(self.files):
+            if not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise PermanentError(f"{where}: volume file name {name!r} must be a plain file name")
+        object.__setattr__(self, "files", dict(self.files))  # a copy: the ticket is frozen, so is what it holds
 
     def to_update_info(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "channel": self.channel.value,
-            "table": self.table.to_dict() if self.table is not None else None,
-            "layout_digest": self.layout_digest,
-            "manifest_checksum": self.manifest_checksum,
-            "step": self.step,
-            "verify": self.verify,
-            "timeout_s": self.timeout_s,
-            "params": dict(self.params),
-        }
+        """JSON-safe (vLLM's ``update_info``); ``from_update_info`` is its inverse."""
+        info: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "channel":
+                value = value.value
+            elif f.name == "table":
+                value = value.to_dict() if value is not None else None
+            elif f.name == "files":
+                value = dict(value)
+            info[f.name] = value
+        return info
 
     @classmethod
     def from_update_info(cls, info: Mapping[str, Any]) -> UpdateTicket:
+        """The inverse of ``to_update_info``; raises naming a missing, unknown or malformed field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(info) - known)
+        if unknown:
+            raise PermanentError(f"update_info: unknown fields {unknown}; known: {sorted(known)}")
         try:
             table = info.get("table")
+            files = info.get("files") or {}
+            if not isinstance(files, Mapping):
+                raise TypeError(f"files must be an object of name -> text, got {type(files).__name__}")
             return cls(
                 version=int(info["version"]),
                 channel=Channel.parse(str(info["channel"])),
@@ -303,10 +338,16 @@ class UpdateTicket:
                 step=int(info.get("step", 0)),
                 verify=bool(info.get("verify", True)),
                 timeout_s=float(info.get("timeout_s", 300.0)),
-                params=dict(info.get("params", {})),
+                root=str(info.get("root", "")),
+                bucket_bytes=int(info.get("bucket_bytes", 0)),
+                shard_name=str(info.get("shard_name", "")),
+                files={str(k): str(v) for k, v in files.items()},
+                staged=bool(info.get("staged", False)),
             )
         except KeyError as e:
             raise PermanentError(f"update_info lacks field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise PermanentError(f"update_info: malformed field ({e})") from None
 
     def resolve_table(self, carried: TensorTable, where: str) -> TensorTable:
         """The version's table: ``carried`` by the channel, checked against this ticket's table or layout digest."""

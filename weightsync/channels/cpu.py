@@ -61,8 +61,8 @@ from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-BUCKET_BYTES_PARAM = "bucket_bytes"
-"""A ticket param both ends read (the sender writes it into the header), so buckets never disagree."""
+HEADER_BUCKET_BYTES = "bucket_bytes"
+"""The header's field naming the bucket size the sender used, so both ends plan the same buckets."""
 MAX_HEADER_BYTES = 64 << 20
 STALL_FRACTION = 0.5
 """Of the transfer timeout, how long the sender waits for a group to take one step's bytes before dropping it."""
@@ -281,7 +281,7 @@ class CpuSender(Sender):
                 "cpu channel: no receiver joined"
                 + (f" ({'; '.join(self.failed.values())})" if self.failed else "; call take_plan() first")
             )
-        bucket_bytes = int(ticket.params.get(BUCKET_BYTES_PARAM, self.bucket_bytes))
+        bucket_bytes = ticket.bucket_bytes or self.bucket_bytes
         self._send_header(ticket, table, bucket_bytes)
         found: dict[str, str] = {}
         source = wire.table_groups(table, groups)
@@ -317,7 +317,7 @@ class CpuSender(Sender):
     def _send_header(self, ticket: UpdateTicket, table: TensorTable, bucket_bytes: int) -> None:
         """The version, the whole table and the bucket size go first, so receivers need only a version to start."""
         header = json.dumps(
-            {"version": ticket.version, "table": table.to_dict(), BUCKET_BYTES_PARAM: bucket_bytes}
+            {"version": ticket.version, "table": table.to_dict(), HEADER_BUCKET_BYTES: bucket_bytes}
         ).encode()
         size = torch.tensor([len(header)], dtype=torch.int64)
         raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -364,7 +364,7 @@ class CpuReceiver(Receiver):
             got = header["version"]
             raise IntegrityError(f"cpu channel: the sender streams version {got}, expected {ticket.version}")
         table = ticket.resolve_table(TensorTable.from_dict(header["table"]), "cpu channel")
-        return table, int(header[BUCKET_BYTES_PARAM])
+        return table, int(header[HEADER_BUCKET_BYTES])
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
         self.begin()

@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from weightsync.channels.base import Rendezvous
+from weightsync.channels.rules import LIVE_CHANNELS as LIVE_CHANNELS  # the channel rules' types are the
+from weightsync.channels.rules import Capabilities as Capabilities  # control plane's vocabulary too
+from weightsync.channels.rules import EngineKind as EngineKind
 from weightsync.errors import PermanentError
 from weightsync.jobconfig import JobConfig
 from weightsync.tensors import TensorTable, is_digest
@@ -21,20 +24,10 @@ from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 DEFAULT_PREFERENCE: tuple[Channel, ...] = (Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU, Channel.VOLUME)
 """Colocated same GPU -> ipc; same NCCL domain -> nccl; both NIXL -> nixl; CPU engine -> cpu; else volume."""
 
-LIVE_CHANNELS = frozenset({Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU})
-"""Channels a sender streams while the publisher waits: each has memberships (the sender is rank 0, each
-replica takes ``devices`` consecutive ranks) under a store prefix only planned members learn. The volume is
-not live: a replica planned on it loads a version once it is durable."""
-
 
 class Role(enum.StrEnum):
     TRAINER = "trainer"
     REPLICA = "replica"
-
-
-class EngineKind(enum.StrEnum):
-    CPU = "cpu"
-    GPU = "gpu"
 
 
 class EventKind(enum.StrEnum):
@@ -67,25 +60,6 @@ class WaitFor(enum.StrEnum):
 
 
 SETTLED_STATES = frozenset({VersionState.READY, VersionState.FAILED, VersionState.SUPERSEDED})
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What one end can do: a trainer lists channels it sends, a replica channels it receives."""
-
-    host: str = ""
-    gpu_uuids: tuple[str, ...] = ()
-    devices: int = 1
-    channels: tuple[Channel, ...] = ()
-    nccl_domain: str = ""
-    nixl: bool = False
-    volume_id: str = ""
-    volume_mount: str = ""
-    engine: EngineKind = EngineKind.CPU
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.devices <= 64:
-            raise PermanentError(f"capabilities.devices must be 1..64 (a replica's workers), got {self.devices}")
 
 
 @dataclass(frozen=True)

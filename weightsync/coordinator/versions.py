@@ -35,6 +35,7 @@ import logging
 from collections.abc import Sequence
 
 from weightsync import metrics as metrics_mod
+from weightsync.channels import rules
 from weightsync.channels.base import Offer, Rendezvous
 from weightsync.coordinator import faults, lifecycle, negotiation, streams, verdicts
 from weightsync.coordinator.jobs import Job, Member
@@ -279,11 +280,11 @@ def _fall_back(
     if planned.channel is Channel.VOLUME:
         return False
     member.fail_channel(planned.channel, state.clock.monotonic())
-    reason = negotiation.why_not(
+    reason = rules.between(
         Channel.VOLUME,
         trainer.capabilities if trainer else Capabilities(),
         trainer.offers.get(Channel.VOLUME) if trainer else None,
-        negotiation.Candidate(member.member_id, member.incarnation, member.capabilities),
+        member.capabilities,
     )
     if reason:
         return False
