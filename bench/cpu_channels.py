@@ -45,10 +45,12 @@ def _raw_gloo_receiver(rendezvous: str, nbytes: int, reps: int) -> None:
     from weightsync.channels import wire
     from weightsync.channels.base import Rendezvous
     from weightsync.channels.cpu import _Group
+    from weightsync.vocabulary import Channel
 
     rdv = Rendezvous.from_dict(json.loads(rendezvous))
     assert rdv.endpoint is not None
-    group = _Group(wire.join_store(rdv.endpoint, rdv.timeout_s), "127.0.0.1", rdv, 1)
+    store = wire.join_store(rdv.endpoint, rdv.join_timeout_s, rdv.timeout_s, Channel.CPU)
+    group = _Group(store, "127.0.0.1", rdv, 1)
     group.connect()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(reps + 1):

@@ -36,9 +36,6 @@ from weightsync_trainer.durable import Snapshot, VolumeCopies
 from weightsync_trainer.sources import WeightSource
 
 log = logging.getLogger(__name__)
-READY_AFTER_TIMEOUT_S = 1.0
-"""How long a sender's groups may still take to form once the wait for joins ran out: its receivers had the
-whole transfer timeout to join, and a joined receiver's group forms with its join."""
 
 
 class _Clock:
@@ -105,45 +102,106 @@ def open_version(
 # ---- join ------------------------------------------------------------------------------------------------------------
 
 
+class LostReports:
+    """Receivers lost while a version is under way, told to the coordinator at once (``ReportLost``), so each moves
+    to its fallback alone and before its own receive timeout. Reports go out on a thread of their own: a sender
+    loses a receiver on its sending thread, which must not wait for a round trip."""
+
+    def __init__(self, client: CoordinatorClient, version: int) -> None:
+        self.client, self.version = client, version
+        self.told: dict[str, str] = {}
+        self._queue: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-lost-v{version}", daemon=True)
+        self._thread.start()
+
+    def __call__(self, replica_id: str, why: str) -> None:
+        self._queue.put((replica_id, why))
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            batch: dict[str, str] = {}
+            item = self._queue.get()
+            while item is not None:  # what is queued goes in one call
+                batch[item[0]] = item[1]
+                if self._queue.empty():
+                    break
+                item = self._queue.get()
+            done = item is None
+            if batch:
+                self._tell(batch)
+
+    def _tell(self, lost: Mapping[str, str]) -> None:
+        try:
+            self.client.report_lost(self.version, lost)
+            self.told.update(lost)
+        except WeightsyncError as e:  # the final report (``ReportSent``) names them again
+            log.warning("v%d: could not report the lost receivers %s at once: %s", self.version, sorted(lost), e)
+
+    def close(self) -> None:
+        """Send what is queued, then stop (bounded: the client's own deadline bounds each call)."""
+        self._queue.put(None)
+        self._thread.join()
+
+
 @dataclass(frozen=True)
 class Joined:
     live: dict[Channel, Sender]
     """The senders that stream this version (each has at least one receiver whose group formed)."""
     lost: dict[str, str]
-    """Receivers left out before the first byte (replica id -> why)."""
+    """Receivers left out before the first byte (replica id -> why), reported to the coordinator already."""
     seconds: float
 
 
+JOINED_STATES = frozenset({ReplicaState.PLANNED, ReplicaState.JOINED})
+READY_GRACE_S = 1.0
+"""How long past the join deadline a sender may still take to settle its groups: a receiver reports itself joined
+once its group formed, so the groups of those the coordinator saw join are formed already."""
+
+
 def join(
-    client: CoordinatorClient, senders: Mapping[Channel, Sender], opened: models.OpenedVersion, timeout_s: float
+    client: CoordinatorClient, senders: Mapping[Channel, Sender], opened: models.OpenedVersion, lost: LostReports
 ) -> Joined:
-    """Hand each sender its receivers (groups form in the background), wait for the replicas to join, and keep the
-    senders whose groups formed."""
+    """Hand each sender its receivers (groups form in the background, each join bounded by the plan's join
+    deadline), wait for the replicas to join until that deadline, and go on with those that did: the others are
+    reported lost at once and take the version from the volume, alone."""
     clock = _Clock()
     for ch, sender in senders.items():
         sender.take_plan(opened.receivers(ch))
     live = {ch: s for ch, s in senders.items() if opened.receivers(ch)}
-    lost: dict[str, str] = {}
+    left_out: dict[str, str] = {}
     if not live:
-        return Joined(live, lost, clock.seconds())
-    joined, dropped = True, set()
+        return Joined(live, left_out, clock.seconds())
+    join_s = max(rdv.join_timeout_s for ch in live for rdv in opened.receivers(ch).values())
+    deadline = time.monotonic() + join_s
     try:
-        info = client.wait_receivers_joined(opened.version, timeout_s)
-        dropped = {r.replica_id for r in info.replicas if r.state is ReplicaState.DROPPED}
+        info = client.wait_receivers_joined(opened.version, join_s)
     except WeightsyncError as e:
         log.warning("v%d: %s; sending to those that joined", opened.version, e)
-        joined = False
-    for ch, sender in list(live.items()):
-        # formed once its receivers joined; one that is not does not get to stall the others, nor does one the
-        # coordinator dropped before it joined (its lease ran out: it never will)
-        settled = joined and not dropped.intersection(opened.receivers(ch))
         try:
-            sender.ready(timeout_s if settled else READY_AFTER_TIMEOUT_S)
+            info = client.version_info(opened.version)
+        except WeightsyncError:
+            info = None  # the coordinator is away: every planned receiver whose group formed takes part
+    for ch, sender in list(live.items()):
+        # the receivers still planned on this channel: the coordinator moved one whose side failed to the volume,
+        # and dropped one whose lease ran out (it never will join)
+        members = (
+            {r.replica_id for r in info.replicas if r.channel is ch and r.state in JOINED_STATES}
+            if info is not None
+            else set(opened.receivers(ch))
+        )
+        try:
+            out = sender.ready(max(0.0, deadline - time.monotonic()) + READY_GRACE_S, members)
         except WeightsyncError as e:
             log.warning("v%d: the %s sender is not ready: %s", opened.version, ch.value, e)
-            lost.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
+            out = {rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)}
             del live[ch]
-    return Joined(live, lost, clock.seconds())
+        left_out.update({rid: why for rid, why in out.items() if rid in members})
+    if left_out:
+        log.warning("v%d: sending without %s: %s", opened.version, sorted(left_out), left_out)
+        for rid, why in left_out.items():
+            lost(rid, why)
+    return Joined(live, left_out, clock.seconds())
 
 
 # ---- stream ----------------------------------------------------------------------------------------------------------
@@ -215,11 +273,15 @@ def stream(
     tickets: Mapping[Channel, UpdateTicket],
     receivers: Mapping[Channel, Sequence[str]],
     keep: bool,
+    lost: LostReports,
 ) -> Streamed:
     """Gather once; feed every live sender (one thread per sender when there are several); keep a copy of each group
-    for the volume when ``keep``. A sender that fails loses its ``receivers``; the gather (collective) goes on."""
+    for the volume when ``keep``. A receiver a sender loses is reported at once (``lost``); a sender that fails
+    loses its ``receivers``; the gather (collective) goes on."""
     clock = _Clock()
     snapshot: Snapshot = []
+    for sender in live.values():
+        sender.on_lost = lost
 
     def gathered() -> Iterator[list[torch.Tensor]]:
         for group in source.groups():
@@ -252,6 +314,9 @@ def stream(
     for ch, error in errors.items():
         log.warning("v%d: the %s sender failed: %s", tickets[ch].version, ch.value, error)
         failed.update({rid: f"{ch.value}: {error}" for rid in receivers[ch]})
+    for sender in live.values():
+        sender.on_lost = None
+    lost.close()
     return Streamed(digests, failed, snapshot, clock.seconds())
 
 

@@ -262,10 +262,11 @@ class Publisher:
             seconds = {"open": opened.seconds, "total": time.perf_counter() - t0}
             return self._report(0, step, VersionState.FAILED, seconds, reason=opened.reason)
         version, plan = opened.version, opened.opened
-        joined = phases.join(self.client, self.senders, plan, self.timeout_s)
+        lost = phases.LostReports(self.client, version)
+        joined = phases.join(self.client, self.senders, plan, lost)
         receivers = {ch: sorted(plan.receivers(ch)) for ch in self.senders}
         tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
-        streamed = phases.stream(self.source, joined.live, tickets, receivers, keep=self.volume is not None)
+        streamed = phases.stream(self.source, joined.live, tickets, receivers, self.volume is not None, lost)
         failed = {**streamed.failed, **joined.lost}
         digest = streamed.content_digest
         verdict = phases.settle(

@@ -8,10 +8,13 @@ contract (offers in, rendezvous out) without moving a tensor.
 A sender, on the trainer's sending rank::
 
     sender = channels.sender_class(channel).create(SenderConfig(host=pod_ip, device="cuda:0"))
+    sender.on_lost = report_at_once          # (replica, why): a receiver lost mid-version, told as it happens
     coordinator.register(offers=[sender.offer()])      # where its rendezvous listens, devices, NIXL metadata
     for each version:
         sender.take_plan(receivers)      # this version's receivers on this channel (replica -> Rendezvous):
-                                         # forms or rebuilds groups when membership or generation changes
+                                         # forms or rebuilds groups when membership or generation changes,
+                                         # each join bounded by the rendezvous' join deadline
+        left_out = sender.ready(join_deadline_left, members)   # the receivers that did not join in time
         report = sender.send(ticket, groups)   # one gather, group by group; names receivers it lost
         sender.release(ticket.version, timeout_s)   # one-sided channels: until every receiver consumed it
     sender.close()
@@ -41,11 +44,12 @@ import dataclasses
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from weightsync.errors import IntegrityError, PermanentError
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
 
@@ -135,6 +139,10 @@ class Rendezvous:
     root: str = ""
     """Volume: the volume's root as this replica mounts it."""
     timeout_s: float = 120.0
+    """How long a started transfer may stall (set by the receiving side: its update timeout)."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """How long joining may take (the store, the group's formation): the sender goes on without a receiver that has
+    not joined by then. The job's join deadline (``JobConfig.join_timeout_s``), from the plan."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.world_size < 0 or self.generation < 0 or self.epoch < 0:
@@ -144,8 +152,11 @@ class Rendezvous:
                 f"{self.channel.value} rendezvous: rank {self.rank} is outside 1..{self.world_size - 1} "
                 "(rank 0 is the sender)"
             )
-        if self.timeout_s <= 0:
-            raise PermanentError(f"{self.channel.value} rendezvous: timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise PermanentError(
+                f"{self.channel.value} rendezvous: timeout_s and join_timeout_s must be positive, got "
+                f"{self.timeout_s} and {self.join_timeout_s}"
+            )
 
     def require(self, needs: Iterable[str]) -> None:
         """Raise naming every field ``needs`` lists that this rendezvous leaves empty."""
@@ -174,7 +185,11 @@ class Rendezvous:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (vLLM's ``init_info``): the endpoint as ``host:port``, metadata as base64."""
-        d: dict[str, Any] = {"channel": self.channel.value, "timeout_s": self.timeout_s}
+        d: dict[str, Any] = {
+            "channel": self.channel.value,
+            "timeout_s": self.timeout_s,
+            "join_timeout_s": self.join_timeout_s,
+        }
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in d or not value:
@@ -211,6 +226,7 @@ class Rendezvous:
                 epoch=int(d.get("epoch", 0)),
                 root=str(d.get("root", "")),
                 timeout_s=float(d.get("timeout_s", 120.0)),
+                join_timeout_s=float(d.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S)),
             )
         except (TypeError, ValueError, binascii.Error) as e:
             raise PermanentError(f"{channel.value} rendezvous: malformed field ({e}) in {sorted(d)}") from None
@@ -397,14 +413,28 @@ class Sender(ABC):
         default keeps nothing: channels without groups need no plan.
         """
 
-    def ready(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
-        """Wait up to ``timeout_s`` for the groups ``take_plan`` started to form; give up on those that did not
-        (their receivers are reported failed by ``send``), and raise if none did. The publisher calls it before
-        the first byte, so a channel whose receivers never joined cannot stall the others' stream."""
+    def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
+        """Wait up to ``timeout_s`` (what is left of the join deadline) for the groups of ``members`` to form:
+        the receivers still planned on this channel (default: all of ``take_plan``'s; the coordinator moves one
+        whose own side failed to its fallback). Leave out every other receiver and those whose group did not form,
+        and return them (replica id -> why); raise ``TransferTimeoutError`` when none is left. The publisher calls
+        it before the first byte, so a receiver that did not join in time costs the others nothing; the default
+        has no groups to wait for."""
+        return {}
 
     @abstractmethod
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         """Send every group of ``ticket.table`` (``groups`` yields the tensors of each group, in order)."""
+
+    on_lost: Callable[[str, str], None] | None = None
+    """Set by the publisher: told (replica id, why) the moment ``send`` loses a receiver, so the coordinator moves
+    that replica to its fallback at once instead of at its own receive timeout. Called on the sending thread:
+    it must not block."""
+
+    def lose(self, replica_id: str, why: str) -> None:
+        """A receiver was lost mid-version (it died, froze, or fell too far behind): tell ``on_lost`` now."""
+        if self.on_lost is not None:
+            self.on_lost(replica_id, why)
 
     def release(self, version: int, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Return once every planned receiver consumed ``version`` (one-sided channels read the trainer's

@@ -38,7 +38,7 @@ import datetime
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import torch
@@ -236,11 +236,12 @@ class NcclSender(Sender):
             if group is not None:
                 wire.end_when_done(forming, group.abort)
 
-    def ready(self, timeout_s: float) -> None:
+    def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
         self._await(timeout_s)
         if self._group is None or not self._group.connected:
             why = self._form_error or "no receiver is planned on it"
             raise TransferTimeoutError(f"nccl channel: the group is not formed: {why}")
+        return {}
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         if ticket.table is None:
@@ -301,7 +302,7 @@ class NcclReceiver(Receiver):
     def __init__(self, rendezvous: Rendezvous, rank: int, device: str | torch.device) -> None:
         assert rendezvous.endpoint is not None
         self.device = _device(device)
-        store = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.NCCL)
         self._group = NcclGroup(store, rendezvous, rank, self.device, wire.local_address_for(rendezvous.endpoint))
         self._group.connect()
         self._tables = wire.Tables()

@@ -295,6 +295,11 @@ class CoordinatorClient:
         )
         return serde.version_info(response.info)
 
+    def report_lost(self, version: int, lost: Mapping[str, str]) -> None:
+        """Tell the coordinator, while the version is under way, which receivers a sender lost (they missed the
+        join deadline, or their channel failed): each falls back to the volume at once, alone."""
+        self._call("ReportLost", lambda: serde.report_lost_to(self.lease.lease_id, version, lost))
+
     def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:
         response = self._call(
             "MarkDurable", lambda: serde.mark_durable_request(self.job, version, manifest_path, manifest_checksum)

@@ -17,7 +17,7 @@ from weightsync.channels.rules import LIVE_CHANNELS as LIVE_CHANNELS  # the chan
 from weightsync.channels.rules import Capabilities as Capabilities  # control plane's vocabulary too
 from weightsync.channels.rules import EngineKind as EngineKind
 from weightsync.errors import PermanentError
-from weightsync.jobconfig import JobConfig
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S, JobConfig
 from weightsync.tensors import TensorTable, is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
@@ -77,6 +77,9 @@ class JobPolicy:
     all_or_nothing: bool = False
     """Every planned replica stages a version and switches it in only once the replicas the ack policy needs
     have staged it (COMMIT); a version whose policy cannot be met that way fails with no replica switched."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """Every live plan's ``Rendezvous.join_timeout_s``: receivers join within it or the sender goes on without
+    them (``JobConfig.join_timeout_s``)."""
 
     @classmethod
     def of(cls, config: JobConfig) -> JobPolicy:
@@ -88,6 +91,7 @@ class JobPolicy:
             config.retention,
             config.ready_without_acks,
             config.all_or_nothing,
+            config.join_timeout_s,
         )
 
     def __post_init__(self) -> None:
@@ -102,6 +106,8 @@ class JobPolicy:
             raise PermanentError(f"policy.version_timeout_s must be > 0, got {self.version_timeout_s}")
         if self.retention < 1:
             raise PermanentError(f"policy.retention must be >= 1, got {self.retention}")
+        if self.join_timeout_s <= 0:
+            raise PermanentError(f"policy.join_timeout_s must be > 0, got {self.join_timeout_s}")
 
 
 @dataclass(frozen=True)

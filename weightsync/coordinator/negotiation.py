@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from weightsync.channels import rules
 from weightsync.channels.base import Offer, Rendezvous
 from weightsync.coordinator.models import LIVE_CHANNELS, Capabilities, ChannelPlan
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.vocabulary import Channel
 
 
@@ -108,9 +109,11 @@ def negotiate(
     preference: Sequence[Channel],
     previous: GroupState,
     version: int = 0,
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
 ) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
     """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships
-    (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``)."""
+    (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``). Every live rendezvous
+    carries the job's join deadline (``join_timeout_s``)."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
     in_nccl: frozenset[str] = frozenset()
@@ -160,6 +163,7 @@ def negotiate(
                 agent=offer.agent,
                 metadata=offer.metadata,
                 epoch=offer.epoch,
+                join_timeout_s=join_timeout_s,
             )
             next_rank[key] += caps.devices
         else:
