@@ -112,7 +112,7 @@ def stream_transport(source: Any, reps: int) -> list[float]:
 
     table = source.table()
     sender = CpuSender()
-    rdv = direct_rendezvous(sender.offer())
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
     sender.take_plan({"drain": rdv})  # the group forms in the background; the first send waits for it
     proc = subprocess.Popen(
         [
@@ -246,7 +246,7 @@ def main() -> None:
     engine = OfflineEngine(folder, Channel.CPU, memory_fraction=0.15)
     replica = Replica(engine)
     sender = CpuSender()
-    rdv = direct_rendezvous(sender.offer())
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
     sender.take_plan({"replica-0": rdv})  # the group forms in the background while the engine joins
     replica.init_transfer(rdv.to_dict())
     version = 0

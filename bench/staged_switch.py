@@ -128,7 +128,7 @@ class StagedPair:
         else:
             self.source = RandomSource(self.table, torch.device(sender))
             self.sender = nccl.NcclSender(device=sender, timeout_s=timeout_s)
-            rdv = direct_rendezvous(self.sender.offer()).with_timeout(timeout_s)
+            rdv = direct_rendezvous(self.sender.offer(), join_timeout_s=60).with_timeout(timeout_s)
             self.sender.take_plan({"replica": rdv})
         joining = threading.Thread(target=self.updater.init, args=(rdv,))  # joins while the sender forms the group
         joining.start()

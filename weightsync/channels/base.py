@@ -232,10 +232,14 @@ class Rendezvous:
             raise PermanentError(f"{channel.value} rendezvous: malformed field ({e}) in {sorted(d)}") from None
 
 
-def direct_rendezvous(offer: Offer, devices: int = 1, group: str = "direct") -> Rendezvous:
+def direct_rendezvous(
+    offer: Offer, devices: int = 1, group: str = "direct", join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+) -> Rendezvous:
     """The rendezvous of one replica (of ``devices`` workers) planned on ``offer`` without a coordinator.
 
     For the sandbox, the tests and the benchmarks; a fleet gets its rendezvous from the coordinator's plan.
+    ``join_timeout_s`` bounds the join from ``take_plan`` on: a tool that starts its receiver after planning it
+    gives it the receiver's start-up time.
     """
     if offer.channel.value == "volume":
         raise PermanentError("the volume has no rendezvous to plan: give the receiver its root")
@@ -250,6 +254,7 @@ def direct_rendezvous(offer: Offer, devices: int = 1, group: str = "direct") -> 
         agent=offer.agent,
         metadata=offer.metadata,
         epoch=offer.epoch,
+        join_timeout_s=join_timeout_s,
     )
 
 

@@ -157,17 +157,10 @@ class _Group:
         of the process stops) until each send still queued to the peer ended, a frozen one's after gloo's timeout.
         The group is kept on a thread of its own until they did."""
         pg, self.pg = self.pg, None
-        posted, self._posted = [w for w in self._posted if not w.is_completed()], []
+        posted, self._posted = self._posted, []
         if pg is not None:
-            name = f"weightsync-cpu-release-{self.rdv.group}"
-            threading.Thread(target=_release, args=(pg, posted), name=name, daemon=True).start()
+            wire.let_go(pg, posted, f"weightsync-cpu-release-{self.rdv.group}")
             del pg
-
-
-def _release(pg: Any, posted: list[Any]) -> None:
-    while not all(w.is_completed() for w in posted):
-        time.sleep(0.05)
-    del pg, posted  # the last references: nothing is queued, so gloo's destructor returns at once
 
 
 class CpuSender(Sender):

@@ -23,6 +23,7 @@ import datetime
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -307,6 +308,21 @@ def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
             )
         got[spec.name] = digest
     return got
+
+
+def let_go(pg: Any, posted: list[Any], name: str) -> None:
+    """Drop a gloo process group without waiting for it: gloo's destructor blocks (holding the GIL, so every thread
+    of the process stops) until each send still queued to a peer ended, a frozen peer's only at the operation's
+    timeout. The group is kept on a thread of its own until the ``posted`` works it still has completed."""
+    pending = [w for w in posted if not w.is_completed()]
+
+    def release() -> None:
+        nonlocal pg
+        while not all(w.is_completed() for w in pending):
+            time.sleep(0.05)
+        pg = None  # the last reference: nothing is queued, so gloo's destructor returns at once
+
+    threading.Thread(target=release, name=name, daemon=True).start()
 
 
 def end_when_done(forming: threading.Thread, end: Callable[[], None]) -> None:
