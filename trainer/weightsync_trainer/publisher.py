@@ -108,6 +108,35 @@ def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int =
     return sender.send(ticket, source.groups())
 
 
+POD_IP_ENV = "POD_IP"
+IN_A_POD_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set by the kubelet in every container: how a process knows it runs in a pod."""
+
+
+def pod_ip(env: Mapping[str, str]) -> str:
+    """The address the live channels offer (their rendezvous listens there): ``$POD_IP``.
+
+    In a pod, it is required: without it the publisher would offer 127.0.0.1, which no replica on another node can
+    reach (the coordinator refuses to plan them against it, so they would all take the volume). Outside a pod (a
+    local run) 127.0.0.1 serves replicas on the same host, and a warning says so."""
+    address = env.get(POD_IP_ENV, "")
+    if address:
+        return address
+    if env.get(IN_A_POD_ENV):
+        raise PermanentError(
+            f"${POD_IP_ENV} is not set in this pod: the live channels would listen on 127.0.0.1, which replicas on "
+            f"other nodes cannot reach; set it from the downward API (env {POD_IP_ENV}: valueFrom.fieldRef.fieldPath "
+            "status.podIP), as the operator's trainer pods do"
+        )
+    log.warning(
+        "$%s is not set: the live channels listen on 127.0.0.1, so only replicas on this host can use them (the "
+        "coordinator plans the others on the volume); set %s to this host's address to serve other hosts",
+        POD_IP_ENV,
+        POD_IP_ENV,
+    )
+    return "127.0.0.1"
+
+
 class Publisher:
     """Publishes a source's weights to the job's fleet through its coordinator; see the module docstring."""
 
@@ -212,7 +241,8 @@ class Publisher:
         """Everything from what the operator injects into a trainer pod (docs/kubernetes.md):
         ``WEIGHTSYNC_COORDINATOR``, ``WEIGHTSYNC_TOKEN``, ``WEIGHTSYNC_TLS_CA`` (or ``WEIGHTSYNC_INSECURE=1``
         for a local run), ``WEIGHTSYNC_CONFIG`` (job.json), ``WEIGHTSYNC_CHECKPOINT_DIR``, ``RANK``,
-        ``POD_NAME``, ``POD_IP``, ``NODE_NAME``, and ``LOCAL_RANK`` for the GPU when CUDA is available."""
+        ``POD_NAME``, ``POD_IP`` (required in a pod: ``pod_ip``), ``NODE_NAME``, and ``LOCAL_RANK`` for the GPU when
+        CUDA is available."""
         config = jobconfig.load(env.get(jobconfig.ENV))
         if config is None:
             raise PermanentError(f"${jobconfig.ENV} names no job config; the operator sets it in trainer pods")
@@ -234,7 +264,7 @@ class Publisher:
             trainer_id=env.get("POD_NAME", socket.gethostname()),
             rank=rank,
             channels_=config.channels,
-            host=env.get("POD_IP", "127.0.0.1"),
+            host=pod_ip(env),
             node=env.get("NODE_NAME", ""),
             device=device,
             checkpoint_dir=env.get("WEIGHTSYNC_CHECKPOINT_DIR") or config.checkpoint_dir or None,
