@@ -154,9 +154,15 @@ class Joined:
 
 
 JOINED_STATES = frozenset({ReplicaState.PLANNED, ReplicaState.JOINED})
+JOIN_POLL_S = 0.25
+"""How often the publisher reads who joined while it waits for joins (each read is one call to the coordinator)."""
 READY_GRACE_S = 1.0
 """How long past the join deadline a sender may still take to settle its groups: a receiver reports itself joined
 once its group formed, so the groups of those the coordinator saw join are formed already."""
+
+
+def _members(info: models.VersionInfo, channel: Channel) -> set[str]:
+    return {r.replica_id for r in info.replicas if r.channel is channel and r.state in JOINED_STATES}
 
 
 def join(
@@ -174,22 +180,26 @@ def join(
         return Joined(live, left_out, clock.seconds())
     join_s = max(rdv.join_timeout_s for ch in live for rdv in opened.receivers(ch).values())
     deadline = time.monotonic() + join_s
-    try:
-        info = client.wait_receivers_joined(opened.version, join_s)
-    except WeightsyncError as e:
-        log.warning("v%d: %s; sending to those that joined", opened.version, e)
+    info: models.VersionInfo | None = None
+    met = False
+    while not met and time.monotonic() < deadline:
+        # in slices: a group that waits for all its members (NCCL) learns at once of one the coordinator moved to
+        # the volume (its own side failed: refused, no route) instead of waiting for it until the deadline
+        slice_s = min(JOIN_POLL_S, max(0.001, deadline - time.monotonic()))
         try:
-            info = client.version_info(opened.version)
-        except WeightsyncError:
-            info = None  # the coordinator is away: every planned receiver whose group formed takes part
+            info, met = client.wait_joined(opened.version, slice_s)
+        except WeightsyncError as e:
+            log.warning("v%d: the coordinator did not answer the wait for joins (%s)", opened.version, e)
+            break  # every planned receiver whose group forms by the deadline takes part
+        for ch, sender in live.items():
+            sender.narrow(_members(info, ch))
+    if not met:
+        waiting = sorted(r.replica_id for r in info.replicas if r.state is ReplicaState.PLANNED) if info else []
+        log.warning("v%d: receivers %s did not join in %gs; sending to those that did", opened.version, waiting, join_s)
     for ch, sender in list(live.items()):
         # the receivers still planned on this channel: the coordinator moved one whose side failed to the volume,
         # and dropped one whose lease ran out (it never will join)
-        members = (
-            {r.replica_id for r in info.replicas if r.channel is ch and r.state in JOINED_STATES}
-            if info is not None
-            else set(opened.receivers(ch))
-        )
+        members = _members(info, ch) if info is not None else set(opened.receivers(ch))
         try:
             out = sender.ready(max(0.0, deadline - time.monotonic()) + READY_GRACE_S, members)
         except WeightsyncError as e:

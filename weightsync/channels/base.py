@@ -418,6 +418,11 @@ class Sender(ABC):
         default keeps nothing: channels without groups need no plan.
         """
 
+    def narrow(self, members: Collection[str]) -> None:  # noqa: B027 - optional hook
+        """While its groups form: the receivers still planned on this channel (the coordinator moved the others to
+        their fallback). A group that waits for all its members (NCCL) stops waiting for the others at once; the
+        default waits for nobody."""
+
     def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
         """Wait up to ``timeout_s`` (what is left of the join deadline) for the groups of ``members`` to form:
         the receivers still planned on this channel (default: all of ``take_plan``'s; the coordinator moves one

@@ -286,10 +286,10 @@ class NcclSender(Sender):
         inside = self._in(roster) if group is not None and group.connected else set()
         out: dict[str, str] = {}
         for rid in self.members:
-            if rid in inside:
-                continue
             if self._wanted is not None and rid not in self._wanted:
                 out[rid] = "nccl channel: no longer planned on this channel (the coordinator moved it)"
+            elif rid in inside:
+                continue
             elif roster is not None and group is not None and group.connected:
                 out[rid] = (
                     f"nccl channel: not every worker of it joined group {group.rdv.group!r} within the join deadline "
@@ -298,6 +298,9 @@ class NcclSender(Sender):
             else:
                 out[rid] = f"nccl channel: the group is not formed: {self._form_error or 'no receiver joined'}"
         return out
+
+    def narrow(self, members: Collection[str]) -> None:
+        self._wanted = set(members)  # the roster being decided reads it at every poll
 
     def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
         self._wanted = set(members) if members is not None else None
@@ -321,7 +324,13 @@ class NcclSender(Sender):
             self.lose(rid, why)
         self._tables.publish(group.store, ticket.table)
         lost: dict[str, str] = {}
+        assert group.roster is not None
+        # a formed group may hold a member the coordinator has moved off since (its lease ran out, its side failed):
+        # form the group again without it before the first byte instead of waiting for it to fall silent
+        moved = {r for r in group.roster.ranks[1:] if self._wanted is not None and self._owner[r] not in self._wanted}
         try:
+            if moved:
+                self._reform(group, _Lost(moved, "no longer planned on this channel (the coordinator moved it)"), lost)
             found = self._send(group, ticket, ticket.table, groups, lost)
         except (TransferTimeoutError, RuntimeError, PermanentError) as e:
             with contextlib.suppress(RuntimeError):  # the members stop waiting for a new attempt

@@ -252,9 +252,14 @@ class CoordinatorClient:
         )
         return serde.version_info(response.info), response.condition_met
 
+    def wait_joined(self, version: int, timeout_s: float) -> tuple[VersionInfo, bool]:
+        """The version once every replica planned on a live channel joined (or moved off it, or was dropped), or
+        as it stands after ``timeout_s``; and whether they all had."""
+        return self._wait(version, WaitFor.RECEIVERS_JOINED, timeout_s)
+
     def wait_receivers_joined(self, version: int, timeout_s: float) -> VersionInfo:
         """Block until every replica planned on a live channel joined (or was dropped); raise on timeout."""
-        info, met = self._wait(version, WaitFor.RECEIVERS_JOINED, timeout_s)
+        info, met = self.wait_joined(version, timeout_s)
         if not met:
             waiting = [r.replica_id for r in info.replicas if r.state is ReplicaState.PLANNED]
             raise faults.DeadlineExceeded(f"version {version}: receivers {waiting} did not join in {timeout_s:g}s")
