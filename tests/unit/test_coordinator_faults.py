@@ -22,8 +22,11 @@ from tests.unit.test_coordinator_lifecycle import (
     statuses,
     write_manifest,
 )
+from weightsync.channels.base import Endpoint, Offer
+from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import Capabilities, Progress, Role, SentReport, WaitFor
+from weightsync.coordinator.store import MemoryStore
 from weightsync.vocabulary import Channel, ReplicaState, VersionState
 
 pytestmark = pytest.mark.unit
@@ -100,3 +103,31 @@ def test_a_lost_report_after_the_replica_loaded_changes_nothing() -> None:
     assert statuses(latest(core))["r0"] is ReplicaState.LOADED and channels(core)["r0"] is Channel.CPU
     core.report_sent(t, v, SentReport(SENT, {}))
     assert core.ack(r1, ok(v, content_digest=SENT)) is VersionState.READY
+
+
+def test_a_group_that_lost_a_member_gets_a_new_generation_even_with_the_same_members() -> None:
+    """The sender formed the group again without the lost member; if that member comes back as it was (its lease
+    ran out before the trainer's report, so no fallback kept it off the channel), every member must join a new
+    membership, not the group they think they are in."""
+    clock = ManualClock()
+    core = Coordinator(lease_ttl_s=10.0, store=MemoryStore(), clock=clock)
+    nccl = Capabilities(host="n", channels=(Channel.NCCL,), nccl_domain="rack")
+    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", 29500))
+    t = core.register("job", Role.TRAINER, "trainer", "t1", nccl, offers=(offer,)).lease_id
+    r0 = core.register("job", Role.REPLICA, "r0", "i0", nccl).lease_id
+    r1 = core.register("job", Role.REPLICA, "r1", "i1", nccl).lease_id
+    core.subscribe(r0)
+    core.subscribe(r1)
+    first = {p.replica_id: p.rendezvous for p in core.open_version(t, "job", "t1", 1, TABLE).plans}
+    assert first["r0"].same_membership(first["r1"])
+    clock.advance(6.0)
+    core.renew(t)
+    core.renew(r0)
+    clock.advance(6.0)
+    core.tick()  # r1 froze: its lease ran out, it is dropped from v1
+    assert statuses(latest(core))["r1"] is ReplicaState.DROPPED
+    core.report_lost(t, 1, {"r1": "nccl channel: silent for over the join deadline of 10s"})
+    core.subscribe(core.register("job", Role.REPLICA, "r1", "i1", nccl).lease_id)  # thawed: back as it was
+    again = {p.replica_id: p.rendezvous for p in core.open_version(t, "job", "t1", 2, TABLE).plans}
+    assert set(again) == {"r0", "r1"} and again["r0"].same_membership(again["r1"])
+    assert not again["r0"].same_membership(first["r0"]), "the survivor was planned on the group it left"

@@ -219,17 +219,17 @@ class NcclSender(Sender):
         return {self._owner[r] for r in roster.ranks[1:]} if roster is not None else set()
 
     def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
-        """One group for every receiver planned on NCCL; formed again when its generation changes or a member was
-        left out of it (its roster lacks one of the planned replicas)."""
+        """One group for every receiver planned on NCCL; formed again when its generation changes. (A membership
+        that lost a member gets a new generation from the coordinator, so every member joins again; one planned
+        again on the same generation anyway stays out of the roster it was left out of.)"""
         plans = dict(receivers)
         memberships = {(r.group, r.secret, r.generation, r.world_size) for r in plans.values()}
         if len(memberships) > 1:
             raise PermanentError(f"nccl channel: the plan names {len(memberships)} groups; one was expected")
         wanted = next(iter(plans.values()), None)
         current = self._group
-        forming = self._forming is not None
-        whole = current is not None and (forming or (current.connected and self._in(current.roster) == set(plans)))
-        if wanted is not None and whole and wanted.same_membership(current.rdv if current else None):
+        alive = current is not None and (current.connected or self._forming is not None)
+        if wanted is not None and alive and wanted.same_membership(current.rdv if current else None):
             self.members, self._wanted = plans, None
             return
         self._await()

@@ -78,6 +78,12 @@ class GroupState:
     minted: int = 0
     """The newest generation minted for the job."""
 
+    def without(self, key: str) -> GroupState:
+        """These memberships but ``key``'s: the next round mints a new generation for it even with the same members
+        (a member was lost from its group, which its sender formed again without it: the survivors and the lost one
+        must all join a new one, not the one they think they are in)."""
+        return GroupState({k: m for k, m in self.memberships.items() if k != key}, self.minted)
+
 
 def group_key(channel: Channel, replica_id: str) -> str:
     return f"{channel.value}/{replica_id}" if channel in PAIRWISE_CHANNELS else channel.value

@@ -293,6 +293,7 @@ def _fall_back(
     if planned.channel is Channel.VOLUME:
         return False
     member.fail_channel(planned.channel, state.clock.monotonic())
+    job.groups = job.groups.without(negotiation.group_key(planned.channel, member.member_id))
     reason = rules.between(
         Channel.VOLUME,
         trainer.capabilities if trainer else Capabilities(),
@@ -333,8 +334,11 @@ def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str
     settles the version."""
     for rid, why in sorted(lost.items()):
         planned, member = rec.plans.get(rid), job.members.get(rid)
-        if planned is None or planned.channel not in LIVE_CHANNELS or rec.status.get(rid) not in lifecycle.WAITING:
-            continue  # loaded already, fell back already, or dropped with its lease
+        if planned is None or planned.channel not in LIVE_CHANNELS:
+            continue  # fell back already
+        job.groups = job.groups.without(negotiation.group_key(planned.channel, rid))
+        if rec.status.get(rid) not in lifecycle.WAITING:
+            continue  # loaded already, or dropped with its lease
         error = f"the trainer's sender lost it: {why}"
         if member is not None and _fall_back(state, job, rec, member, planned, error):
             continue
