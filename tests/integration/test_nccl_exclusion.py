@@ -17,11 +17,7 @@ Every survivor's digests are the trainer's, for every tensor.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.receivers import Receivers
 from weightsync.channels import nccl
 from weightsync.channels.base import Endpoint, Offer, Rendezvous, SendReport, UpdateTicket
 from weightsync.channels.wire import dtype_name
@@ -74,45 +71,6 @@ def _plan(sender: nccl.NcclSender, replicas: tuple[str, ...]) -> dict[str, Rende
     return {p.replica_id: p.rendezvous.with_timeout(120) for p in plans}
 
 
-class Receivers:
-    """One receiver process per replica, each joining once ``go`` is written (so the join deadline is fair)."""
-
-    def __init__(self, work: Path, plan: dict[str, Rendezvous], layout: str) -> None:
-        self.work, self.go = work, work / "go"
-        self.procs = {rid: self._start(rid, rdv, layout) for rid, rdv in plan.items()}
-
-    def _start(self, rid: str, rdv: Rendezvous, layout: str) -> subprocess.Popen[bytes]:
-        files = {f"--{what}": str(self.work / f"{rid}.{what}") for what in ("joined", "ready")}
-        argv = [
-            *(sys.executable, "-m", "tests.integration.procs", "receive", "--version", "1"),
-            *("--rendezvous", json.dumps(rdv.to_dict()), "--layout-digest", layout, "--go", str(self.go)),
-            *("--out", str(self.work / f"{rid}.json"), *(x for kv in files.items() for x in kv)),
-        ]
-        return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, nccl.TRANSPORT_ENV: "gloo"})
-
-    def started(self) -> None:
-        deadline = time.monotonic() + 300  # three processes importing torch on a loaded 2-core machine
-        while not all((self.work / f"{rid}.ready").exists() for rid in self.procs):
-            assert time.monotonic() < deadline, "the receivers did not start"
-            time.sleep(0.05)
-
-    def joined(self, rids: tuple[str, ...]) -> None:
-        deadline = time.monotonic() + 60
-        while not all((self.work / f"{rid}.joined").exists() for rid in rids):
-            assert time.monotonic() < deadline, "the receivers did not join"
-            time.sleep(0.02)
-
-    def result(self, rid: str) -> dict[str, str]:
-        assert self.procs[rid].wait(timeout=120) in (0, 3)
-        out: dict[str, str] = json.loads((self.work / f"{rid}.json").read_text())
-        return out
-
-    def close(self) -> None:
-        for p in self.procs.values():
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-
-
 def _stalling(groups: list[list[torch.Tensor]], after: int, stall: threading.Event) -> Iterator[list[torch.Tensor]]:
     """The trainer's gather, holding after group ``after`` until ``stall`` is set (the test injects its fault)."""
     for i, group in enumerate(groups):
@@ -137,7 +95,7 @@ def test_a_replica_that_never_joins_is_left_out_and_the_others_get_the_version(t
         receivers.started()
         t0 = time.monotonic()
         sender.take_plan(plan)
-        receivers.go.write_text("")
+        receivers.start_joining()
         left_out = sender.ready(JOIN_S + 5, members={"a", "b", "late"})
         waited = time.monotonic() - t0
         assert set(left_out) == {"late"} and "within the join deadline" in left_out["late"], left_out
@@ -147,9 +105,8 @@ def test_a_replica_that_never_joins_is_left_out_and_the_others_get_the_version(t
             assert receivers.result(rid) == report.digests
         assert len(report.digests) == 2 * GROUPS
         # the late one comes after the roster was written: it is told it is out, at once
-        (tmp_path / "late").mkdir()
         late = Receivers(tmp_path / "late", {"late": plan["late"]}, table.layout_digest())
-        late.go.write_text("")
+        late.start_joining()
         assert "was left out of attempt 1" in late.result("late")["error"]
         late.close()
     finally:
@@ -168,9 +125,9 @@ def test_a_member_lost_mid_version_is_left_out_and_the_others_finish_it(tmp_path
     try:
         receivers.started()
         sender.take_plan(plan)
-        receivers.go.write_text("")
+        receivers.start_joining()
         assert sender.ready(JOIN_S + 5, members=set(plan)) == {}
-        receivers.joined(("a", "b", "c"))
+        receivers.joined("a", "b", "c")
         ticket = UpdateTicket(1, Channel.NCCL, table, table.layout_digest())
         sending = threading.Thread(target=lambda: report.append(sender.send(ticket, _stalling(groups, 4, stall))))
         sending.start()
@@ -204,9 +161,9 @@ def test_a_member_moved_off_the_channel_is_left_out_before_the_first_byte(tmp_pa
     try:
         receivers.started()
         sender.take_plan(plan)
-        receivers.go.write_text("")
+        receivers.start_joining()
         assert sender.ready(JOIN_S + 5, members=set(plan)) == {}
-        receivers.joined(("a", "b", "c"))
+        receivers.joined("a", "b", "c")
         receivers.procs["c"].send_signal(signal.SIGSTOP)  # it will never take part again
         left_out = sender.ready(1.0, members={"a", "b"})
         assert set(left_out) == {"c"} and "the coordinator moved it" in left_out["c"]
