@@ -149,7 +149,8 @@ class Joined:
     live: dict[Channel, Sender]
     """The senders that stream this version (each has at least one receiver whose group formed)."""
     lost: dict[str, str]
-    """Receivers left out before the first byte (replica id -> why), reported to the coordinator already."""
+    """Receivers left out before the first byte (replica id -> why); those still planned on their channel were
+    reported to the coordinator already (the others it had moved or dropped itself)."""
     seconds: float
 
 
@@ -206,11 +207,11 @@ def join(
             log.warning("v%d: the %s sender is not ready: %s", opened.version, ch.value, e)
             out = {rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)}
             del live[ch]
-        left_out.update({rid: why for rid, why in out.items() if rid in members})
+        left_out.update(out)
+        for rid in sorted(members.intersection(out)):  # the others' plans moved already: nothing to tell
+            lost(rid, out[rid])
     if left_out:
         log.warning("v%d: sending without %s: %s", opened.version, sorted(left_out), left_out)
-        for rid, why in left_out.items():
-            lost(rid, why)
     return Joined(live, left_out, clock.seconds())
 
 
