@@ -12,11 +12,13 @@ moment it leaves the member out:
 - one replica is killed (SIGKILL) mid-version: gloo's collective fails at once, the survivors arrive
   at attempt 2 within the join deadline, the dead one does not.
 
-Every survivor's digests are the trainer's, for every tensor.
+Every survivor's digests are the trainer's, for every tensor. CI runs the first two faults; ``make faults``
+runs all (the others take the same paths with another trigger).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -35,8 +37,8 @@ from weightsync.coordinator.models import Capabilities
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+ALL = os.environ.get("WEIGHTSYNC_FAULTS") == "all"
 JOIN_S = 6.0
 GROUPS = 12
 """Groups of 4 MiB: more than the sockets buffer, so a frozen member holds its broadcast."""
@@ -116,6 +118,8 @@ def test_a_replica_that_never_joins_is_left_out_and_the_others_get_the_version(t
 
 @pytest.mark.parametrize("fault", ["frozen", "killed"])
 def test_a_member_lost_mid_version_is_left_out_and_the_others_finish_it(tmp_path: Path, fault: str) -> None:
+    if fault == "killed" and not ALL:
+        pytest.skip("in the full fault suite only: make faults")
     groups = _groups(2)
     table = _table(groups)
     sender, plan, lost = _sender_and_plan(("a", "b", "c"))
