@@ -33,12 +33,8 @@ CI runs a representative set; ``make faults`` runs all and writes the table to
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,145 +42,13 @@ import pytest
 
 from tests import faultrun
 from tests.hostfleet import CHANNELS, JOB, REPLICAS, Fleet
-from weightsync.errors import WeightsyncError
-from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
+from tests.isolation import FAULTS, JOIN_S, SLACK_S, Loads, timed
 from weightsync.vocabulary import ReplicaState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ALL = os.environ.get("WEIGHTSYNC_FAULTS") == "all"
 REPRESENTATIVE = {"join-dropped", "frozen-mid-transfer"}
-JOIN_S = DEFAULT_JOIN_TIMEOUT_S
-STALL_S = 2.0
-SLACK_S = 3.0
 TABLE: list[str] = []
-
-
-class Loads:
-    """When each replica's ack of the next version arrived, seen from the test's host (the coordinator read every
-    0.1 s on a client of its own), in seconds from the publish."""
-
-    def __init__(self, fleet: Fleet, after: int) -> None:
-        self.after, self.t0 = after, time.monotonic()
-        self.at: dict[str, float] = {}
-        self._client = fleet.client(timeout_s=10)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="loads", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(WeightsyncError):
-                info = self._client.list_versions(JOB, limit=1)[0]
-                now = time.monotonic() - self.t0
-                if info.version > self.after:
-                    for r in info.replicas:
-                        if r.state is ReplicaState.LOADED:
-                            self.at.setdefault(r.replica_id, now)
-            self._stop.wait(0.1)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._client.close()
-
-
-def timed(run: faultrun.Run, fault: Callable[[], None] | None = None) -> tuple[dict[str, Any], Loads]:
-    """One publish with its gather stalled after the first group; ``fault`` lands once the live replicas joined,
-    while the version streams."""
-    before = run.client.list_versions(JOB, limit=1)[0].version
-    loads = Loads(run.fleet, before)
-    seed = run.send(STALL_S)
-    if fault is not None:
-
-        def joined() -> bool:
-            info = run.client.list_versions(JOB, limit=1)[0]
-            live = [r for r in info.replicas if r.channel is not None and r.channel.value != "volume"]
-            return info.version > before and bool(live) and all(r.state is ReplicaState.JOINED for r in live)
-
-        faultrun.wait("the replicas joined the new version", joined, 60)
-        time.sleep(0.5)  # the first group goes out and lands
-        fault()
-    try:
-        return run.report(seed), loads
-    finally:
-        loads.stop()
-
-
-def restart_agent(run: faultrun.Run, host: str) -> None:
-    """A new incarnation of ``host``'s agent: the next version forms a new group with it (it must join)."""
-    run.fleet.kill(f"{host}-agent")
-    faultrun.wait(f"{host} forgotten", lambda: host not in faultrun.members(run.client), 30)
-    run.fleet.start_agent(host)
-    faultrun.wait(f"{host} registered again", lambda: host in faultrun.members(run.client), 120)
-
-
-# ---- the faults: each returns the faulty replica and the publish it hit --------------------------------------------
-
-Fault = Callable[[faultrun.Run], tuple[str, dict[str, Any], Loads]]
-
-
-def join_dropped(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-nccl"
-    restart_agent(run, host)
-    repair = run.fleet.cut(host, "trainer")
-    try:
-        report, loads = timed(run)
-    finally:
-        repair()
-    run.cleared()
-    return host, report, loads
-
-
-def join_refused(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-cpu"
-    restart_agent(run, host)
-    repair = run.fleet.refuse(host, "trainer")
-    try:
-        report, loads = timed(run)
-    finally:
-        repair()
-    run.cleared()
-    return host, report, loads
-
-
-def frozen_mid_transfer(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-nccl"
-    try:
-        report, loads = timed(run, lambda: run.fleet.freeze_host(host))
-    finally:
-        run.fleet.freeze_host(host, signal.SIGCONT)
-    run.cleared()
-    return host, report, loads
-
-
-def killed_mid_transfer(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-nccl"
-    report, loads = timed(run, lambda: run.fleet.stop_host(host))
-    run.fleet.start_replica(host)
-    run.fleet.wait_serving((host,))
-    run.cleared()
-    return host, report, loads
-
-
-def partition_after_join(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-nccl-2"
-    repairs: list[Callable[[], None]] = []
-    try:
-        report, loads = timed(run, lambda: repairs.append(run.fleet.cut(host, "trainer")))
-    finally:
-        for repair in repairs:
-            repair()
-    run.cleared()
-    return host, report, loads
-
-
-FAULTS: dict[str, Fault] = {
-    "join-dropped": join_dropped,
-    "join-refused": join_refused,
-    "frozen-mid-transfer": frozen_mid_transfer,
-    "killed-mid-transfer": killed_mid_transfer,
-    "partition-after-join": partition_after_join,
-}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weightsync.channels.base import Offer, Sender, SendReport, UpdateTicket
+from weightsync.channels.base import NoReceiver, Offer, Sender, SendReport, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.errors import RetryableError, WeightsyncError
@@ -205,7 +205,8 @@ def join(
             out = sender.ready(max(0.0, deadline - time.monotonic()) + READY_GRACE_S, members)
         except WeightsyncError as e:
             log.warning("v%d: the %s sender is not ready: %s", opened.version, ch.value, e)
-            out = {rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)}
+            named = e.left_out if isinstance(e, NoReceiver) else {}
+            out = {rid: named.get(rid, f"{ch.value}: {e}") for rid in opened.receivers(ch)}
             del live[ch]
         left_out.update(out)
         for rid in sorted(members.intersection(out)):  # the others' plans moved already: nothing to tell

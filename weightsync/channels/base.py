@@ -48,7 +48,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
 from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
@@ -386,6 +386,14 @@ class UpdateTicket:
         return carried
 
 
+class NoReceiver(TransferTimeoutError):
+    """No receiver of a sender's groups joined in time: ``left_out`` names each planned one and why."""
+
+    def __init__(self, message: str, left_out: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.left_out = dict(left_out)
+
+
 @dataclass
 class SendReport:
     """What one sender did with one version."""
@@ -427,7 +435,7 @@ class Sender(ABC):
         """Wait up to ``timeout_s`` (what is left of the join deadline) for the groups of ``members`` to form:
         the receivers still planned on this channel (default: all of ``take_plan``'s; the coordinator moves one
         whose own side failed to its fallback). Leave out every other receiver and those whose group did not form,
-        and return them (replica id -> why); raise ``TransferTimeoutError`` when none is left. The publisher calls
+        and return them (replica id -> why); raise ``NoReceiver`` (naming each) when none is left. The publisher calls
         it before the first byte, so a receiver that did not join in time costs the others nothing; the default
         has no groups to wait for."""
         return {}

@@ -55,6 +55,7 @@ import torch
 from weightsync.channels import digests, wire
 from weightsync.channels.base import (
     Endpoint,
+    NoReceiver,
     Offer,
     Placement,
     Receiver,
@@ -243,7 +244,7 @@ class CpuSender(Sender):
     def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
         left_out = self._settle(timeout_s, members)
         if not self.groups:
-            raise TransferTimeoutError(f"cpu channel: no receiver joined ({'; '.join(left_out.values())})")
+            raise NoReceiver("cpu channel: no receiver joined within the join deadline", left_out)
         return left_out
 
     def _all(self, what: str, post: Any) -> dict[str, Any]:

@@ -55,6 +55,7 @@ import torch
 from weightsync.channels import digests, gpu, rosters, wire
 from weightsync.channels.base import (
     Endpoint,
+    NoReceiver,
     Offer,
     Placement,
     Receiver,
@@ -308,7 +309,7 @@ class NcclSender(Sender):
         left_out = self._left_out()
         if self._group is None or not self._group.connected:
             why = self._form_error or "no receiver is planned on it"
-            raise TransferTimeoutError(f"nccl channel: the group is not formed: {why}")
+            raise NoReceiver(f"nccl channel: the group is not formed: {why}", left_out)
         return left_out
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
