@@ -180,8 +180,12 @@ class LightFleet:
     def publish(self, inject: Any = None) -> tuple[Any, dict[str, float]]:
         """One version (its gather stalled after the first group; ``inject()`` once the live replicas joined)."""
         self.step += 1
+        from tests.isolation import Loads
+        from weightsync.coordinator.client import CoordinatorClient
+
         newest = self.publisher.client.list_versions(limit=1)
-        loads = _Loads(self.target, newest[0].version if newest else 0)
+        after = newest[0].version if newest else 0
+        loads = Loads(CoordinatorClient(self.target, insecure=True, timeout_s=30), JOB, after)
         if inject is not None:
             threading.Thread(target=_when_joined, args=(self.target, loads.after, inject), daemon=True).start()
         try:
@@ -262,41 +266,6 @@ def _when_joined(target: str, after: int, inject: Any) -> None:
             time.sleep(0.02)
     time.sleep(0.3)  # the first group goes out
     inject()
-
-
-class _Loads:
-    def __init__(self, target: str, after: int) -> None:
-        from weightsync.coordinator.client import CoordinatorClient
-
-        self.after, self.t0, self.at = after, time.monotonic(), dict[str, float]()
-        self._client = CoordinatorClient(target, insecure=True, timeout_s=30)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        from weightsync.errors import WeightsyncError
-        from weightsync.vocabulary import ReplicaState
-
-        with contextlib.suppress(WeightsyncError, IndexError):
-            info = self._client.list_versions(JOB, limit=1)[0]
-            now = time.monotonic() - self.t0
-            if info.version > self.after:
-                for r in info.replicas:
-                    if r.state is ReplicaState.LOADED and r.channel is not None and r.channel.value != "volume":
-                        self.at.setdefault(r.replica_id, now)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._read()
-            self._stop.wait(0.1)
-
-    def stop(self) -> None:
-        """Stop reading (after one last read: an ack that came with the verdict counts at the verdict's time)."""
-        self._stop.set()
-        self._thread.join()
-        self._read()
-        self._client.close()
 
 
 def light(n: int, per_process: int) -> list[dict[str, Any]]:

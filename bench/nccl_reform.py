@@ -100,66 +100,49 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results:
     def record(name: str, seconds: float) -> None:
         rows.setdefault(name, []).append(seconds)
 
+    def trial(name: str, rep: int, takes_part: bool, make: Callable[[], Any], aside: Callable[[], Any] = int) -> None:
+        """Time ``make()`` (a communicator, through its first broadcast) on the ranks that take part; the others
+        meet them at the barrier and run ``aside``. The first rep is the warm-up."""
+        if not takes_part:
+            b.barrier()
+            aside()
+            return
+        seconds, pg = b.timed(make)
+        b.end(pg)
+        if rep:
+            record(name, seconds)
+
+    def first(pg: Any) -> Any:
+        b.first_broadcast(pg)
+        return pg
+
     everyone = list(range(world))
     for k in range(2, world + 1):
         for rep in range(args.reps + 1):
-            if rank < k:
-
-                def form(k: int = k, rep: int = rep) -> Any:
-                    pg = b.group(f"init/{k}/{rep}/", list(range(k)))
-                    b.first_broadcast(pg)
-                    return pg
-
-                seconds, pg = b.timed(form)
-                b.end(pg)
-                if rep:
-                    record(f"init {k}", seconds)
-            else:
-                b.barrier()
-    shrinkable = args.backend == "nccl" and hasattr(d.ProcessGroupNCCL, "shrink")
-    if shrinkable and world > 2:
-        survivors = everyone[:-1]
+            trial(f"init {k}", rep, rank < k, lambda k=k, rep=rep: first(b.group(f"init/{k}/{rep}/", list(range(k)))))
+    if args.backend == "nccl" and hasattr(d.ProcessGroupNCCL, "shrink") and world > 2:
         for flags_name in ("SHRINK_DEFAULT", "SHRINK_ABORT"):
             flags = getattr(d.distributed_c10d, flags_name, 0 if flags_name == "SHRINK_DEFAULT" else 1)
             for rep in range(args.reps + 1):
-                parent = b.group(f"shrink/{flags_name}/{rep}/", everyone)
-                b.first_broadcast(parent)
-                if rank in survivors:
-                    if flags_name == "SHRINK_ABORT":  # a broadcast the dead member never joins: stuck until aborted
-                        parent.broadcast([torch.ones(1, device=b.device)], b.opts)
-
-                    def shrink(parent: Any = parent, flags: int = flags) -> Any:
-                        child = parent.shrink([world - 1], flags, None)
-                        b.first_broadcast(child)
-                        return child
-
-                    seconds, child = b.timed(shrink)
-                    b.end(child)
-                    if rep:
-                        record(f"shrink ({flags_name})", seconds)
-                else:
-                    b.barrier()  # the excluded rank takes no part
+                parent = first(b.group(f"shrink/{flags_name}/{rep}/", everyone))
+                if rank < world - 1 and flags_name == "SHRINK_ABORT":
+                    # a broadcast the excluded (dead) member never joins: stuck until the shrink aborts it
+                    parent.broadcast([torch.ones(1, device=b.device)], b.opts)
+                # the excluded rank takes no part, as a dead member cannot
+                trial(f"shrink ({flags_name})", rep, rank < world - 1, lambda p=parent, f=flags: first(
+                    p.shrink([world - 1], f, None)))  # fmt: skip
                 b.end(parent)
-    split_ok = args.backend == "nccl" and hasattr(d.ProcessGroupNCCL.Options(), "split_from")
-    if split_ok and world > 2:
+    if args.backend == "nccl" and hasattr(d.ProcessGroupNCCL.Options(), "split_from") and world > 2:
         for rep in range(args.reps + 1):
-            parent = b.group(f"split-parent/{rep}/", everyone)
-            b.first_broadcast(parent)
-            if rank < world - 1:
-
-                def split(parent: Any = parent, rep: int = rep) -> Any:
-                    child = b.group(f"split/{rep}/", everyone[:-1], split_from=parent, split_color=1)
-                    b.first_broadcast(child)
-                    return child
-
-                seconds, child = b.timed(split)
-                b.end(child)
-                if rep:
-                    record("split (excluded rank alive)", seconds)
-            else:
-                b.barrier()
-                if hasattr(parent, "perform_nocolor_split"):
-                    parent.perform_nocolor_split(b.device)
+            parent = first(b.group(f"split-parent/{rep}/", everyone))
+            nocolor = getattr(parent, "perform_nocolor_split", None)
+            trial(
+                "split (excluded rank alive)",
+                rep,
+                rank < world - 1,
+                lambda p=parent, rep=rep: first(b.group(f"split/{rep}/", everyone[:-1], split_from=p, split_color=1)),
+                (lambda n=nocolor: n(b.device)) if nocolor is not None else int,
+            )
             b.end(parent)
     nbytes = args.mib << 20
     buf = torch.empty(nbytes, dtype=torch.uint8, device=b.device)

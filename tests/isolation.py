@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tests import faultrun
-from tests.hostfleet import JOB, Fleet
+from tests.hostfleet import JOB
+from weightsync.coordinator.client import CoordinatorClient
 from weightsync.errors import WeightsyncError
 from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.vocabulary import ReplicaState
@@ -30,20 +31,19 @@ SLACK_S = 3.0
 
 
 class Loads:
-    """When each replica's ack of the next version arrived, seen from the test's host (the coordinator read every
-    0.1 s on a client of its own), in seconds from the publish."""
+    """When each replica's ack of the next version (after ``after``) arrived, in seconds from the start, read from
+    the coordinator every 0.1 s on ``client`` (a client of its own: the reads run on a thread)."""
 
-    def __init__(self, fleet: Fleet, after: int) -> None:
-        self.after, self.t0 = after, time.monotonic()
+    def __init__(self, client: CoordinatorClient, job: str, after: int) -> None:
+        self.client, self.job, self.after, self.t0 = client, job, after, time.monotonic()
         self.at: dict[str, float] = {}
-        self._client = fleet.client(timeout_s=10)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loads", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        with contextlib.suppress(WeightsyncError):
-            info = self._client.list_versions(JOB, limit=1)[0]
+        with contextlib.suppress(WeightsyncError, IndexError):
+            info = self.client.list_versions(self.job, limit=1)[0]
             now = time.monotonic() - self.t0
             if info.version > self.after:
                 for r in info.replicas:
@@ -56,18 +56,19 @@ class Loads:
             self._stop.wait(0.1)
 
     def stop(self) -> None:
-        """Stop reading (after one last read: an ack that came with the verdict counts at the verdict's time)."""
+        """Stop reading (after one last read: an ack that came with the verdict counts at the verdict's time), and
+        close the client."""
         self._stop.set()
         self._thread.join()
         self._read()
-        self._client.close()
+        self.client.close()
 
 
 def timed(run: faultrun.Run, fault: Callable[[], None] | None = None) -> tuple[dict[str, Any], Loads]:
     """One publish with its gather stalled after the first group; ``fault`` lands once the live replicas joined,
     while the version streams."""
     before = run.client.list_versions(JOB, limit=1)[0].version
-    loads = Loads(run.fleet, before)
+    loads = Loads(run.fleet.client(timeout_s=10), JOB, before)
     seed = run.send(STALL_S)
     if fault is not None:
 
@@ -98,28 +99,21 @@ def restart_agent(run: faultrun.Run, host: str) -> None:
 Fault = Callable[[faultrun.Run], tuple[str, dict[str, Any], Loads]]
 
 
-def join_dropped(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-nccl"
-    restart_agent(run, host)
-    repair = run.fleet.cut(host, "trainer")
-    try:
-        report, loads = timed(run)
-    finally:
-        repair()
-    run.cleared()
-    return host, report, loads
+def at_join(host: str, refuse: bool) -> Fault:
+    """``host`` joins a new group (its agent restarted) while its route to the trainer drops every packet, or
+    (``refuse``) refuses at once."""
 
+    def inject(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
+        restart_agent(run, host)
+        repair = run.fleet.refuse(host, "trainer") if refuse else run.fleet.cut(host, "trainer")
+        try:
+            report, loads = timed(run)
+        finally:
+            repair()
+        run.cleared()
+        return host, report, loads
 
-def join_refused(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
-    host = "replica-cpu"
-    restart_agent(run, host)
-    repair = run.fleet.refuse(host, "trainer")
-    try:
-        report, loads = timed(run)
-    finally:
-        repair()
-    run.cleared()
-    return host, report, loads
+    return inject
 
 
 def frozen_mid_transfer(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]:
@@ -154,8 +148,8 @@ def partition_after_join(run: faultrun.Run) -> tuple[str, dict[str, Any], Loads]
 
 
 FAULTS: dict[str, Fault] = {
-    "join-dropped": join_dropped,
-    "join-refused": join_refused,
+    "join-dropped": at_join("replica-nccl", refuse=False),
+    "join-refused": at_join("replica-cpu", refuse=True),
     "frozen-mid-transfer": frozen_mid_transfer,
     "killed-mid-transfer": killed_mid_transfer,
     "partition-after-join": partition_after_join,

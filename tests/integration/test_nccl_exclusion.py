@@ -88,6 +88,21 @@ def _sender_and_plan(replicas: tuple[str, ...]) -> tuple[nccl.NcclSender, dict[s
     return sender, _plan(sender, replicas), lost
 
 
+def _formed(tmp_path: Path, sender: nccl.NcclSender, plan: dict[str, Rendezvous], table: TensorTable) -> Receivers:
+    """A receiver process per replica of ``plan``, all in the group the sender formed with them."""
+    receivers = Receivers(tmp_path, plan, table.layout_digest())
+    try:
+        receivers.started()
+        sender.take_plan(plan)
+        receivers.start_joining()
+        assert sender.ready(JOIN_S + 5, members=set(plan)) == {}
+        receivers.joined(*plan)
+    except BaseException:
+        receivers.close()
+        raise
+    return receivers
+
+
 def test_a_replica_that_never_joins_is_left_out_and_the_others_get_the_version(tmp_path: Path) -> None:
     groups = _groups(1)
     table = _table(groups)
@@ -123,15 +138,10 @@ def test_a_member_lost_mid_version_is_left_out_and_the_others_finish_it(tmp_path
     groups = _groups(2)
     table = _table(groups)
     sender, plan, lost = _sender_and_plan(("a", "b", "c"))
-    receivers = Receivers(tmp_path, plan, table.layout_digest())
+    receivers = _formed(tmp_path, sender, plan, table)
     stall = threading.Event()
     report: list[SendReport] = []
     try:
-        receivers.started()
-        sender.take_plan(plan)
-        receivers.start_joining()
-        assert sender.ready(JOIN_S + 5, members=set(plan)) == {}
-        receivers.joined("a", "b", "c")
         ticket = UpdateTicket(1, Channel.NCCL, table, table.layout_digest())
         sending = threading.Thread(target=lambda: report.append(sender.send(ticket, _stalling(groups, 4, stall))))
         sending.start()
@@ -161,13 +171,8 @@ def test_a_member_moved_off_the_channel_is_left_out_before_the_first_byte(tmp_pa
     groups = _groups(3)
     table = _table(groups)
     sender, plan, lost = _sender_and_plan(("a", "b", "c"))
-    receivers = Receivers(tmp_path, plan, table.layout_digest())
+    receivers = _formed(tmp_path, sender, plan, table)
     try:
-        receivers.started()
-        sender.take_plan(plan)
-        receivers.start_joining()
-        assert sender.ready(JOIN_S + 5, members=set(plan)) == {}
-        receivers.joined("a", "b", "c")
         receivers.procs["c"].send_signal(signal.SIGSTOP)  # it will never take part again
         left_out = sender.ready(1.0, members={"a", "b"})
         assert set(left_out) == {"c"} and "the coordinator moved it" in left_out["c"]
