@@ -60,6 +60,12 @@ def test_a_loopback_endpoint_is_refused_for_a_replica_on_another_host(host: str)
     assert rules.between(Channel.CPU, trainer, Offer(Channel.CPU, Endpoint("10.0.0.7", 1)), remote) == ""
 
 
-def test_loopback_tells_addresses_and_names_apart() -> None:
-    assert rules.loopback(Endpoint("127.0.0.1", 1)) and rules.loopback(Endpoint("db.localhost", 1))
-    assert not rules.loopback(Endpoint("10.1.2.3", 1)) and not rules.loopback(Endpoint("trainer.svc", 1))
+def test_host_only_tells_addresses_and_names_apart() -> None:
+    assert rules.host_only(Endpoint("127.0.0.1", 1)) == rules.host_only(Endpoint("db.localhost", 1)) == "loopback"
+    assert rules.host_only(Endpoint("169.254.3.4", 1)) == rules.host_only(Endpoint("fe80::1", 1)) == "link-local"
+    assert rules.host_only(Endpoint("224.0.0.1", 1)) == "not a host's address"
+    assert not rules.host_only(Endpoint("10.1.2.3", 1)) and not rules.host_only(Endpoint("trainer.svc", 1))
+    trainer = Capabilities(host="a", channels=ALL, nccl_domain="d")
+    remote = Capabilities(host="b", channels=(Channel.NCCL,), nccl_domain="d")
+    offer = Offer(Channel.NCCL, Endpoint("169.254.3.4", 29500))
+    assert "link-local endpoint" in rules.between(Channel.NCCL, trainer, offer, remote)

@@ -13,10 +13,10 @@ Three questions, one module, no torch (the coordinator asks the third):
 - ``LIVE_CHANNELS``: the channels a sender streams while the publisher waits (the volume
   is not live: a replica planned on it loads a version once it is durable).
 
-A live channel's endpoint is an address of the trainer's host. A loopback one reaches
-only processes on that host: a replica on another host planned against it would try a
-connection that can never succeed (with TCP's retries, for as long as its timeout), so
-``between`` refuses it, naming the variable that sets the address (``POD_IP``).
+A live channel's endpoint is an address of the trainer's host. A loopback (or link-local)
+one reaches only processes on that host: a replica on another host planned against it
+would try a connection that can never succeed (with TCP's retries, for as long as its
+timeout), so ``between`` refuses it, naming the variable that sets the address (``POD_IP``).
 """
 
 from __future__ import annotations
@@ -91,15 +91,23 @@ def usable(
     return tuple(ch for ch in wanted if ch not in why), why
 
 
-def loopback(endpoint: Endpoint) -> bool:
-    """Whether ``endpoint`` reaches only its own host (127.0.0.0/8, ::1, ``localhost``)."""
+def host_only(endpoint: Endpoint) -> str:
+    """Why ``endpoint`` reaches no other host (loopback: 127.0.0.0/8, ::1, ``localhost``; link-local; multicast),
+    empty when it may. A name other than localhost may: it is resolved where it is used."""
     host = endpoint.host.lower()
     if host == "localhost" or host.endswith(".localhost"):
-        return True
+        return "loopback"
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
-        return False  # a name: resolved where it is used
+        return ""
+    if address.is_loopback:
+        return "loopback"
+    if address.is_link_local:
+        return "link-local"
+    if address.is_multicast or address.is_unspecified:
+        return "not a host's address"
+    return ""
 
 
 def between(
@@ -141,9 +149,10 @@ def between(
     if channel in LIVE_CHANNELS:
         if offer.endpoint is None:
             return "trainer offered no rendezvous for it"
-        if loopback(offer.endpoint) and (not replica.host or replica.host != trainer.host):
+        kind = host_only(offer.endpoint)
+        if kind and (not replica.host or replica.host != trainer.host):
             return (
-                f"the trainer offered the loopback endpoint {offer.endpoint}, which a replica on another host "
+                f"the trainer offered the {kind} endpoint {offer.endpoint}, which a replica on another host "
                 f"({replica.host!r}, the trainer is on {trainer.host!r}) cannot reach; start the trainer with "
                 "POD_IP set to its pod's address"
             )
