@@ -224,6 +224,7 @@ class Agent:
             step=step,
             verify=table.verified,  # the trainer's choice: both ends of a channel must agree on it
             timeout_s=self.config.update_timeout_s,
+            join_timeout_s=plan.rendezvous.join_timeout_s,
             root=plan.rendezvous.root if plan.channel is Channel.VOLUME else "",
         )
 

@@ -209,13 +209,14 @@ class Replica:
     def wait_staged(self, ticket: UpdateTicket, poll_s: float = 0.01) -> StageStatus:
         """Wait until ``ticket``'s version is staged; ``UpdateFailed`` when its stage failed or timed out (no
         parameter was touched: the replica keeps serving what it had)."""
-        deadline = time.monotonic() + ticket.timeout_s
+        waits = ticket.join_timeout_s + ticket.timeout_s  # the sender starts at the latest at the join deadline
+        deadline = time.monotonic() + waits
         while True:
             status = self.control.stage_status()
             if status.version == ticket.version and status.state in ("staged", "failed"):
                 break
             if time.monotonic() > deadline:
-                status = StageStatus(ticket.version, "failed", f"not staged within {ticket.timeout_s:.0f}s")
+                status = StageStatus(ticket.version, "failed", f"not staged within {waits:.0f}s")
                 break
             time.sleep(poll_s)
         if status.state == "failed":

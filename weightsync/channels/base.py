@@ -291,6 +291,11 @@ class UpdateTicket:
     step: int = 0
     verify: bool = True
     timeout_s: float = 300.0
+    """How long the transfer may stall once the sender started."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """The version's join deadline (the plan's ``Rendezvous.join_timeout_s``): the sender starts at the latest
+    then, so a receiver's first wait lasts it plus ``timeout_s`` (the transfer timeout counts from the sender's
+    start, not from this receiver's join), and so must whatever waits for the receiver."""
     root: str = ""
     """Volume: the volume's root as this replica mounts it (empty: the receiver's own)."""
     bucket_bytes: int = 0
@@ -307,8 +312,11 @@ class UpdateTicket:
         where = f"version {self.version}'s {self.channel.value} ticket"
         if self.version < 1:
             raise PermanentError(f"version must be >= 1, got {self.version}")
-        if self.timeout_s <= 0:
-            raise PermanentError(f"{where}: timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise PermanentError(
+                f"{where}: timeout_s and join_timeout_s must be positive, got {self.timeout_s} and "
+                f"{self.join_timeout_s}"
+            )
         if self.table is not None and not len(self.table):
             raise PermanentError(f"{where}: the table is empty; leave it out instead")
         if self.bucket_bytes < 0:
@@ -359,6 +367,7 @@ class UpdateTicket:
                 step=int(info.get("step", 0)),
                 verify=bool(info.get("verify", True)),
                 timeout_s=float(info.get("timeout_s", 300.0)),
+                join_timeout_s=float(info.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S)),
                 root=str(info.get("root", "")),
                 bucket_bytes=int(info.get("bucket_bytes", 0)),
                 shard_name=str(info.get("shard_name", "")),

@@ -392,8 +392,7 @@ class CpuReceiver(Receiver):
         size = torch.zeros(1, dtype=torch.int64)
         # the sender starts once every receiver joined or the join deadline passed: the transfer timeout counts
         # from then, not from this receiver's join
-        rdv = self._group.rdv
-        self._group.wait(self._group.broadcast(size, rdv.join_timeout_s + rdv.timeout_s), "header size")
+        self._group.wait(self._group.broadcast(size, ticket.join_timeout_s + ticket.timeout_s), "header size")
         if not 0 < int(size) <= MAX_HEADER_BYTES:
             raise IntegrityError(f"cpu channel: header of {int(size)} bytes is outside (0, {MAX_HEADER_BYTES}]")
         raw = torch.empty(int(size), dtype=torch.uint8)

@@ -506,7 +506,7 @@ class NcclReceiver(Receiver):
         self.begin()
         # the sender puts the table there when it starts (at the latest at the join deadline): the transfer timeout
         # counts from then, not from this receiver's join
-        first_wait_s = self._group.join_timeout_s + ticket.timeout_s
+        first_wait_s = ticket.join_timeout_s + ticket.timeout_s
         table = self.table = self._tables.fetch(self._group.store, ticket, first_wait_s, Channel.NCCL)
         dests = dict(place(table)) if place is not None else {}
         done, start = 0, 0

@@ -390,8 +390,7 @@ class NixlReceiver(Receiver):
         self.device, self.receiver, self.window = _device(device), rank, window
         self.timeout_s = rendezvous.timeout_s
         self._agent = _nixl_agent(f"weightsync-replica-{rank}-{uuid.uuid4().hex[:12]}")
-        self.join_timeout_s = rendezvous.join_timeout_s
-        store = wire.join_store(rendezvous.endpoint, self.join_timeout_s, self.timeout_s, Channel.NIXL)
+        store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, self.timeout_s, Channel.NIXL)
         self._store = dist.PrefixStore(rendezvous.prefix, store)
         self._remote = rendezvous.agent
         self._load_metadata(rendezvous.metadata, f"the rendezvous' agent metadata (agent {rendezvous.agent!r})")
@@ -522,7 +521,7 @@ class NixlReceiver(Receiver):
         self.begin()
         # the sender publishes the metadata when it starts (at the latest at the join deadline): the transfer
         # timeout counts from then, not from this receiver's join
-        first_wait_s = self.join_timeout_s + ticket.timeout_s
+        first_wait_s = ticket.join_timeout_s + ticket.timeout_s
         what = f"v{ticket.version} metadata"
         raw = wait_key(self._store, f"v{ticket.version}/meta", first_wait_s, what, Channel.NIXL)
         deadline = time.monotonic() + ticket.timeout_s
