@@ -109,7 +109,6 @@ class LostReports:
 
     def __init__(self, client: CoordinatorClient, version: int) -> None:
         self.client, self.version = client, version
-        self.told: dict[str, str] = {}
         self._queue: queue.SimpleQueue[tuple[str, str] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"weightsync-lost-v{version}", daemon=True)
         self._thread.start()
@@ -134,7 +133,6 @@ class LostReports:
     def _tell(self, lost: Mapping[str, str]) -> None:
         try:
             self.client.report_lost(self.version, lost)
-            self.told.update(lost)
         except WeightsyncError as e:  # the final report (``ReportSent``) names them again
             log.warning("v%d: could not report the lost receivers %s at once: %s", self.version, sorted(lost), e)
 
