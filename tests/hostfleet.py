@@ -364,7 +364,7 @@ def running(work: Path) -> Iterator[Fleet]:
             fleet.start_coordinator()
             for host in REPLICAS:
                 fleet.start_replica(host)
-            fleet.wait_serving(REPLICAS)
+            fleet.wait_serving(REPLICAS, timeout_s=900)  # four vLLM servers starting at once on 2 cores
             fleet.start_trainer()
             yield fleet
         finally:
