@@ -330,8 +330,9 @@ def _trainers_version(state: CoreState, lease_id: str, version: int) -> tuple[Jo
 def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str]) -> None:
     """The publisher's senders lost these receivers (they missed the join deadline, or their channel failed
     mid-transfer): each one still waiting on a live plan falls back to the volume now, alone (its channel is kept
-    off for it only); one that cannot take the volume failed. The others' plans are not touched. The caller
-    settles the version."""
+    off for it only). One that cannot take the volume keeps its plan with the trainer's word recorded: its own
+    ack or its lease decides (a replica that died is dropped, and does not fail the version for the others). The
+    others' plans are not touched. The caller settles the version."""
     for rid, why in sorted(lost.items()):
         planned, member = rec.plans.get(rid), job.members.get(rid)
         if planned is None or planned.channel not in LIVE_CHANNELS:
@@ -340,10 +341,8 @@ def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str
         if rec.status.get(rid) not in lifecycle.WAITING:
             continue  # loaded already, or dropped with its lease
         error = f"the trainer's sender lost it: {why}"
-        if member is not None and _fall_back(state, job, rec, member, planned, error):
-            continue
-        rec.set(rid, ReplicaState.FAILED)
-        rec.errors[rid] = f"{error}; it has no volume to fall back to"
+        if member is None or not _fall_back(state, job, rec, member, planned, error):
+            rec.errors.setdefault(rid, f"{error}; it has no volume to fall back to")
     state.dirty = True
 
 
