@@ -50,9 +50,11 @@ unit: venv  ## only the unit tier (seconds)
 integration: venv models  ## only the integration tier (real vLLM, real processes)
 	$(PY) -m pytest tests -m integration
 
-faults: venv models  ## the full fault suite on the multi-host fleet (CI runs a representative set); table in build/
+faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a representative set); tables in build/
 	@mkdir -p build
-	WEIGHTSYNC_FAULTS=all WEIGHTSYNC_FAULTS_TABLE=build/faults.md $(PY) -m pytest tests/integration/test_fleet_hosts_faults.py
+	WEIGHTSYNC_FAULTS=all WEIGHTSYNC_FAULTS_TABLE=build/faults.md WEIGHTSYNC_ISOLATION_TABLE=build/isolation.md \
+		$(PY) -m pytest tests/integration/test_fleet_hosts_faults.py tests/integration/test_fleet_hosts_isolation.py \
+		tests/integration/test_nccl_exclusion.py
 
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py

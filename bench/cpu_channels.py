@@ -45,10 +45,12 @@ def _raw_gloo_receiver(rendezvous: str, nbytes: int, reps: int) -> None:
     from weightsync.channels import wire
     from weightsync.channels.base import Rendezvous
     from weightsync.channels.cpu import _Group
+    from weightsync.vocabulary import Channel
 
     rdv = Rendezvous.from_dict(json.loads(rendezvous))
     assert rdv.endpoint is not None
-    group = _Group(wire.join_store(rdv.endpoint, rdv.timeout_s), "127.0.0.1", rdv, 1)
+    store = wire.join_store(rdv.endpoint, rdv.join_timeout_s, rdv.timeout_s, Channel.CPU)
+    group = _Group(store, "127.0.0.1", rdv, 1)
     group.connect()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(reps + 1):
@@ -110,7 +112,7 @@ def stream_transport(source: Any, reps: int) -> list[float]:
 
     table = source.table()
     sender = CpuSender()
-    rdv = direct_rendezvous(sender.offer())
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
     sender.take_plan({"drain": rdv})  # the group forms in the background; the first send waits for it
     proc = subprocess.Popen(
         [
@@ -244,7 +246,7 @@ def main() -> None:
     engine = OfflineEngine(folder, Channel.CPU, memory_fraction=0.15)
     replica = Replica(engine)
     sender = CpuSender()
-    rdv = direct_rendezvous(sender.offer())
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
     sender.take_plan({"replica-0": rdv})  # the group forms in the background while the engine joins
     replica.init_transfer(rdv.to_dict())
     version = 0
@@ -279,7 +281,7 @@ def main() -> None:
                 manifest_checksum=checksum,
                 step=version,
                 verify=False,
-                params={"root": str(root)},
+                root=str(root),
             )
             replica.apply(ticket)
             results[key].append(time.perf_counter() - t0)

@@ -159,7 +159,7 @@ def nccl_worker(rank: int, world: int, model: str, reps: int, port: int, out: st
     box: list[str] = [""]
     if rank == 0:
         sender = nccl.NcclSender.create(SenderConfig(device=str(dev), timeout_s=60))
-        first = direct_rendezvous(sender.offer(), devices=world - 1, group="bench").with_timeout(60)
+        first = direct_rendezvous(sender.offer(), devices=world - 1, group="bench", join_timeout_s=50).with_timeout(60)
         members = {f"engine-{r}": dataclasses.replace(first, rank=r) for r in range(1, world)}
         sender.take_plan(members)  # forms the group in the background while the engines join
         box[0] = json.dumps({rid: rdv.to_dict() for rid, rdv in members.items()})
@@ -219,7 +219,7 @@ def ipc_worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
     box: list[str] = [""]
     if rank == 0:
         sender = ipc.IpcSender.create(SenderConfig(device=str(dev), timeout_s=60))
-        rdv = direct_rendezvous(sender.offer(), group="bench").with_timeout(60)
+        rdv = direct_rendezvous(sender.offer(), group="bench", join_timeout_s=50).with_timeout(60)
         sender.take_plan({"engine": rdv})
         box[0] = json.dumps(rdv.to_dict())
     dist.broadcast_object_list(box, 0)

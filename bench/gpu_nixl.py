@@ -157,7 +157,7 @@ def worker(rank: int, model: str, reps: int, port: int, out: str) -> None:
     box: list[str] = [""]
     if rank == 0:
         sender = nixl.NixlSender.create(SenderConfig(device=str(dev), timeout_s=60))
-        rdv = direct_rendezvous(sender.offer(), group="bench").with_timeout(60)
+        rdv = direct_rendezvous(sender.offer(), group="bench", join_timeout_s=50).with_timeout(60)
         sender.take_plan({"engine": rdv})
         box[0] = json.dumps(rdv.to_dict())
         srcs = gpu_channels.grouped(table, gpu_channels.trainer_tensors(table, dev))

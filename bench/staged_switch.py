@@ -46,7 +46,7 @@ from weightsync.channels.base import Endpoint, Rendezvous, UpdateTicket, WorkerC
 from weightsync.tensors import TensorTable  # noqa: E402
 from weightsync.vocabulary import Channel  # noqa: E402
 from weightsync_inference.receipts import Receipt  # noqa: E402
-from weightsync_inference.staging import STAGED_PARAM, staging_bytes  # noqa: E402
+from weightsync_inference.staging import staging_bytes  # noqa: E402
 from weightsync_inference.updates import Updater  # noqa: E402
 
 
@@ -128,7 +128,7 @@ class StagedPair:
         else:
             self.source = RandomSource(self.table, torch.device(sender))
             self.sender = nccl.NcclSender(device=sender, timeout_s=timeout_s)
-            rdv = direct_rendezvous(self.sender.offer()).with_timeout(timeout_s)
+            rdv = direct_rendezvous(self.sender.offer(), join_timeout_s=60).with_timeout(timeout_s)
             self.sender.take_plan({"replica": rdv})
         joining = threading.Thread(target=self.updater.init, args=(rdv,))  # joins while the sender forms the group
         joining.start()
@@ -156,7 +156,7 @@ class StagedPair:
     def switch(self, version: int) -> Receipt:
         """What the replica does paused: the switch through the update lifecycle."""
         self.updater.start()
-        self.updater.receive(dataclasses.replace(self.ticket(version), params={STAGED_PARAM: True}))
+        self.updater.receive(dataclasses.replace(self.ticket(version), staged=True))
         self.updater.finish()
         return self.updater.receipt
 

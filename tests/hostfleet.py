@@ -1,7 +1,7 @@
 """One fleet, every process on its own host: the setup the multi-host tests and the fault suite share.
 
 Each process runs in its own network namespace (``tests.netns``): the coordinator, the trainer
-(``tests/fleet_trainer.py``: ``Publisher.from_env`` as the README shows) and three replicas, each a
+(``tests/fleet_trainer.py``: ``Publisher.from_env`` as the README shows) and four replicas, each a
 real vLLM CPU server bound to 127.0.0.1 of its own host with its ``weightsync agent`` and the
 OpenAI-only proxy on the host's address, as in a pod. Names resolve through each host's
 /etc/hosts (``fleet-coordinator.test.svc``), nothing is reachable on another host's loopback, and
@@ -13,9 +13,13 @@ The job offers ``nccl, cpu, volume`` in that order and its NCCL domain; the NCCL
 gloo with CPU tensors (``WEIGHTSYNC_NCCL_TRANSPORT=gloo``: its own code path, rendezvous from the
 plan, generations, in-band table, in-place destinations into vLLM's parameters):
 
-- ``replica-nccl`` declares the NCCL domain and gets ``nccl``;
+- ``replica-nccl`` and ``replica-nccl-2`` declare the NCCL domain and share one ``nccl`` group (a fault
+  of one must not cost the other its version);
 - ``replica-cpu`` declares none and gets the CPU stream;
 - ``replica-volume`` receives only the volume and gets each version once it is durable.
+
+The job's join deadline is the default (``jobconfig.DEFAULT_JOIN_TIMEOUT_S``), below its 15 s transfer
+timeout.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,9 @@ JOB = "fleet"
 COORDINATOR = "fleet-coordinator.test.svc"
 PORT = 50051
 VLLM_PORT, PROXY_PORT = 8001, 8000
-REPLICAS = ("replica-nccl", "replica-cpu", "replica-volume")
+REPLICAS = ("replica-nccl", "replica-nccl-2", "replica-cpu", "replica-volume")
+CHANNELS = {"replica-nccl": "nccl", "replica-nccl-2": "nccl", "replica-cpu": "cpu", "replica-volume": "volume"}
+"""The channel each replica is planned on when nothing failed."""
 HOSTS = ("coordinator", "trainer", *REPLICAS)
 UPDATE_TIMEOUT_S = 15
 LEASE_TTL_S = 5.0
@@ -157,7 +163,7 @@ class Fleet:
         self.spawn(host, proxy, f"{host}-proxy")
 
     def start_agent(self, host: str) -> None:
-        channels = {"replica-volume": ["--channels", "volume"], "replica-cpu": ["--nccl-domain", ""]}.get(host, [])
+        channels = {"volume": ["--channels", "volume"], "cpu": ["--nccl-domain", ""], "nccl": []}[CHANNELS[host]]
         self.spawn(
             host,
             _weightsync(
@@ -167,6 +173,39 @@ class Fleet:
             ),
             f"{host}-agent",
         )  # fmt: skip
+
+    def cut(self, host: str, peer: str) -> Callable[[], None]:
+        """Drop every packet between ``host`` and ``peer`` only, silently (each side's INPUT drops the other's: no
+        reset, no error; connections time out, open ones stall); both still reach every other host. Returns the
+        repair."""
+        rules = [(host, peer), (peer, host)]
+        for on, src in rules:
+            rule = ["iptables", "-I", "INPUT", "-s", self.hosts.address(src), "-j", "DROP"]
+            assert self.hosts.run(on, rule).returncode == 0, f"iptables in {on} failed"
+
+        def repair() -> None:
+            for on, src in rules:
+                self.hosts.run(on, ["iptables", "-D", "INPUT", "-s", self.hosts.address(src), "-j", "DROP"])
+
+        return repair
+
+    def refuse(self, host: str, peer: str) -> Callable[[], None]:
+        """``host``'s connections to ``peer`` fail at once (an unreachable route: "No route to host"). Returns the
+        repair."""
+        route = ["unreachable", f"{self.hosts.address(peer)}/32"]
+        assert self.hosts.run(host, ["ip", "route", "add", *route]).returncode == 0
+
+        def repair() -> None:
+            self.hosts.run(host, ["ip", "route", "del", *route])
+
+        return repair
+
+    def freeze_host(self, host: str, sig: int = signal.SIGSTOP) -> None:
+        """Stop (or, with SIGCONT, continue) every process on ``host`` at once: a frozen VM or pod."""
+        pids = subprocess.run(["ip", "netns", "pids", self.hosts.namespace(host)], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), sig)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Signal one named process (``coordinator``, ``<replica>-agent``, ...); SIGKILL also reaps it."""
@@ -203,7 +242,8 @@ class Fleet:
 
     # ---- the trainer -------------------------------------------------------------------------------------------
 
-    def start_trainer(self) -> None:
+    def start_trainer(self, pod_ip: bool = True) -> None:
+        """The trainer on its host, as a pod runs it; ``pod_ip=False`` leaves ``POD_IP`` out (a misconfigured pod)."""
         trainer_env = self.env(
             TEST_MODEL=str(self.model),
             WEIGHTSYNC_COORDINATOR=f"{COORDINATOR}:{PORT}",
@@ -214,6 +254,8 @@ class Fleet:
             NODE_NAME="node-trainer",
             RANK="0",
         )
+        if not pod_ip:
+            del trainer_env["POD_IP"]
         self.trainer = self.hosts.popen(
             "trainer",
             _py("-m", "tests.fleet_trainer"),
@@ -322,7 +364,7 @@ def running(work: Path) -> Iterator[Fleet]:
             fleet.start_coordinator()
             for host in REPLICAS:
                 fleet.start_replica(host)
-            fleet.wait_serving(REPLICAS)
+            fleet.wait_serving(REPLICAS, timeout_s=900)  # four vLLM servers starting at once on 2 cores
             fleet.start_trainer()
             yield fleet
         finally:

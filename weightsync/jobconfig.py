@@ -21,6 +21,9 @@ from weightsync.errors import PermanentError
 from weightsync.vocabulary import Channel, PauseMode, SyncMode
 
 ENV = "WEIGHTSYNC_CONFIG"
+DEFAULT_JOIN_TIMEOUT_S = 10.0
+"""The join deadline when a job sets none: several times the slowest join measured on a loaded CPU fleet
+(docs/faults.md, "The join deadline"), far below any transfer timeout."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class JobConfig:
     """A version not acked within this is FAILED."""
     transfer_timeout_s: float = 120.0
     """A transfer stalled this long (a peer died or is unreachable) is abandoned: the replica takes the volume."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """A version's receivers join within this (counted from its open), or the sender goes on without them and they
+    take the version from the volume; also how far one receiver may fall behind the others mid-transfer."""
     retention: int = 3
     checkpoint_dir: str = ""
     nccl_domain: str = ""
@@ -49,6 +55,12 @@ class JobConfig:
     """Staged mode only: replicas switch a version in only once the ack policy's replicas staged it."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.join_timeout_s < self.transfer_timeout_s:
+            raise PermanentError(
+                f"job config: sync.joinTimeoutSeconds ({self.join_timeout_s:g}) must be above 0 and below "
+                f"sync.transferTimeoutSeconds ({self.transfer_timeout_s:g}): the join deadline is the short one, the "
+                "transfer timeout bounds a transfer that started"
+            )
         if self.transfer_timeout_s >= self.timeout_s:
             raise PermanentError(
                 f"job config: sync.transferTimeoutSeconds ({self.transfer_timeout_s:g}) must be below "
@@ -67,6 +79,7 @@ class JobConfig:
                 ack_quorum=quorum,
                 timeout_s=float(sync.get("timeoutSeconds", 600)),
                 transfer_timeout_s=float(sync.get("transferTimeoutSeconds", 120)),
+                join_timeout_s=float(sync.get("joinTimeoutSeconds", DEFAULT_JOIN_TIMEOUT_S)),
                 retention=int(sync.get("retention", 3)),
                 checkpoint_dir=str(data.get("checkpointDir", "")),
                 nccl_domain=str(data.get("ncclDomain", "")),
@@ -89,6 +102,7 @@ class JobConfig:
                 **({"quorum": self.ack_quorum} if self.ack_quorum else {}),
                 "timeoutSeconds": self.timeout_s,
                 "transferTimeoutSeconds": self.transfer_timeout_s,
+                "joinTimeoutSeconds": self.join_timeout_s,
                 "retention": self.retention,
                 "everySteps": self.every_steps,
                 "readyWithoutAcks": self.ready_without_acks,

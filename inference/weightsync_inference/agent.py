@@ -34,6 +34,7 @@ fail-stop rule: a torn replica stays paused until a whole version loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -42,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightsync.channels import rules
 from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
@@ -93,42 +95,25 @@ class _Refused:
     retry_at: float
 
 
-def receivable(config: AgentConfig, workers: Sequence[Identity]) -> tuple[tuple[Channel, ...], dict[Channel, str]]:
-    """The job's channels this replica's engine can receive, and why it cannot receive the others."""
+def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Capabilities:
+    """What this replica discovered of its engine, with the job's channels it can receive (``channels.rules``)."""
     from weightsync.channels import nccl
 
     gpu = bool(workers) and all(w.gpu for w in workers)
-    why: dict[Channel, str] = {}
-    for ch in config.channels:
-        if ch is Channel.CPU and gpu:
-            why[ch] = "the engine runs on GPUs"
-        elif ch is Channel.NCCL and not config.nccl_domain:
-            why[ch] = "the job has no NCCL domain"
-        elif (ch is Channel.NCCL and not gpu and nccl.transport() == "nccl") or (ch is Channel.IPC and not gpu):
-            why[ch] = "the engine runs on the CPU"
-        elif ch is Channel.NIXL and not (gpu and all(w.nixl for w in workers)):
-            why[ch] = "NIXL is not importable in every worker"
-        elif ch is Channel.VOLUME and config.volume is None:
-            why[ch] = "no checkpoint volume mounted"
-    return tuple(ch for ch in config.channels if ch not in why), why
-
-
-def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Capabilities:
-    channels, why = receivable(config, workers)
-    for ch, reason in why.items():
-        log.info("replica %s does not receive %s: %s", config.replica_id, ch.value, reason)
-    gpu = bool(workers) and all(w.gpu for w in workers)
-    return models.Capabilities(
+    found = models.Capabilities(
         host=config.host,
         gpu_uuids=tuple(w.gpu_uuid for w in workers if w.gpu_uuid),
         devices=max(1, len(workers)),
-        channels=channels,
         nccl_domain=config.nccl_domain,
         nixl=gpu and all(w.nixl for w in workers),
         volume_id=config.volume_id if config.volume else "",
         volume_mount=str(config.volume or ""),
         engine=models.EngineKind.GPU if gpu else models.EngineKind.CPU,
     )
+    channels, why = rules.usable(config.channels, found, sends=False, nccl_transport=nccl.transport())
+    for ch, reason in why.items():
+        log.info("replica %s does not receive %s: %s", config.replica_id, ch.value, reason)
+    return dataclasses.replace(found, channels=channels)
 
 
 def served_version(control: EngineControl) -> int:
@@ -226,7 +211,6 @@ class Agent:
     def _ticket(
         self, version: int, plan: models.ChannelPlan, table: models.TableSummary, step: int = 0
     ) -> UpdateTicket:
-        params = {"root": plan.rendezvous.root} if plan.channel is Channel.VOLUME else {}
         if plan.channel is Channel.VOLUME and not plan.manifest_checksum:
             raise WeightsyncError(
                 f"version {version} would load from the volume, but the coordinator recorded no manifest checksum "
@@ -240,7 +224,8 @@ class Agent:
             step=step,
             verify=table.verified,  # the trainer's choice: both ends of a channel must agree on it
             timeout_s=self.config.update_timeout_s,
-            params=params,
+            join_timeout_s=plan.rendezvous.join_timeout_s,
+            root=plan.rendezvous.root if plan.channel is Channel.VOLUME else "",
         )
 
     def _join(self, plan: models.ChannelPlan) -> None:

@@ -177,7 +177,9 @@ class HttpEngine:
         self._call("POST", "/start_weight_update")
 
     def update(self, update_info: dict[str, Any]) -> None:
-        timeout = float(update_info.get("timeout_s", self.transfer_timeout_s)) + ENGINE_GRACE_S
+        # the receiver's first wait lasts the join deadline and the transfer timeout (``UpdateTicket.join_timeout_s``)
+        transfer = float(update_info.get("timeout_s", self.transfer_timeout_s))
+        timeout = transfer + float(update_info.get("join_timeout_s", 0)) + ENGINE_GRACE_S
         self._call("POST", "/update_weights", body={"update_info": update_info}, timeout_s=timeout)
 
     def finish(self, version: str) -> None:

@@ -33,7 +33,7 @@ from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.vocabulary import EngineState, SyncPhase
 from weightsync_inference.receipts import Identity, Receipt
-from weightsync_inference.staging import STAGED_PARAM, StageStatus, StagingUnavailable
+from weightsync_inference.staging import StageStatus, StagingUnavailable
 
 
 class EngineControl(Protocol):
@@ -209,13 +209,14 @@ class Replica:
     def wait_staged(self, ticket: UpdateTicket, poll_s: float = 0.01) -> StageStatus:
         """Wait until ``ticket``'s version is staged; ``UpdateFailed`` when its stage failed or timed out (no
         parameter was touched: the replica keeps serving what it had)."""
-        deadline = time.monotonic() + ticket.timeout_s
+        waits = ticket.join_timeout_s + ticket.timeout_s  # the sender starts at the latest at the join deadline
+        deadline = time.monotonic() + waits
         while True:
             status = self.control.stage_status()
             if status.version == ticket.version and status.state in ("staged", "failed"):
                 break
             if time.monotonic() > deadline:
-                status = StageStatus(ticket.version, "failed", f"not staged within {ticket.timeout_s:.0f}s")
+                status = StageStatus(ticket.version, "failed", f"not staged within {waits:.0f}s")
                 break
             time.sleep(poll_s)
         if status.state == "failed":
@@ -230,7 +231,7 @@ class Replica:
         """Switch ``ticket``'s staged version in (waiting for its stage unless ``staged`` says it is done): the
         pause lasts for the switch only, and there is none where the engine switches between steps."""
         status = staged or self.wait_staged(ticket)
-        switch_ticket = dataclasses.replace(ticket, params={**ticket.params, STAGED_PARAM: True})
+        switch_ticket = dataclasses.replace(ticket, staged=True)
         if self.state is EngineState.SERVING and self.control.between_steps:
             outcome = self._between_steps(switch_ticket)
         else:

@@ -39,8 +39,6 @@ from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
 from weightsync.tensors import ALIGNMENT, TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel, SyncPhase
 
-STAGED_PARAM = "staged"
-"""A ticket param: this update switches in the version staged for it instead of receiving over the channel."""
 STAGE_NICE = 19  # the staging thread's nice value (the engine's is 0): it gets the cores generation leaves
 
 
@@ -306,4 +304,4 @@ class StagedReceiver(Receiver):
             yield rest
 
 
-__all__ = ["STAGED_PARAM", "StageStatus", "StagedReceiver", "Stager", "StagingUnavailable", "merge", "staging_bytes"]
+__all__ = ["StageStatus", "StagedReceiver", "Stager", "StagingUnavailable", "merge", "staging_bytes"]

@@ -36,7 +36,7 @@ from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, SyncPhase
 from weightsync_inference.receipts import Receipt
-from weightsync_inference.staging import STAGED_PARAM, Stager
+from weightsync_inference.staging import Stager
 
 
 class Model(Protocol):
@@ -96,12 +96,12 @@ class Updater:
         self.stager.begin(ticket, self._receiver_for(ticket), nbytes)
 
     def _receiver_for(self, ticket: UpdateTicket) -> Receiver:
-        if ticket.params.get(STAGED_PARAM):
+        if ticket.staged:
             return self.stager.receiver(ticket)
         receiver = self.receivers.get(ticket.channel)
-        if receiver is None and ticket.channel is Channel.VOLUME and ticket.params.get("root"):
+        if receiver is None and ticket.channel is Channel.VOLUME and ticket.root:
             # the volume needs no rendezvous: its root travels in the ticket
-            self.init(Rendezvous(Channel.VOLUME, root=str(ticket.params["root"])))
+            self.init(Rendezvous(Channel.VOLUME, root=ticket.root))
             receiver = self.receivers[Channel.VOLUME]
         if receiver is None:
             have = ", ".join(c.value for c in self.receivers) or "none"

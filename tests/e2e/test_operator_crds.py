@@ -59,6 +59,10 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
         ({"spec.trainer.command": []}, "spec.trainer.command"),
         ({"spec.sync.allOrNothing": True}, "spec.sync.allOrNothing needs spec.sync.mode staged"),
         ({"spec.sync.timeoutSeconds": 60}, "spec.sync.transferTimeoutSeconds must be below spec.sync.timeoutSeconds"),
+        (
+            {"spec.sync.joinTimeoutSeconds": 200},
+            "spec.sync.joinTimeoutSeconds must be below spec.sync.transferTimeoutSeconds",
+        ),
     ],
     ids=[
         "zero-replicas",
@@ -69,6 +73,7 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
         "no-command",
         "atomic-in-place",
         "transfer-timeout",
+        "join-timeout",
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(

@@ -121,7 +121,7 @@ def _replica_ticket(
 
 def _plan(sender: Sender, plans: Any, timeout_s: float = TIMEOUT_S) -> Rendezvous:
     """Plan one replica of one worker on ``sender`` and hand the replica its rendezvous (JSON, as ``init_info``)."""
-    rdv = direct_rendezvous(sender.offer()).with_timeout(timeout_s)
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=timeout_s / 2).with_timeout(timeout_s)
     sender.take_plan({REPLICA: rdv})
     plans.put(json.dumps(rdv.to_dict()))
     return rdv

@@ -2,8 +2,8 @@
 
 They talk to the test only through the channel under test and JSON files or arguments
 (a ``Rendezvous`` as ``to_dict`` writes it; nothing pickled): a CPU-stream sender that
-can die mid-stream, a CPU-stream receiver that can die mid-stream, and an FSDP2 trainer
-on two gloo ranks.
+can die mid-stream, a receiver (CPU stream or NCCL over gloo) that can die mid-stream,
+and an FSDP2 trainer on two gloo ranks.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def stream(args: argparse.Namespace) -> None:
     source = ModuleSource(model)
     table = source.table()
     sender = CpuSender("127.0.0.1", timeout_s=60, bucket_bytes=args.bucket_bytes)
-    rendezvous = direct_rendezvous(sender.offer()).with_timeout(60)
+    rendezvous = direct_rendezvous(sender.offer(), join_timeout_s=50).with_timeout(60)  # the engine joins after
     sender.take_plan({args.replica: rendezvous})
     write_json(Path(args.rendezvous_out), rendezvous.to_dict())
     groups = source.groups
@@ -63,17 +63,36 @@ def stream(args: argparse.Namespace) -> None:
 
 
 def receive(args: argparse.Namespace) -> None:
-    """One CPU-stream receiver; with --die-after N it exits hard after N groups (a replica that crashes)."""
+    """One receiver of the rendezvous' channel (the CPU stream, or NCCL over gloo); with --die-after N it exits hard
+    after N groups (a replica that crashes). With --go FILE it starts joining only once FILE exists (after writing
+    --ready), so a test can start its processes first and count the join deadline from its plan. A receiver left
+    out of its group writes ``{"error": ...}`` to --out and exits 3."""
+    import time
+
+    from weightsync import channels
     from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext
-    from weightsync.channels.cpu import CpuReceiver
-    from weightsync.vocabulary import Channel
+    from weightsync.errors import TransferTimeoutError
 
     rendezvous = Rendezvous.from_dict(json.loads(args.rendezvous))
-    receiver = CpuReceiver.start(rendezvous, WorkerContext())
+    if args.go:
+        import torch
+
+        from weightsync.channels import batched
+
+        channels.receiver_class(rendezvous.channel)  # imported, and the digest kernels warm, before the clock runs
+        batched.warm(torch.device("cpu"))
+        write_json(Path(args.ready), {})
+        while not Path(args.go).exists():
+            time.sleep(0.01)
+    try:
+        receiver = channels.receiver_class(rendezvous.channel).start(rendezvous, WorkerContext())
+    except TransferTimeoutError as e:
+        write_json(Path(args.out), {"error": str(e)})
+        sys.exit(3)
     if args.joined:
         write_json(Path(args.joined), {"group": rendezvous.group})
-    # no table: the stream's header carries it, checked against the layout digest
-    ticket = UpdateTicket(args.version, Channel.CPU, layout_digest=args.layout_digest)
+    # no table: the channel carries it (the stream's header, the NCCL store), checked against the layout digest
+    ticket = UpdateTicket(args.version, rendezvous.channel, layout_digest=args.layout_digest)
     for i, _ in enumerate(receiver.receive(ticket)):
         if i + 1 == args.die_after:
             os._exit(17)
@@ -146,6 +165,8 @@ def main() -> None:
     r.add_argument("--die-after", type=int, default=None)
     r.add_argument("--out", required=True)
     r.add_argument("--joined", default="", help="a file to write once the receiver joined its group")
+    r.add_argument("--ready", default="", help="with --go: a file to write once started, before joining")
+    r.add_argument("--go", default="", help="join only once this file exists")
     f = sub.add_parser("fsdp")
     f.add_argument("--model", required=True)
     f.add_argument("--port", type=int, required=True)

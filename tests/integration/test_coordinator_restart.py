@@ -105,7 +105,10 @@ def test_ready_state_survives_a_coordinator_kill(tmp_path: Path) -> None:
     procs: list[Any] = [replica]
     try:
         assert events.get(timeout=30)[0] == "registered"
-        caps = Capabilities(host="n", channels=(Channel.CPU, Channel.VOLUME), volume_id="vol", engine=EngineKind.CPU)
+        # on the simulated replica's host: its cpu offer is a loopback endpoint, which no other host could reach
+        caps = Capabilities(
+            host="node-a", channels=(Channel.CPU, Channel.VOLUME), volume_id="vol", engine=EngineKind.CPU
+        )
         trainer.register_trainer(JOB, "trainer", caps, offers=[Offer(Channel.VOLUME)])
         _, _, table = write_version(tmp_path / "scratch", 1, 1)  # only for the table's summary
         summary = summarize(table)

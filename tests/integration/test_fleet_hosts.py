@@ -1,9 +1,10 @@
 """One fleet, every process on its own host: weights reach replicas planned on different channels.
 
 The fleet is ``tests.hostfleet``'s (each process in its own network namespace; the NCCL channel over
-gloo): ``replica-nccl`` gets ``nccl``, ``replica-cpu`` the CPU stream, ``replica-volume`` the volume.
-Then, one at a time: the NCCL replica's route to the trainer is made unreachable (a partition
-between those two hosts only) and it takes the same version from the volume; the volume replica is
+gloo): ``replica-nccl`` and ``replica-nccl-2`` share ``nccl``, ``replica-cpu`` gets the CPU stream,
+``replica-volume`` the volume. Then, one at a time: one NCCL replica's route to the trainer is made
+unreachable (a partition between those two hosts only) and it takes the same version from the volume
+while the other NCCL replica gets it over NCCL, from a group formed without it; the volume replica is
 killed and started again and catches up; a trainer that reports another content digest than it
 sent gets every replica's ack refused. The fault suite (``test_fleet_hosts_faults.py``) goes on
 with the same fleet.
@@ -49,6 +50,7 @@ def test_one_version_reaches_replicas_on_three_channels_bit_exact(fleet: Fleet, 
     info = client.version_info(report["version"], job=JOB)
     assert _replicas(info) == {
         "replica-nccl": ("nccl", ReplicaState.LOADED),
+        "replica-nccl-2": ("nccl", ReplicaState.LOADED),
         "replica-cpu": ("cpu", ReplicaState.LOADED),
         "replica-volume": ("volume", ReplicaState.LOADED),
     }
@@ -63,17 +65,16 @@ def test_one_version_reaches_replicas_on_three_channels_bit_exact(fleet: Fleet, 
 def test_a_replica_whose_channel_fails_takes_the_same_version_from_the_volume(
     fleet: Fleet, client: CoordinatorClient
 ) -> None:
-    trainer = fleet.hosts.address("trainer")
-    partition = ["ip", "route", "add", "unreachable", f"{trainer}/32"]
-    assert fleet.hosts.run("replica-nccl", partition).returncode == 0
+    repair = fleet.refuse("replica-nccl", "trainer")
     try:
         report = fleet.publish(seed=2)
     finally:
-        fleet.hosts.run("replica-nccl", ["ip", "route", "del", "unreachable", f"{trainer}/32"])
+        repair()
     assert report["state"] == "READY", report
     assert "replica-nccl" in report["failed"], report
     info = client.version_info(report["version"], job=JOB)
     assert _replicas(info)["replica-nccl"] == ("volume", ReplicaState.LOADED)
+    assert _replicas(info)["replica-nccl-2"] == ("nccl", ReplicaState.LOADED)  # its group formed without the other
     errors = {r.replica_id: r.error for r in info.replicas}
     assert "nccl failed, loading from the volume" in errors["replica-nccl"], errors
     assert {r.content_digest for r in info.replicas} == {info.content_digest}

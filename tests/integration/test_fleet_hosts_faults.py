@@ -45,16 +45,13 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.hostfleet import JOB, LEASE_TTL_S, REPLICAS, Fleet
+from tests import faultrun
+from tests.hostfleet import JOB, LEASE_TTL_S, Fleet
 from weightsync.channels import manifests
-from weightsync.channels.volume import verify_version
-from weightsync.coordinator.client import CoordinatorClient
 from weightsync.vocabulary import ReplicaState, VersionState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -63,135 +60,11 @@ REPRESENTATIVE = {"coordinator-kill-0s", "trainer-killed-mid-publish", "partitio
 TABLE: list[tuple[str, float, float, list[int], str]] = []
 
 
-@dataclass
-class Run:
-    """One fault's run: its publishes, what they showed, and when the fault was cleared."""
-
-    fleet: Fleet
-    client: CoordinatorClient
-    seeds: dict[int, int]
-    """Version -> the seed of its weights, for every version the suite published (shared across faults)."""
-    failed: list[int] = field(default_factory=list)
-    cleared_at: float = 0.0
-    problems: list[str] = field(default_factory=list)
-
-    def send(self, stall_s: float = 0.0) -> int:
-        seed = 1000 + self.fleet.step + 1
-        self.fleet.send(seed, stall_s=stall_s)
-        return seed
-
-    def mid_publish(self, stall_s: float) -> int:
-        """Start a publish whose gather stalls after its first group; return once the replicas joined it (its
-        first bytes are on their way into their engines), with the version number."""
-        newest = self.client.list_versions(JOB, limit=1)[0].version
-        self.send(stall_s)
-
-        def joined() -> bool:
-            info = self.client.list_versions(JOB, limit=1)[0]
-            live = [r for r in info.replicas if r.channel is not None and r.channel.value != "volume"]
-            return info.version > newest and bool(live) and all(r.state is ReplicaState.JOINED for r in live)
-
-        _wait("the replicas joined the new version", joined, 60)
-        time.sleep(0.5)  # the first group goes out and lands
-        return self.client.list_versions(JOB, limit=1)[0].version
-
-    def report(self, seed: int) -> dict[str, Any]:
-        report = self.fleet.report()
-        version = report["version"]
-        if version:
-            self.seeds[version] = seed
-            info = self.client.version_info(version, job=JOB)
-            if info.state is VersionState.FAILED:
-                self.failed.append(version)
-            loaded = [r.replica_id for r in info.replicas if r.state is ReplicaState.LOADED]
-            if info.state is VersionState.READY and not loaded:
-                self.problems.append(f"v{version} went READY with no replica loaded: {info.reason}")
-        return report
-
-    def publish(self) -> dict[str, Any]:
-        return self.report(self.send())
-
-    def cleared(self) -> None:
-        self.cleared_at = time.monotonic()
-
-
-def _members(client: CoordinatorClient) -> dict[str, int]:
-    return {m.member_id: m.current_version for m in client.get_job(JOB).members if m.role.value == "replica"}
-
-
-def _wait(what: str, done: Callable[[], bool], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f}s"
-        time.sleep(0.25)
-
-
-def _converge(run: Run) -> tuple[float, float]:
-    """Publish until a version is READY, then wait until every replica serves the newest READY version.
-
-    Returns the time from the fault's clearing to convergence and its bound (two lease TTLs plus the
-    transfer of the version converged to)."""
-    tried: list[str] = []
-    for _ in range(3):
-        report = run.publish()
-        if report["state"] == VersionState.READY.value:
-            break
-        tried.append(f"v{report['version']} {report['state']}: {report['reason']}")
-    else:
-        raise AssertionError(f"no version READY after the fault cleared: {tried}")
-    target, bound = report["version"], 2 * LEASE_TTL_S + report["seconds"].get("total", 0.0)
-
-    def converged() -> bool:
-        newest = run.client.get_job(JOB).newest_ready
-        served = _members(run.client)
-        return newest >= target and set(served) == set(REPLICAS) and set(served.values()) == {newest}
-
-    deadline = time.monotonic() + 300
-    while not converged():
-        if time.monotonic() > deadline:
-            run.fleet.dump_stacks()
-            raise AssertionError(
-                f"not converged: newest READY {run.client.get_job(JOB).newest_ready}, {_members(run.client)} "
-                f"(every agent's and the coordinator's threads are in their logs under {run.fleet.work})"
-            )
-        time.sleep(0.25)
-    return time.monotonic() - run.cleared_at, bound
-
-
-def _check_invariants(run: Run) -> None:
-    fleet, client = run.fleet, run.client
-    job = client.get_job(JOB)
-    reported = _members(client)
-    for host in REPLICAS:
-        version, paused = fleet.engine(host)
-        if paused:
-            run.problems.append(f"{host}'s engine is left paused")
-        if reported.get(host) != version:
-            run.problems.append(f"{host}: the coordinator has v{reported.get(host)}, its engine serves v{version}")
-        if version not in run.seeds:
-            run.problems.append(f"{host} serves v{version}, which the suite did not publish")
-            continue
-        try:
-            fleet.generates_like(host, run.seeds[version])
-        except AssertionError as e:
-            run.problems.append(f"{host} does not serve v{version}'s weights: {e}")
-    durable = job.newest_durable_ready
-    if not durable:
-        run.problems.append("no durable READY version")
-        return
-    info = client.version_info(durable, job=JOB)
-    directory = manifests.version_dir(fleet.volume, durable)
-    try:
-        verify_version(directory, manifests.read(directory, durable, info.manifest_checksum))
-    except Exception as e:  # noqa: BLE001 - any way it fails to load is the finding
-        run.problems.append(f"the newest durable READY v{durable} is not loadable: {e}")
-
-
 # ---- the faults --------------------------------------------------------------------------------------------------
 
 
-def coordinator_kill(down_s: float) -> Callable[[Run], None]:
-    def inject(run: Run) -> None:
+def coordinator_kill(down_s: float) -> Callable[[faultrun.Run], None]:
+    def inject(run: faultrun.Run) -> None:
         fleet = run.fleet
         fleet.kill("coordinator")
         started = time.monotonic()
@@ -207,11 +80,15 @@ def coordinator_kill(down_s: float) -> Callable[[Run], None]:
     return inject
 
 
-def agent_sigstop(run: Run) -> None:
+def agent_sigstop(run: faultrun.Run) -> None:
     fleet, agent = run.fleet, "replica-cpu-agent"
     fleet.kill(agent, signal.SIGSTOP)
     try:
-        _wait("the frozen agent's lease expired", lambda: "replica-cpu" not in _members(run.client), 4 * LEASE_TTL_S)
+        faultrun.wait(
+            "the frozen agent's lease expired",
+            lambda: "replica-cpu" not in faultrun.members(run.client),
+            4 * LEASE_TTL_S,
+        )
         report = run.publish()
         assert "replica-cpu" not in report["channels"], report
     finally:
@@ -219,7 +96,7 @@ def agent_sigstop(run: Run) -> None:
     run.cleared()
 
 
-def replica_killed_mid_publish(run: Run) -> None:
+def replica_killed_mid_publish(run: faultrun.Run) -> None:
     fleet = run.fleet
     seed = 1000 + fleet.step + 1
     run.mid_publish(stall_s=3.0)
@@ -232,19 +109,21 @@ def replica_killed_mid_publish(run: Run) -> None:
     run.cleared()
 
 
-def trainer_killed_mid_publish(run: Run) -> None:
+def trainer_killed_mid_publish(run: faultrun.Run) -> None:
     fleet, client = run.fleet, run.client
     opened = run.mid_publish(stall_s=60.0)
     fleet.kill_trainer()
     # the replicas' transfers break off with bytes already in their parameters (torn: paused); the trainer's
     # lease runs out, the version fails, and they reload the newest durable READY version
-    _wait("the abandoned version failed", lambda: client.version_info(opened, job=JOB).state is VersionState.FAILED)
+    faultrun.wait(
+        "the abandoned version failed", lambda: client.version_info(opened, job=JOB).state is VersionState.FAILED
+    )
     run.failed.append(opened)
     fleet.start_trainer()
     run.cleared()
 
 
-def partition(run: Run) -> None:
+def partition(run: faultrun.Run) -> None:
     fleet = run.fleet
     fleet.hosts.link_down("replica-nccl")
     try:
@@ -288,15 +167,15 @@ def _replace_manifest(directory: Path) -> Callable[[], None]:
     return repair
 
 
-def damaged_volume(damage: Callable[[Path], Callable[[], None]]) -> Callable[[Run], None]:
-    def inject(run: Run) -> None:
+def damaged_volume(damage: Callable[[Path], Callable[[], None]]) -> Callable[[faultrun.Run], None]:
+    def inject(run: faultrun.Run) -> None:
         fleet, client, host = run.fleet, run.client, "replica-volume"
         fleet.kill(f"{host}-agent")  # its engine keeps serving; the coordinator forgets it after its lease
-        _wait(f"{host} forgotten", lambda: host not in _members(client), 4 * LEASE_TTL_S)
+        faultrun.wait(f"{host} forgotten", lambda: host not in faultrun.members(client), 4 * LEASE_TTL_S)
         before, _ = fleet.engine(host)
         report = run.publish()
         version = report["version"]
-        _wait(f"v{version} durable", lambda: client.version_info(version, job=JOB).durable, 60)
+        faultrun.wait(f"v{version} durable", lambda: client.version_info(version, job=JOB).durable, 60)
         repair = damage(manifests.version_dir(fleet.volume, version))
         fleet.start_agent(host)  # catches up to the damaged copy: refused, acked with the reason, retried later
 
@@ -304,7 +183,7 @@ def damaged_volume(damage: Callable[[Path], Callable[[], None]]) -> Callable[[Ru
             replicas = {r.replica_id: r for r in client.version_info(version, job=JOB).replicas}
             return host in replicas and replicas[host].state is ReplicaState.FAILED
 
-        _wait("the refused catch-up acked", refused, 60)
+        faultrun.wait("the refused catch-up acked", refused, 60)
         error = {r.replica_id: r.error for r in client.version_info(version, job=JOB).replicas}[host]
         assert "catch-up from the volume" in error, error
         assert fleet.engine(host) == (before, False), "the refused version touched the serving engine"
@@ -314,7 +193,7 @@ def damaged_volume(damage: Callable[[Path], Callable[[], None]]) -> Callable[[Ru
     return inject
 
 
-def volume_full(run: Run) -> None:
+def volume_full(run: faultrun.Run) -> None:
     fleet, client = run.fleet, run.client
     if not fleet.tmpfs:
         pytest.skip("the volume is not a tmpfs of its own here (mounting needs root)")
@@ -334,7 +213,7 @@ def volume_full(run: Run) -> None:
     run.cleared()
 
 
-FAULTS: dict[str, Callable[[Run], None]] = {
+FAULTS: dict[str, Callable[[faultrun.Run], None]] = {
     "coordinator-kill-0s": coordinator_kill(0),
     "coordinator-kill-30s": coordinator_kill(30),
     "agent-sigstop": agent_sigstop,
@@ -371,15 +250,15 @@ def test_the_fleet_converges_after(name: str, host_fleet: Fleet, seeds: dict[int
     if not ALL and name not in REPRESENTATIVE:
         pytest.skip("in the full fault suite only: make faults")
     with host_fleet.client(timeout_s=30) as client:
-        run = Run(host_fleet, client, seeds)
+        run = faultrun.Run(host_fleet, client, seeds)
         if not seeds:  # the first fault: a known version everywhere to start from
             run.cleared()
-            _converge(run)
+            faultrun.converge(run)
         run.failed.clear()
         FAULTS[name](run)
-        took, bound = _converge(run)
+        took, bound, _ = faultrun.converge(run)
         if took > bound:
             run.problems.append(f"converged in {took:.1f}s, over the bound of {bound:.1f}s")
-        _check_invariants(run)
+        faultrun.check_invariants(run)
         TABLE.append((name, took, bound, sorted(set(run.failed)), "; ".join(run.problems) or "ok"))
         assert not run.problems, run.problems

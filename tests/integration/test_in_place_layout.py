@@ -47,7 +47,7 @@ def test_every_tensor_lands_in_its_rows_of_the_fused_parameters(gloo: None) -> N
     model = HarnessModel(layout, cpu, seed=5)
     updater = Updater(model, WorkerContext())
     sender = nccl.NcclSender(device="cpu", timeout_s=30)
-    rdv = direct_rendezvous(sender.offer()).with_timeout(30)
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=25).with_timeout(30)
     sender.take_plan({"replica": rdv})
     joined = threading.Thread(target=updater.init, args=(rdv,))  # the receiver joins while the sender forms the group
     joined.start()

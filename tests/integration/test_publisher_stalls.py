@@ -40,7 +40,12 @@ def test_a_replica_gone_before_joining_does_not_stall_the_publisher() -> None:
             assert events.get(timeout=60)[0] == "registered"
             model = torch.nn.Sequential(torch.nn.Linear(8, 8))
             pub = Publisher(
-                ModuleSource(model), client, job="job", channels_=(Channel.CPU,), timeout_s=TRANSFER_TIMEOUT_S
+                ModuleSource(model),
+                client,
+                job="job",
+                channels_=(Channel.CPU,),
+                node="node-a",  # the simulated replica's: a loopback endpoint reaches only its own host
+                timeout_s=TRANSFER_TIMEOUT_S,
             )
             replica.kill()
             replica.join()

@@ -72,7 +72,7 @@ def test_nccl_channel_over_gloo_writes_in_place_bit_exact(monkeypatch: pytest.Mo
     sender = NcclSender(device="cpu")
     try:
         replica = Replica(engine)
-        rdv = direct_rendezvous(sender.offer())
+        rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
         sender.take_plan({"replica-0": rdv})
         replica.init_transfer(rdv.to_dict())
         in_place: tuple[str, ...] = ()
@@ -115,7 +115,7 @@ class Live:
             layout_digest=table.layout_digest(),
             manifest_checksum=manifest_checksum(manifests.manifest_path(volume, self.version).read_bytes()),
             step=self.version,
-            params={"root": str(volume)},
+            root=str(volume),
         )
 
 
@@ -135,7 +135,7 @@ def _free_port() -> int:
 def test_stream_syncs_bit_exact(live: Live) -> None:
     trainer = support.hf_trainer(live.folder, seed=11)
     sender = CpuSender(bucket_bytes=1 << 20)
-    rdv = direct_rendezvous(sender.offer())
+    rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)
     sender.take_plan({"replica-0": rdv})
     live.replica.init_transfer(rdv.to_dict())
     live.version += 1

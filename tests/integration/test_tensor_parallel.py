@@ -36,7 +36,7 @@ class Live:
         self.engine = OfflineEngine(self.folder, Channel.CPU, tensor_parallel_size=WORKERS)
         self.replica = Replica(self.engine)
         self.sender = CpuSender(bucket_bytes=1 << 20)
-        rdv = direct_rendezvous(self.sender.offer(), devices=WORKERS)
+        rdv = direct_rendezvous(self.sender.offer(), devices=WORKERS, join_timeout_s=60)
         self.sender.take_plan({"replica-0": rdv})
         self.replica.init_transfer(rdv.to_dict())
         self.version = 0

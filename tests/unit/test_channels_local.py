@@ -169,7 +169,7 @@ def test_senders_refuse_groups_that_do_not_match_the_table() -> None:
 
 def test_update_info_round_trip_and_validation() -> None:
     table = _table(_groups())
-    ticket = UpdateTicket(3, Channel.CPU, table, table.layout_digest(), step=7, params={"bucket_bytes": 1024})
+    ticket = UpdateTicket(3, Channel.CPU, table, table.layout_digest(), step=7, bucket_bytes=1024)
     info = json.loads(json.dumps(ticket.to_update_info()))
     assert UpdateTicket.from_update_info(info) == ticket
     del info["version"]
@@ -177,8 +177,27 @@ def test_update_info_round_trip_and_validation() -> None:
         UpdateTicket.from_update_info(info)
     with pytest.raises(PermanentError, match="version must be >= 1"):
         UpdateTicket(0, Channel.CPU, table)
-    with pytest.raises(PermanentError, match="the ticket's table is empty; leave it out"):
+    with pytest.raises(PermanentError, match="the table is empty; leave it out"):
         UpdateTicket(1, Channel.CPU, TensorTable(()))
+
+
+def test_ticket_fields_are_typed_and_checked_for_their_channel() -> None:
+    volume = UpdateTicket(2, Channel.VOLUME, root="/mnt/v", shard_name="adapter.safetensors", files={"a.json": "{}"})
+    assert UpdateTicket.from_update_info(json.loads(json.dumps(volume.to_update_info()))) == volume
+    staged = UpdateTicket(2, Channel.CPU, staged=True)
+    assert UpdateTicket.from_update_info(staged.to_update_info()).staged
+    with pytest.raises(PermanentError, match="root are for the volume only"):
+        UpdateTicket(2, Channel.CPU, root="/mnt/v")
+    with pytest.raises(PermanentError, match="bucket_bytes is for the cpu stream only"):
+        UpdateTicket(2, Channel.NCCL, bucket_bytes=1 << 20)
+    with pytest.raises(PermanentError, match="bucket_bytes must be >= 0"):
+        UpdateTicket(2, Channel.CPU, bucket_bytes=-1)
+    with pytest.raises(PermanentError, match=r"volume file name '\.\./x' must be a plain file name"):
+        UpdateTicket(2, Channel.VOLUME, files={"../x": ""})
+    with pytest.raises(PermanentError, match=r"unknown fields \['params'\]"):
+        UpdateTicket.from_update_info({**volume.to_update_info(), "params": {}})
+    with pytest.raises(PermanentError, match="files must be an object"):
+        UpdateTicket.from_update_info({**volume.to_update_info(), "files": ["a"]})
 
 
 def test_rendezvous_travels_as_json_and_names_what_a_channel_lacks() -> None:

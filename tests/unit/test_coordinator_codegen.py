@@ -31,6 +31,7 @@ def test_service_table_covers_the_proto() -> None:
         "Ack",
         "WaitVersion",
         "ReportSent",
+        "ReportLost",
         "MarkDurable",
         "GetJob",
         "ListVersions",

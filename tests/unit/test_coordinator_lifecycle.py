@@ -723,7 +723,8 @@ def test_acks_are_checked_against_what_the_trainer_sent() -> None:
     info = core.report_sent(t, v, SentReport(SENT, {"r2": "connection reset by peer"}))
     assert info.state is VersionState.STAGING and statuses(info)["r0"] is ReplicaState.LOADED
     r2_status = next(r for r in info.replicas if r.replica_id == "r2")
-    assert r2_status.state is ReplicaState.PLANNED  # its own ack decides; the trainer's word is recorded
+    # the trainer's word moves it to the volume at once (tests/unit/test_coordinator_faults.py has the rules)
+    assert r2_status.state is ReplicaState.PLANNED and r2_status.channel is Channel.VOLUME
     assert "the trainer's sender lost it: connection reset by peer" in r2_status.error
     assert core.ack(r1, ok(v, content_digest=CORRUPT)) is VersionState.FAILED
     info = latest(core)

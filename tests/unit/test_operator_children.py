@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +134,6 @@ def test_operator_never_imports_torch_or_vllm() -> None:
 def test_the_job_s_sync_choices_reach_every_process() -> None:
     """job.json carries the channels, timeouts, ack policy and NCCL domain; the coordinator mounts the volume it
     hashes and prunes; the trainer's rendezvous binds its pod IP; vLLM runs the worker extension the agent asks."""
-    import json
 
     objs = _by_kind()
     config = json.loads(objs[("ConfigMap", "grpo-config")]["data"]["job.json"])
@@ -176,6 +176,16 @@ def test_the_job_s_sync_choices_reach_every_process() -> None:
         jobconfig.JobConfig.parse({"job": "j", "sync": {"mode": "lazy"}})
     with pytest.raises(PermanentError, match=r"job.json: malformed job config \(ValueError: 'sometimes' is not"):
         jobconfig.JobConfig.parse({"job": "j", "sync": {"pauseMode": "sometimes"}})
+
+
+def test_the_join_deadline_reaches_the_job_config_and_the_policy() -> None:
+    quick = SPEC.model_copy(update={"sync": SPEC.sync.model_copy(update={"join_timeout_seconds": 4})})
+    config = json.loads(_by_kind(spec=quick)[("ConfigMap", "grpo-config")]["data"]["job.json"])
+    parsed = jobconfig.JobConfig.parse(config)
+    assert parsed.join_timeout_s == 4 and JobPolicy.of(parsed).join_timeout_s == 4
+    assert jobconfig.JobConfig.parse({"job": "j"}).join_timeout_s == jobconfig.DEFAULT_JOIN_TIMEOUT_S
+    with pytest.raises(PermanentError, match=r"joinTimeoutSeconds \(120\) must be above 0 and below sync.transferT"):
+        jobconfig.JobConfig.parse({"job": "j", "sync": {"joinTimeoutSeconds": 120}})
 
 
 def test_rdma_and_colocated_ipc_get_what_their_channels_need() -> None:

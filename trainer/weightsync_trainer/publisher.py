@@ -10,7 +10,7 @@ From a trainer pod, everything comes from the environment the operator injects::
     publisher.close()
 
 ``publish(step)`` on the sending rank (rank 0; the other ranks only take part in the
-gather):
+gather) runs the phases of ``phases``, each returning what it did:
 
 1. opens the version at the coordinator, which plans every live replica on the best
    channel both ends share, among the channels this publisher offered;
@@ -38,7 +38,7 @@ The publisher registers with what it discovers: the node it runs on, its GPU's U
 the job's NCCL domain, whether NIXL is importable, the checkpoint volume. It offers
 every channel of the job it can send; the coordinator negotiates only those. The
 checkpoint volume is pruned by the coordinator (it knows which version is the newest
-durable READY one), never by the writer.
+durable READY one), never by the writer (``durable``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,9 @@ import dataclasses
 import importlib.util
 import logging
 import os
-import queue
 import socket
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,22 +57,21 @@ from typing import Any
 import torch
 
 from weightsync import channels, jobconfig
-from weightsync.channels import manifests
+from weightsync.channels import nccl, rules
 from weightsync.channels.base import Sender, SenderConfig, SendReport, UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
 from weightsync.coordinator.tls import TlsConfig
-from weightsync.errors import PermanentError, RetryableError, WeightsyncError
+from weightsync.errors import PermanentError
 from weightsync.metrics import PublisherMetrics
-from weightsync.tensors import TensorTable, content_digest, manifest_checksum
-from weightsync.vocabulary import Channel, ReplicaState, VersionState
+from weightsync.tensors import TensorTable
+from weightsync.vocabulary import Channel, VersionState
+from weightsync_trainer import phases
+from weightsync_trainer.durable import VolumeCopies
 from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
 log = logging.getLogger(__name__)
-READY_AFTER_TIMEOUT_S = 1.0
-"""How long a sender's groups may still take to form once the wait for joins ran out: its receivers had the
-whole transfer timeout to join, and a joined receiver's group forms with its join."""
 
 
 @dataclass
@@ -100,84 +97,44 @@ class PublishReport:
         return {**dataclasses.asdict(self), "state": self.state.value}
 
 
-def take_part(source: WeightSource) -> None:
-    """Iterate the gather without sending: what every rank that does not send does (gathers are collective)."""
-    for _ in source.groups():
-        pass
-
-
 def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int = 0) -> SendReport:
     """One gather of ``source`` into one sender, collective on every rank (only rank 0 sends).
 
     The building block for tools and benchmarks that drive a channel without a coordinator.
     """
     if rank != 0:
-        take_part(source)
+        phases.take_part(source)
         return SendReport()
     return sender.send(ticket, source.groups())
 
 
-def _feasible(channel: Channel, device: torch.device, nccl_domain: str, volume: Path | None) -> str:
-    """Why this process cannot send ``channel`` (empty when it can)."""
-    cuda = device.type == "cuda"
-    if channel is Channel.VOLUME and volume is None:
-        return "no checkpoint directory"
-    if channel is Channel.IPC and not cuda:
-        return "the trainer's weights are not on a GPU"
-    if channel is Channel.NIXL and not (cuda and importlib.util.find_spec("nixl") is not None):
-        return "NIXL is not importable or the weights are not on a GPU"
-    if channel is Channel.NCCL:
-        from weightsync.channels import nccl
-
-        if not nccl_domain:
-            return "the job has no NCCL domain"
-        if not cuda and nccl.transport() == "nccl":
-            return "the trainer's weights are not on a GPU"
-    return ""
+POD_IP_ENV = "POD_IP"
+IN_A_POD_ENV = "KUBERNETES_SERVICE_HOST"
+"""Set by the kubelet in every container: how a process knows it runs in a pod."""
 
 
-class _Tee:
-    """One gather feeding several senders, each on its own thread through its own queue.
+def pod_ip(env: Mapping[str, str]) -> str:
+    """The address the live channels offer (their rendezvous listens there): ``$POD_IP``.
 
-    The queues are unbounded so that the gather never waits for the slowest channel: a sender stalled on a dead
-    peer (until its transfer timeout) must not hold back the groups of the others, whose receivers would time out
-    too. The cost is memory only where the source materialises groups (a DTensor's gather): a stalled channel
-    keeps references to the groups it has not sent until it fails."""
-
-    def __init__(self, jobs: Mapping[Channel, tuple[Sender, UpdateTicket]]) -> None:
-        self.queues: dict[Channel, queue.Queue[Sequence[torch.Tensor] | None]] = {}
-        self.reports: dict[Channel, SendReport] = {}
-        self.errors: dict[Channel, BaseException] = {}
-        self.threads: dict[Channel, threading.Thread] = {}
-        for ch, (sender, ticket) in jobs.items():
-            q: queue.Queue[Sequence[torch.Tensor] | None] = queue.Queue()
-            self.queues[ch] = q
-            self.threads[ch] = threading.Thread(
-                target=self._run, args=(ch, sender, ticket, q), name=f"weightsync-send-{ch.value}", daemon=True
-            )
-            self.threads[ch].start()
-
-    def _run(
-        self, ch: Channel, sender: Sender, ticket: UpdateTicket, q: queue.Queue[Sequence[torch.Tensor] | None]
-    ) -> None:
-        def groups() -> Iterator[Sequence[torch.Tensor]]:
-            while (item := q.get()) is not None:
-                yield item
-
-        try:
-            self.reports[ch] = sender.send(ticket, groups())
-        except BaseException as e:  # noqa: BLE001 - reported for this channel's receivers
-            self.errors[ch] = e
-
-    def put(self, group: Sequence[torch.Tensor] | None) -> None:
-        for ch, q in self.queues.items():
-            if self.threads[ch].is_alive():
-                q.put(group)
-
-    def join(self) -> None:
-        self.put(None)
-        for t in self.threads.values():
-            t.join()
+    In a pod, it is required: without it the publisher would offer 127.0.0.1, which no replica on another node can
+    reach (the coordinator refuses to plan them against it, so they would all take the volume). Outside a pod (a
+    local run) 127.0.0.1 serves replicas on the same host, and a warning says so."""
+    address = env.get(POD_IP_ENV, "")
+    if address:
+        return address
+    if env.get(IN_A_POD_ENV):
+        raise PermanentError(
+            f"${POD_IP_ENV} is not set in this pod: the live channels would listen on 127.0.0.1, which replicas on "
+            f"other nodes cannot reach; set it from the downward API (env {POD_IP_ENV}: valueFrom.fieldRef.fieldPath "
+            "status.podIP), as the operator's trainer pods do"
+        )
+    log.warning(
+        "$%s is not set: the live channels listen on 127.0.0.1, so only replicas on this host can use them (the "
+        "coordinator plans the others on the volume); set %s to this host's address to serve other hosts",
+        POD_IP_ENV,
+        POD_IP_ENV,
+    )
+    return "127.0.0.1"
 
 
 class Publisher:
@@ -220,21 +177,19 @@ class Publisher:
         self.summary = models.summarize(self.table, verify)
         self.senders: dict[Channel, Sender] = {}
         self.volume: VolumeSender | None = None
-        self.durable_errors: list[str] = []
-        self._writer: threading.Thread | None = None
+        self.copies: VolumeCopies | None = None
         if rank != 0:
             return
         if client is None:
             raise PermanentError("the publisher's rank 0 needs a coordinator client")
         dev = torch.device(device)
         volume = Path(checkpoint_dir) if checkpoint_dir else None
-        domain = nccl_domain or (config.nccl_domain if config else "")
+        found = self._discover(dev, node, nccl_domain or (config.nccl_domain if config else ""), volume, job, volume_id)
+        offered, why = rules.usable(channels_, found, sends=True, nccl_transport=nccl.transport())
+        for ch, reason in why.items():
+            log.warning("not offering %s: %s", ch.value, reason)
         sender_config = SenderConfig(host=host, device=device, timeout_s=timeout_s, root=str(volume or ""))
-        for ch in channels_:
-            why = _feasible(ch, dev, domain, volume)
-            if why:
-                log.warning("not offering %s: %s", ch.value, why)
-                continue
+        for ch in offered:
             sender = channels.sender_class(ch).create(sender_config)
             if isinstance(sender, VolumeSender):
                 self.volume = sender
@@ -242,25 +197,35 @@ class Publisher:
                 self.senders[ch] = sender
         if not self.senders and self.volume is None:
             raise PermanentError(f"this trainer can send none of the job's channels {[c.value for c in channels_]}")
-        from weightsync.channels import batched, gpu
+        self.copies = VolumeCopies(self.volume, client, self.table, verify, source.groups)
+        from weightsync.channels import batched
 
         batched.warm(dev)  # the digest kernel compiles now, not inside the first version's stream
 
-        caps = models.Capabilities(
-            host=node or socket.gethostname(),
-            gpu_uuids=(gpu.uuid(dev),) if dev.type == "cuda" else (),
-            channels=tuple(self._all_senders()),
-            nccl_domain=domain,
-            nixl=Channel.NIXL in self.senders,
-            volume_id=volume_id or (job if volume else ""),
-            volume_mount=str(volume or ""),
-            engine=models.EngineKind.GPU if dev.type == "cuda" else models.EngineKind.CPU,
-        )
+        caps = dataclasses.replace(found, channels=tuple(self._all_senders()), nixl=Channel.NIXL in self.senders)
         policy = models.JobPolicy.of(config) if config else None
         offers = self._offers()
         until_registered(
             lambda: client.register_trainer(job, trainer_id, caps, policy=policy, offers=offers),
             f"trainer {trainer_id}",
+        )
+
+    @staticmethod
+    def _discover(
+        dev: torch.device, node: str, domain: str, volume: Path | None, job: str, volume_id: str
+    ) -> models.Capabilities:
+        """What this trainer process can send from, for ``channels.rules`` (its channels are filled in after)."""
+        from weightsync.channels import gpu
+
+        cuda = dev.type == "cuda"
+        return models.Capabilities(
+            host=node or socket.gethostname(),
+            gpu_uuids=(gpu.uuid(dev),) if cuda else (),
+            nccl_domain=domain,
+            nixl=cuda and importlib.util.find_spec("nixl") is not None,
+            volume_id=volume_id or (job if volume else ""),
+            volume_mount=str(volume or ""),
+            engine=models.EngineKind.GPU if cuda else models.EngineKind.CPU,
         )
 
     def _all_senders(self) -> dict[Channel, Sender]:
@@ -276,7 +241,8 @@ class Publisher:
         """Everything from what the operator injects into a trainer pod (docs/kubernetes.md):
         ``WEIGHTSYNC_COORDINATOR``, ``WEIGHTSYNC_TOKEN``, ``WEIGHTSYNC_TLS_CA`` (or ``WEIGHTSYNC_INSECURE=1``
         for a local run), ``WEIGHTSYNC_CONFIG`` (job.json), ``WEIGHTSYNC_CHECKPOINT_DIR``, ``RANK``,
-        ``POD_NAME``, ``POD_IP``, ``NODE_NAME``, and ``LOCAL_RANK`` for the GPU when CUDA is available."""
+        ``POD_NAME``, ``POD_IP`` (required in a pod: ``pod_ip``), ``NODE_NAME``, and ``LOCAL_RANK`` for the GPU when
+        CUDA is available."""
         config = jobconfig.load(env.get(jobconfig.ENV))
         if config is None:
             raise PermanentError(f"${jobconfig.ENV} names no job config; the operator sets it in trainer pods")
@@ -298,7 +264,7 @@ class Publisher:
             trainer_id=env.get("POD_NAME", socket.gethostname()),
             rank=rank,
             channels_=config.channels,
-            host=env.get("POD_IP", "127.0.0.1"),
+            host=pod_ip(env),
             node=env.get("NODE_NAME", ""),
             device=device,
             checkpoint_dir=env.get("WEIGHTSYNC_CHECKPOINT_DIR") or config.checkpoint_dir or None,
@@ -311,90 +277,56 @@ class Publisher:
     # ---- one version --------------------------------------------------------------------------------------------
 
     def publish(self, step: int) -> PublishReport | None:
-        """Publish the source's current weights as a new version (on every rank); rank 0 returns the report."""
+        """Publish the source's current weights as a new version (on every rank); rank 0 returns the report.
+
+        The phases (``phases``) each return what they did; the report is made of their results."""
         if self.rank != 0:
-            take_part(self.source)
+            phases.take_part(self.source)
             return None
-        assert self.client is not None
+        assert self.client is not None and self.copies is not None
         t0 = time.perf_counter()
-        try:
-            # as long as a transfer may take: a restarted coordinator holds opens for a lease TTL
-            opened = self.client.open_version(step, self.summary, offers=self._offers(), timeout_s=self.timeout_s)
-        except WeightsyncError as e:
-            take_part(self.source)  # the other ranks are in the gather: take part, then fail
-            if not isinstance(e, RetryableError):
-                raise
-            # the coordinator is down or unreachable past the client's deadline: training goes on, and the
-            # next publish (a whole version) makes up for this one
-            log.warning("step %d not published: the coordinator is unreachable (%s)", step, e)
-            reason = f"not published: the coordinator is unreachable ({e})"
-            return self._report(0, step, VersionState.FAILED, {"total": time.perf_counter() - t0}, reason=reason)
-        version = opened.version
-        seconds = {"open": time.perf_counter() - t0}
-        live = {ch: s for ch, s in self.senders.items() if opened.receivers(ch)}
-        for ch, sender in self.senders.items():
-            sender.take_plan(opened.receivers(ch))
-        lost: dict[str, str] = {}
-        if live:
-            joined, dropped = True, set()
-            try:
-                info = self.client.wait_receivers_joined(version, self.timeout_s)
-                dropped = {r.replica_id for r in info.replicas if r.state is ReplicaState.DROPPED}
-            except WeightsyncError as e:
-                log.warning("v%d: %s; sending to those that joined", version, e)
-                joined = False
-            for ch, sender in list(live.items()):
-                # formed once its receivers joined; one that is not does not get to stall the others, nor does one
-                # the coordinator dropped before it joined (its lease ran out: it never will)
-                settled = joined and not dropped.intersection(opened.receivers(ch))
-                try:
-                    sender.ready(self.timeout_s if settled else READY_AFTER_TIMEOUT_S)
-                except WeightsyncError as e:
-                    log.warning("v%d: the %s sender is not ready: %s", version, ch.value, e)
-                    lost.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
-                    del live[ch]
-        t1 = time.perf_counter()
-        seconds["joined"] = t1 - t0 - seconds["open"]
-        digests, failed, snapshot = self._stream(version, step, live, opened)
-        failed.update(lost)
-        seconds["stream"] = time.perf_counter() - t1
-        digest = content_digest(digests) if digests else ""
-        t2 = time.perf_counter()
-        try:
-            info = self.client.report_sent(version, digest, failed, wait_s=self.version_timeout_s)
-            if info.durable_needed:
-                t3 = time.perf_counter()
-                volume_error = self._write_durable(version, step, snapshot)
-                seconds["durable"] = time.perf_counter() - t3
-                if volume_error:  # the replicas waiting for it fail now, not at the version's timeout
-                    self.client.report_sent(version, digest, failed, volume_error=volume_error)
-                info = self.client.wait_version(version, self.version_timeout_s)
-            else:
-                self._write_durable_later(version, step, snapshot)
-            state, reason = info.state, info.reason
-            channels_ = {r.replica_id: r.channel.value for r in info.replicas if r.channel is not None}
-        except RetryableError as e:
-            # the bytes went out peer to peer; only the verdict is missing. A restarted coordinator fails the
-            # version (its plans died with it); one that was only unreachable may still settle it.
-            log.warning("v%d: the coordinator became unreachable mid-publish (%s); its outcome is unknown", version, e)
-            self._write_durable_later(version, step, snapshot)
-            state, reason, channels_ = (
-                VersionState.STAGING,
-                f"outcome unknown: the coordinator is unreachable ({e})",
-                {},
-            )
-        t4 = time.perf_counter()
-        seconds["verdict"] = t4 - t2 - seconds.get("durable", 0.0)
-        for ch, sender in live.items():
-            try:
-                sender.release(version, self.timeout_s)
-            except WeightsyncError as e:
-                failed.update({rid: f"{ch.value}: {e}" for rid in opened.receivers(ch)})
-        seconds["release"] = time.perf_counter() - t4
-        seconds["total"] = time.perf_counter() - t0
+        opened = phases.open_version(
+            self.client, self.source, step, self.summary, self._offers(), timeout_s=self.timeout_s
+        )
+        if isinstance(opened, phases.Unpublished):
+            seconds = {"open": opened.seconds, "total": time.perf_counter() - t0}
+            return self._report(0, step, VersionState.FAILED, seconds, reason=opened.reason)
+        version, plan = opened.version, opened.opened
+        lost = phases.LostReports(self.client, version)
+        joined = phases.join(self.client, self.senders, plan, lost)
+        receivers = {ch: sorted(plan.receivers(ch)) for ch in self.senders}
+        tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
+        streamed = phases.stream(self.source, joined.live, tickets, receivers, self.volume is not None, lost)
+        failed = {**streamed.failed, **joined.lost}
+        digest = streamed.content_digest
+        verdict = phases.settle(
+            self.client, self.copies, version, step, digest, failed, streamed.snapshot, self.version_timeout_s
+        )
+        released = phases.release(joined.live, receivers, version, self.timeout_s)
+        seconds = {
+            "open": opened.seconds,
+            "joined": joined.seconds,
+            "stream": streamed.seconds,
+            **({"durable": verdict.durable_seconds} if verdict.durable_seconds else {}),
+            "verdict": verdict.seconds,
+            "release": released.seconds,
+            "total": time.perf_counter() - t0,
+        }
         if self.metrics:
-            self.metrics.observe_publish(seconds["total"], next(iter(live), Channel.VOLUME))
-        return self._report(version, step, state, seconds, channels_, failed, digest, reason)
+            self.metrics.observe_publish(seconds["total"], next(iter(joined.live), Channel.VOLUME))
+        failed.update(released.failed)
+        return self._report(version, step, verdict.state, seconds, verdict.channels, failed, digest, verdict.reason)
+
+    def _ticket(self, version: int, channel: Channel, step: int) -> UpdateTicket:
+        return UpdateTicket(
+            version,
+            channel,
+            self.table,
+            self.summary.layout_digest,
+            step=step,
+            verify=self.verify,
+            timeout_s=self.timeout_s,
+        )
 
     def _report(
         self,
@@ -422,94 +354,17 @@ class Publisher:
             reason,
         )
 
-    def _stream(
-        self, version: int, step: int, live: Mapping[Channel, Sender], opened: models.OpenedVersion
-    ) -> tuple[dict[str, str], dict[str, str], list[list[torch.Tensor]]]:
-        """Gather once; feed every live sender; keep a copy of each group for the volume."""
-        snapshot: list[list[torch.Tensor]] = []
-        keep = self.volume is not None
-
-        def gathered() -> Iterator[list[torch.Tensor]]:
-            for group in self.source.groups():
-                if keep:
-                    snapshot.append([t.detach().clone() for t in group])
-                yield group
-
-        def ticket(ch: Channel) -> UpdateTicket:
-            return UpdateTicket(
-                version,
-                ch,
-                self.table,
-                self.summary.layout_digest,
-                step=step,
-                verify=self.verify,
-                timeout_s=self.timeout_s,
-            )
-
-        reports: dict[Channel, SendReport] = {}
-        errors: dict[Channel, BaseException] = {}
-        if len(live) == 1:
-            ch, sender = next(iter(live.items()))
-            source = gathered()
-            try:
-                reports[ch] = sender.send(ticket(ch), source)
-            except Exception as e:  # noqa: BLE001 - reported for this channel's receivers; the gather goes on
-                errors[ch] = e
-            for _ in source:  # a failed sender stops early; the gather (collective) goes on
-                pass
-        else:
-            tee = _Tee({ch: (s, ticket(ch)) for ch, s in live.items()})
-            for group in gathered():
-                tee.put(group)
-            tee.join()
-            reports, errors = tee.reports, tee.errors
-        failed: dict[str, str] = {}
-        digests: dict[str, str] = {}
-        for report in reports.values():
-            failed.update(report.failed)
-            digests = digests or report.digests
-        for ch, error in errors.items():
-            log.warning("v%d: the %s sender failed: %s", version, ch.value, error)
-            failed.update({rid: f"{ch.value}: {error}" for rid in opened.receivers(ch)})
-        return digests, failed, snapshot
-
     # ---- the durable copy -----------------------------------------------------------------------------------------
 
-    def _write_durable(self, version: int, step: int, snapshot: Sequence[Sequence[torch.Tensor]]) -> str:
-        """Write ``snapshot`` as ``version`` on the volume and mark it durable at the coordinator; why not, if not."""
-        assert self.client is not None
-        if self.volume is None:
-            error = "a replica waits for the volume, which is not configured"
-            self.durable_errors.append(f"version {version}: {error}")
-            return error
-        try:
-            groups: Iterable[Sequence[torch.Tensor]] = snapshot if snapshot else self.source.groups()
-            ticket = UpdateTicket(version, Channel.VOLUME, self.table, step=step, verify=self.verify)
-            self.volume.send(ticket, groups)
-            path = manifests.manifest_path(self.volume.root, version)
-            self.client.mark_durable(version, str(path), manifest_checksum(path.read_bytes()))
-        except (WeightsyncError, OSError) as e:
-            log.error("v%d: the volume copy failed: %s", version, e)
-            self.durable_errors.append(f"version {version}: {e}")
-            return str(e)
-        return ""
-
-    def _write_durable_later(self, version: int, step: int, snapshot: list[list[torch.Tensor]]) -> None:
-        if self.volume is None or not snapshot:
-            return
-        self.wait_durable()
-        self._writer = threading.Thread(
-            target=self._write_durable,
-            args=(version, step, snapshot),
-            name=f"weightsync-durable-v{version}",
-            daemon=True,
-        )
-        self._writer.start()
+    @property
+    def durable_errors(self) -> list[str]:
+        """Every volume copy that failed ("version N: why")."""
+        return self.copies.errors if self.copies is not None else []
 
     def wait_durable(self, timeout_s: float | None = None) -> None:
         """Block until the last version's background volume copy has landed (or failed)."""
-        if self._writer is not None:
-            self._writer.join(timeout_s)
+        if self.copies is not None:
+            self.copies.wait(timeout_s)
 
     def close(self) -> None:
         self.wait_durable()
@@ -534,6 +389,7 @@ def publish_adapter(source: LoraAdapterSource, volume: VolumeSender, version: in
         Channel.VOLUME,
         source.table(),
         step=step,
-        params={"shard_name": ADAPTER_FILE, "files": {ADAPTER_CONFIG: source.adapter_config()}},
+        shard_name=ADAPTER_FILE,
+        files={ADAPTER_CONFIG: source.adapter_config()},
     )
     return send(source, volume, ticket)

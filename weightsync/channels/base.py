@@ -8,10 +8,13 @@ contract (offers in, rendezvous out) without moving a tensor.
 A sender, on the trainer's sending rank::
 
     sender = channels.sender_class(channel).create(SenderConfig(host=pod_ip, device="cuda:0"))
+    sender.on_lost = report_at_once          # (replica, why): a receiver lost mid-version, told as it happens
     coordinator.register(offers=[sender.offer()])      # where its rendezvous listens, devices, NIXL metadata
     for each version:
         sender.take_plan(receivers)      # this version's receivers on this channel (replica -> Rendezvous):
-                                         # forms or rebuilds groups when membership or generation changes
+                                         # forms or rebuilds groups when membership or generation changes,
+                                         # each join bounded by the rendezvous' join deadline
+        left_out = sender.ready(join_deadline_left, members)   # the receivers that did not join in time
         report = sender.send(ticket, groups)   # one gather, group by group; names receivers it lost
         sender.release(ticket.version, timeout_s)   # one-sided channels: until every receiver consumed it
     sender.close()
@@ -41,11 +44,12 @@ import dataclasses
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, TransferTimeoutError
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.tensors import TensorSpec, TensorTable
 from weightsync.vocabulary import Channel
 
@@ -135,6 +139,10 @@ class Rendezvous:
     root: str = ""
     """Volume: the volume's root as this replica mounts it."""
     timeout_s: float = 120.0
+    """How long a started transfer may stall (set by the receiving side: its update timeout)."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """How long joining may take (the store, the group's formation): the sender goes on without a receiver that has
+    not joined by then. The job's join deadline (``JobConfig.join_timeout_s``), from the plan."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.world_size < 0 or self.generation < 0 or self.epoch < 0:
@@ -144,8 +152,11 @@ class Rendezvous:
                 f"{self.channel.value} rendezvous: rank {self.rank} is outside 1..{self.world_size - 1} "
                 "(rank 0 is the sender)"
             )
-        if self.timeout_s <= 0:
-            raise PermanentError(f"{self.channel.value} rendezvous: timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise PermanentError(
+                f"{self.channel.value} rendezvous: timeout_s and join_timeout_s must be positive, got "
+                f"{self.timeout_s} and {self.join_timeout_s}"
+            )
 
     def require(self, needs: Iterable[str]) -> None:
         """Raise naming every field ``needs`` lists that this rendezvous leaves empty."""
@@ -174,7 +185,11 @@ class Rendezvous:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (vLLM's ``init_info``): the endpoint as ``host:port``, metadata as base64."""
-        d: dict[str, Any] = {"channel": self.channel.value, "timeout_s": self.timeout_s}
+        d: dict[str, Any] = {
+            "channel": self.channel.value,
+            "timeout_s": self.timeout_s,
+            "join_timeout_s": self.join_timeout_s,
+        }
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in d or not value:
@@ -211,15 +226,20 @@ class Rendezvous:
                 epoch=int(d.get("epoch", 0)),
                 root=str(d.get("root", "")),
                 timeout_s=float(d.get("timeout_s", 120.0)),
+                join_timeout_s=float(d.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S)),
             )
         except (TypeError, ValueError, binascii.Error) as e:
             raise PermanentError(f"{channel.value} rendezvous: malformed field ({e}) in {sorted(d)}") from None
 
 
-def direct_rendezvous(offer: Offer, devices: int = 1, group: str = "direct") -> Rendezvous:
+def direct_rendezvous(
+    offer: Offer, devices: int = 1, group: str = "direct", join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+) -> Rendezvous:
     """The rendezvous of one replica (of ``devices`` workers) planned on ``offer`` without a coordinator.
 
     For the sandbox, the tests and the benchmarks; a fleet gets its rendezvous from the coordinator's plan.
+    ``join_timeout_s`` bounds the join from ``take_plan`` on: a tool that starts its receiver after planning it
+    gives it the receiver's start-up time.
     """
     if offer.channel.value == "volume":
         raise PermanentError("the volume has no rendezvous to plan: give the receiver its root")
@@ -234,6 +254,7 @@ def direct_rendezvous(offer: Offer, devices: int = 1, group: str = "direct") -> 
         agent=offer.agent,
         metadata=offer.metadata,
         epoch=offer.epoch,
+        join_timeout_s=join_timeout_s,
     )
 
 
@@ -256,7 +277,10 @@ class UpdateTicket:
 
     ``table`` may be left out: the channel then carries it (and the receiver checks it
     against ``layout_digest``). ``manifest_checksum`` is what the coordinator recorded for
-    a volume version; the volume receiver refuses a manifest that does not match it.
+    a volume version; the volume receiver refuses a manifest that does not match it. The
+    channel-specific fields below are typed and checked here like the rest: a field the
+    ticket's channel cannot use is refused where the ticket is built, not ignored where
+    it is read.
     """
 
     version: int
@@ -267,33 +291,73 @@ class UpdateTicket:
     step: int = 0
     verify: bool = True
     timeout_s: float = 300.0
-    params: Mapping[str, Any] = field(default_factory=dict)
+    """How long the transfer may stall once the sender started."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """The version's join deadline (the plan's ``Rendezvous.join_timeout_s``): the sender starts at the latest
+    then, so a receiver's first wait lasts it plus ``timeout_s`` (the transfer timeout counts from the sender's
+    start, not from this receiver's join), and so must whatever waits for the receiver."""
+    root: str = ""
+    """Volume: the volume's root as this replica mounts it (empty: the receiver's own)."""
+    bucket_bytes: int = 0
+    """CPU stream: the sender's bucket size (0: its default). The stream's header carries the size the sender
+    used, so the receiver never needs it."""
+    shard_name: str = ""
+    """Volume sender: write the version as this one file (a PEFT adapter folder) instead of numbered shards."""
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Volume sender: side files written beside the shards (plain file name -> text, e.g. ``adapter_config.json``)."""
+    staged: bool = False
+    """Switch in the version staged for this ticket (staged mode) instead of receiving it over the channel."""
 
     def __post_init__(self) -> None:
+        where = f"version {self.version}'s {self.channel.value} ticket"
         if self.version < 1:
             raise PermanentError(f"version must be >= 1, got {self.version}")
-        if self.timeout_s <= 0:
-            raise PermanentError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise PermanentError(
+                f"{where}: timeout_s and join_timeout_s must be positive, got {self.timeout_s} and "
+                f"{self.join_timeout_s}"
+            )
         if self.table is not None and not len(self.table):
-            raise PermanentError(f"version {self.version}: the ticket's table is empty; leave it out instead")
+            raise PermanentError(f"{where}: the table is empty; leave it out instead")
+        if self.bucket_bytes < 0:
+            raise PermanentError(f"{where}: bucket_bytes must be >= 0 (0: the sender default), got {self.bucket_bytes}")
+        if self.bucket_bytes and self.channel is not Channel.CPU:
+            raise PermanentError(f"{where}: bucket_bytes is for the cpu stream only; leave it 0")
+        volume_only = {"root": self.root, "shard_name": self.shard_name, "files": self.files}
+        misplaced = [name for name, value in volume_only.items() if value and self.channel is not Channel.VOLUME]
+        if misplaced:
+            raise PermanentError(f"{where}: {', '.join(misplaced)} are for the volume only; leave them empty")
+        for name in ([self.shard_name] if self.shard_name else []) + list(self.files):
+            if not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise PermanentError(f"{where}: volume file name {name!r} must be a plain file name")
+        object.__setattr__(self, "files", dict(self.files))  # a copy: the ticket is frozen, so is what it holds
 
     def to_update_info(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "channel": self.channel.value,
-            "table": self.table.to_dict() if self.table is not None else None,
-            "layout_digest": self.layout_digest,
-            "manifest_checksum": self.manifest_checksum,
-            "step": self.step,
-            "verify": self.verify,
-            "timeout_s": self.timeout_s,
-            "params": dict(self.params),
-        }
+        """JSON-safe (vLLM's ``update_info``); ``from_update_info`` is its inverse."""
+        info: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "channel":
+                value = value.value
+            elif f.name == "table":
+                value = value.to_dict() if value is not None else None
+            elif f.name == "files":
+                value = dict(value)
+            info[f.name] = value
+        return info
 
     @classmethod
     def from_update_info(cls, info: Mapping[str, Any]) -> UpdateTicket:
+        """The inverse of ``to_update_info``; raises naming a missing, unknown or malformed field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(info) - known)
+        if unknown:
+            raise PermanentError(f"update_info: unknown fields {unknown}; known: {sorted(known)}")
         try:
             table = info.get("table")
+            files = info.get("files") or {}
+            if not isinstance(files, Mapping):
+                raise TypeError(f"files must be an object of name -> text, got {type(files).__name__}")
             return cls(
                 version=int(info["version"]),
                 channel=Channel.parse(str(info["channel"])),
@@ -303,10 +367,17 @@ class UpdateTicket:
                 step=int(info.get("step", 0)),
                 verify=bool(info.get("verify", True)),
                 timeout_s=float(info.get("timeout_s", 300.0)),
-                params=dict(info.get("params", {})),
+                join_timeout_s=float(info.get("join_timeout_s", DEFAULT_JOIN_TIMEOUT_S)),
+                root=str(info.get("root", "")),
+                bucket_bytes=int(info.get("bucket_bytes", 0)),
+                shard_name=str(info.get("shard_name", "")),
+                files={str(k): str(v) for k, v in files.items()},
+                staged=bool(info.get("staged", False)),
             )
         except KeyError as e:
             raise PermanentError(f"update_info lacks field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise PermanentError(f"update_info: malformed field ({e})") from None
 
     def resolve_table(self, carried: TensorTable, where: str) -> TensorTable:
         """The version's table: ``carried`` by the channel, checked against this ticket's table or layout digest."""
@@ -322,6 +393,14 @@ class UpdateTicket:
                 f"coordinator recorded {self.layout_digest}; the sender and the coordinator disagree on the version"
             )
         return carried
+
+
+class NoReceiver(TransferTimeoutError):
+    """No receiver of a sender's groups joined in time: ``left_out`` names each planned one and why."""
+
+    def __init__(self, message: str, left_out: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.left_out = dict(left_out)
 
 
 @dataclass
@@ -356,14 +435,33 @@ class Sender(ABC):
         default keeps nothing: channels without groups need no plan.
         """
 
-    def ready(self, timeout_s: float) -> None:  # noqa: B027 - optional hook
-        """Wait up to ``timeout_s`` for the groups ``take_plan`` started to form; give up on those that did not
-        (their receivers are reported failed by ``send``), and raise if none did. The publisher calls it before
-        the first byte, so a channel whose receivers never joined cannot stall the others' stream."""
+    def narrow(self, members: Collection[str]) -> None:  # noqa: B027 - optional hook
+        """While its groups form: the receivers still planned on this channel (the coordinator moved the others to
+        their fallback). A group that waits for all its members (NCCL) stops waiting for the others at once; the
+        default waits for nobody."""
+
+    def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
+        """Wait up to ``timeout_s`` (what is left of the join deadline) for the groups of ``members`` to form:
+        the receivers still planned on this channel (default: all of ``take_plan``'s; the coordinator moves one
+        whose own side failed to its fallback). Leave out every other receiver and those whose group did not form,
+        and return them (replica id -> why); raise ``NoReceiver`` (naming each) when none is left. The publisher calls
+        it before the first byte, so a receiver that did not join in time costs the others nothing; the default
+        has no groups to wait for."""
+        return {}
 
     @abstractmethod
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         """Send every group of ``ticket.table`` (``groups`` yields the tensors of each group, in order)."""
+
+    on_lost: Callable[[str, str], None] | None = None
+    """Set by the publisher: told (replica id, why) the moment ``send`` loses a receiver, so the coordinator moves
+    that replica to its fallback at once instead of at its own receive timeout. Called on the sending thread:
+    it must not block."""
+
+    def lose(self, replica_id: str, why: str) -> None:
+        """A receiver was lost mid-version (it died, froze, or fell too far behind): tell ``on_lost`` now."""
+        if self.on_lost is not None:
+            self.on_lost(replica_id, why)
 
     def release(self, version: int, timeout_s: float) -> None:  # noqa: B027 - optional hook
         """Return once every planned receiver consumed ``version`` (one-sided channels read the trainer's

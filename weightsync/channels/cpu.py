@@ -20,24 +20,34 @@ lacks in the background while the replicas' agents join them, and drops the ones
 longer planned. Both ends bind gloo to an address of their own host: the sender to the
 one it offered, a receiver to its local address on the route to the sender.
 
-Every wait has a timeout: a peer that dies mid-broadcast makes the other side raise
-``TransferTimeoutError`` (or gloo's own connection error) instead of hanging; the
-group is then unusable and is rebuilt with the next plan. A peer that stops reading
-without closing its connection (a frozen process, a host whose network went away)
-gives no error at all, so the sender waits on every group's broadcast at once and
-gives each step half the transfer timeout (``STALL_FRACTION``): the receivers wait
-the whole of it, so the others still hold on while a frozen one is dropped. A
-dropped group is released on a thread of its own: gloo's destructor waits out every
-send still queued to the frozen peer.
+Every wait has a timeout, and a fault stays with the replica it happened to:
+
+- joining (the store, the group's formation) is bounded by the plan's join deadline
+  (``Rendezvous.join_timeout_s``); the sender streams to the groups formed by then and
+  ``ready`` names the others, which take the version from the volume on their own;
+- a receiver's first wait (the header) lasts the join deadline plus the transfer timeout,
+  so the transfer timeout counts from the moment the sender starts, not from its join;
+- a peer that dies mid-broadcast makes the other side raise ``TransferTimeoutError`` (or
+  gloo's own connection error) at once; the group is then unusable and is rebuilt with
+  the next plan;
+- a peer that stops reading without closing its connection (a frozen process, a host
+  whose network went away) gives no error at all, so the sender waits on every group's
+  broadcast at once and drops a group that falls behind the others by more than the join
+  deadline (the transfer timeout applies only when no group took a step). The moment a
+  group is dropped, ``Sender.lose`` tells the publisher, which tells the coordinator: that
+  replica moves to the volume before its own receive timeout. A dropped group is released
+  on a thread of its own: gloo's destructor waits out every send still queued to the
+  frozen peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Self
 
 import torch
@@ -45,6 +55,7 @@ import torch
 from weightsync.channels import digests, wire
 from weightsync.channels.base import (
     Endpoint,
+    NoReceiver,
     Offer,
     Placement,
     Receiver,
@@ -61,11 +72,9 @@ from weightsync.tensors import TensorSpec, TensorTable, align
 from weightsync.vocabulary import Channel
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-BUCKET_BYTES_PARAM = "bucket_bytes"
-"""A ticket param both ends read (the sender writes it into the header), so buckets never disagree."""
+HEADER_BUCKET_BYTES = "bucket_bytes"
+"""The header's field naming the bucket size the sender used, so both ends plan the same buckets."""
 MAX_HEADER_BYTES = 64 << 20
-STALL_FRACTION = 0.5
-"""Of the transfer timeout, how long the sender waits for a group to take one step's bytes before dropping it."""
 _POLL_S = 0.001
 
 
@@ -104,39 +113,44 @@ class _Group:
         self._posted: list[Any] = []
 
     def connect(self) -> None:
-        """Rendezvous with every member (blocks until all have joined or the timeout passes)."""
+        """Rendezvous with every member: bounded by the join deadline, after which the sender has gone on without
+        a member that was not there (gloo's own wait ends at the same deadline, so no formation outlives it)."""
+        join_s = self.rdv.join_timeout_s
         opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = self.timeout
+        opts._timeout = datetime.timedelta(seconds=join_s)  # the formation's; each broadcast carries its own
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
         store = dist.PrefixStore(self.rdv.prefix, self.store)
         try:
             self.pg = wire.bounded(
                 lambda: dist.ProcessGroupGloo(store, self.rank, self.rdv.world_size, opts),
-                self.rdv.timeout_s,
+                join_s,
                 f"forming group {self.rdv.group!r}",
                 Channel.CPU,
             )
         except RuntimeError as e:
             raise TransferTimeoutError(
                 f"cpu channel: group {self.rdv.group!r} of {self.rdv.world_size} at {self.rdv.endpoint} did not form "
-                f"within {self.timeout.total_seconds():.0f}s: {e}"
+                f"within the join deadline of {join_s:g}s: {e}"
             ) from e
 
-    def broadcast(self, tensor: torch.Tensor) -> Any:
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> Any:
+        """Post one broadcast from rank 0, failing after ``timeout_s`` (default: the transfer timeout)."""
         if self.pg is None:
             raise PermanentError("cpu channel: the group is not connected")
-        work = self.pg.broadcast(tensor, 0)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else self.timeout
+        work = self.pg.broadcast([tensor], opts)
         self._posted = [w for w in self._posted if not w.is_completed()] + [work]
         return work
 
     def wait(self, work: Any, what: str) -> None:
         try:
-            work.wait()  # bounded by the group timeout; wait(timeout) returns early on gloo
+            work.wait()  # bounded by the broadcast's own timeout; wait(timeout) returns early on gloo
         except RuntimeError as e:
             self.pg = None
             raise TransferTimeoutError(
-                f"cpu channel: {what} failed or exceeded {self.timeout.total_seconds():.0f}s ({e}); "
-                "the group is broken and must be rebuilt"
+                f"cpu channel: {what} failed or exceeded its timeout ({e}); the group is broken and must be rebuilt"
             ) from e
 
     def close(self) -> None:
@@ -144,17 +158,10 @@ class _Group:
         of the process stops) until each send still queued to the peer ended, a frozen one's after gloo's timeout.
         The group is kept on a thread of its own until they did."""
         pg, self.pg = self.pg, None
-        posted, self._posted = [w for w in self._posted if not w.is_completed()], []
+        posted, self._posted = self._posted, []
         if pg is not None:
-            name = f"weightsync-cpu-release-{self.rdv.group}"
-            threading.Thread(target=_release, args=(pg, posted), name=name, daemon=True).start()
+            wire.let_go(pg, posted, f"weightsync-cpu-release-{self.rdv.group}")
             del pg
-
-
-def _release(pg: Any, posted: list[Any]) -> None:
-    while not all(w.is_completed() for w in posted):
-        time.sleep(0.05)
-    del pg, posted  # the last references: nothing is queued, so gloo's destructor returns at once
 
 
 class CpuSender(Sender):
@@ -173,6 +180,7 @@ class CpuSender(Sender):
         self._forming: dict[str, tuple[threading.Thread, _Group]] = {}
         self._members: dict[str, Rendezvous] = {}
         self.failed: dict[str, str] = {}
+        """Receivers lost during this version's ``send`` (replica id -> why)."""
         self._buffers: list[torch.Tensor] = []
 
     @classmethod
@@ -183,7 +191,8 @@ class CpuSender(Sender):
         return Offer(Channel.CPU, Endpoint(self.host, self.port))
 
     def take_plan(self, receivers: Mapping[str, Rendezvous]) -> None:
-        """Keep the groups whose membership is unchanged, drop the rest, form the missing ones in the background."""
+        """Keep the groups whose membership is unchanged, drop the rest, form the missing ones in the background
+        (each bounded by its rendezvous' join deadline)."""
         self.failed = {}
         for rid in list(self.groups):
             if self._members.get(rid) != receivers.get(rid):
@@ -191,40 +200,52 @@ class CpuSender(Sender):
         for rid, rdv in receivers.items():
             if rid in self.groups or rid in self._forming:
                 continue
-            group = _Group(wire.own_connection(self._store), self.host, rdv, 0)
+            group = _Group(wire.own_connection(self._store), self.host, rdv.with_timeout(self.timeout_s), 0)
             # a daemon: a trainer that exits must not wait out the formation of a group whose receiver never came
-            thread = threading.Thread(
-                target=self._form, args=(rid, group), name=f"weightsync-cpu-{rdv.group}", daemon=True
-            )
+            thread = threading.Thread(target=self._form, args=(group,), name=f"weightsync-cpu-{rdv.group}", daemon=True)
             self._members[rid] = rdv
             self._forming[rid] = (thread, group)
             thread.start()
 
-    def _form(self, rid: str, group: _Group) -> None:
-        try:
+    @staticmethod
+    def _form(group: _Group) -> None:
+        with contextlib.suppress(TransferTimeoutError):  # ``_settle`` tells it: the group has no process group
             group.connect()
-        except TransferTimeoutError as e:
-            self.failed[rid] = str(e)
 
-    def _await_groups(self, timeout_s: float | None = None) -> None:
+    def _settle(self, timeout_s: float | None, members: Collection[str] | None) -> dict[str, str]:
+        """Wait up to ``timeout_s`` (default: each group's join deadline) for the groups of ``members`` (default:
+        every planned receiver) to form; give up on the others. Returns the receivers left out and why."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        left_out: dict[str, str] = {}
+        for rid in list(self.groups):
+            if members is not None and rid not in members:
+                self._drop(rid, "")
+                left_out[rid] = "cpu channel: no longer planned on this channel (the coordinator moved it)"
         for rid, (thread, group) in list(self._forming.items()):
-            thread.join(
-                group.timeout.total_seconds() + 5 if deadline is None else max(0.0, deadline - time.monotonic())
-            )
+            if members is None or rid in members:
+                wait = group.rdv.join_timeout_s + wire.GRACE_S if deadline is None else deadline - time.monotonic()
+                thread.join(max(0.0, wait))
             del self._forming[rid]
             if group.pg is not None and not thread.is_alive():
                 self.groups[rid] = group
-            else:  # its receiver did not join in time
-                self.failed.setdefault(rid, f"cpu channel: group {group.rdv.group!r} did not form")
-                self._members.pop(rid, None)
-                if thread.is_alive():
-                    wire.end_when_done(thread, group.close)
+                continue
+            self._members.pop(rid, None)
+            if thread.is_alive():
+                wire.end_when_done(thread, group.close)  # a member that joins late must not leave a group behind
+            if members is not None and rid not in members:
+                left_out[rid] = "cpu channel: no longer planned on this channel (the coordinator moved it)"
+            else:
+                left_out[rid] = (
+                    f"cpu channel: group {group.rdv.group!r} did not form within the join deadline of "
+                    f"{group.rdv.join_timeout_s:g}s (the replica did not join in time)"
+                )
+        return left_out
 
-    def ready(self, timeout_s: float) -> None:
-        self._await_groups(timeout_s)
+    def ready(self, timeout_s: float, members: Collection[str] | None = None) -> dict[str, str]:
+        left_out = self._settle(timeout_s, members)
         if not self.groups:
-            raise TransferTimeoutError(f"cpu channel: no receiver joined ({'; '.join(self.failed.values())})")
+            raise NoReceiver("cpu channel: no receiver joined within the join deadline", left_out)
+        return left_out
 
     def _all(self, what: str, post: Any) -> dict[str, Any]:
         """Post ``post(group)`` on every live group; a group that fails is dropped, not fatal."""
@@ -237,22 +258,32 @@ class CpuSender(Sender):
         return works
 
     def _wait(self, works: dict[str, Any], what: str) -> None:
-        """Every group's ``works`` at once: a group that has not taken them within the stall time is dropped."""
-        stall_s = self.timeout_s * STALL_FRACTION
-        deadline = time.monotonic() + stall_s
+        """Every group's ``works`` at once. A group that falls behind the others by more than its join deadline
+        is dropped (a frozen or partitioned replica stops reading without an error); when none has taken them, the
+        transfer timeout applies to all (the trainer itself, or the network, may be slow)."""
+        deadline = time.monotonic() + self.timeout_s
+        first_done: float | None = None
         pending = {rid: work for rid, work in works.items() if rid in self.groups}
         while pending:
             for rid, work in list(pending.items()):
                 if work.is_completed():
                     del pending[rid]
+                    first_done = first_done or time.monotonic()
                     try:
                         self.groups[rid].wait(work, what)  # done: raises if gloo failed it
                     except TransferTimeoutError as e:
                         self._drop(rid, str(e))
-            if pending and time.monotonic() > deadline:
-                for rid in pending:
-                    self._drop(rid, f"cpu channel: {what} not taken within {stall_s:.1f}s (the peer stopped reading)")
-                break
+            now = time.monotonic()
+            for rid in list(pending):
+                slack = self.groups[rid].rdv.join_timeout_s
+                if first_done is not None and now - first_done > slack:
+                    why = f"{what} still not taken {slack:g}s (the join deadline) after the others took it"
+                elif now > deadline:
+                    why = f"{what} not taken within the transfer timeout of {self.timeout_s:g}s"
+                else:
+                    continue
+                del pending[rid]
+                self._drop(rid, f"cpu channel: {why} (the replica stopped reading)")
             if pending:
                 time.sleep(_POLL_S)
         if not self.groups:
@@ -260,11 +291,15 @@ class CpuSender(Sender):
 
     def _drop(self, rid: str, why: str) -> None:
         if why:
-            self.failed[rid] = why
+            self.lose(rid, why)
         self._members.pop(rid, None)
         group = self.groups.pop(rid, None)
         if group is not None:
             group.close()
+
+    def lose(self, replica_id: str, why: str) -> None:
+        self.failed[replica_id] = why
+        super().lose(replica_id, why)
 
     def _buffer(self, i: int, size: int) -> torch.Tensor:
         while len(self._buffers) <= i:
@@ -275,13 +310,14 @@ class CpuSender(Sender):
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         table = _table(ticket)
-        self._await_groups()
+        for rid, why in self._settle(None, None).items():
+            self.lose(rid, why)
         if not self.groups:
             raise TransferTimeoutError(
                 "cpu channel: no receiver joined"
                 + (f" ({'; '.join(self.failed.values())})" if self.failed else "; call take_plan() first")
             )
-        bucket_bytes = int(ticket.params.get(BUCKET_BYTES_PARAM, self.bucket_bytes))
+        bucket_bytes = ticket.bucket_bytes or self.bucket_bytes
         self._send_header(ticket, table, bucket_bytes)
         found: dict[str, str] = {}
         source = wire.table_groups(table, groups)
@@ -317,7 +353,7 @@ class CpuSender(Sender):
     def _send_header(self, ticket: UpdateTicket, table: TensorTable, bucket_bytes: int) -> None:
         """The version, the whole table and the bucket size go first, so receivers need only a version to start."""
         header = json.dumps(
-            {"version": ticket.version, "table": table.to_dict(), BUCKET_BYTES_PARAM: bucket_bytes}
+            {"version": ticket.version, "table": table.to_dict(), HEADER_BUCKET_BYTES: bucket_bytes}
         ).encode()
         size = torch.tensor([len(header)], dtype=torch.int64)
         raw = torch.frombuffer(bytearray(header), dtype=torch.uint8)
@@ -325,7 +361,7 @@ class CpuSender(Sender):
         self._wait(self._all("header", lambda g: g.broadcast(raw)), "header")
 
     def close(self) -> None:
-        self._await_groups()
+        self._settle(None, None)
         for rid in list(self.groups):
             self._drop(rid, "")
 
@@ -344,7 +380,7 @@ class CpuReceiver(Receiver):
 
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
         assert rendezvous.endpoint is not None
-        store = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.CPU)
         self._group = _Group(store, wire.local_address_for(rendezvous.endpoint), rendezvous, rank)
         self._group.connect()
 
@@ -354,7 +390,9 @@ class CpuReceiver(Receiver):
 
     def _receive_header(self, ticket: UpdateTicket) -> tuple[TensorTable, int]:
         size = torch.zeros(1, dtype=torch.int64)
-        self._group.wait(self._group.broadcast(size), "header size")
+        # the sender starts once every receiver joined or the join deadline passed: the transfer timeout counts
+        # from then, not from this receiver's join
+        self._group.wait(self._group.broadcast(size, ticket.join_timeout_s + ticket.timeout_s), "header size")
         if not 0 < int(size) <= MAX_HEADER_BYTES:
             raise IntegrityError(f"cpu channel: header of {int(size)} bytes is outside (0, {MAX_HEADER_BYTES}]")
         raw = torch.empty(int(size), dtype=torch.uint8)
@@ -364,7 +402,7 @@ class CpuReceiver(Receiver):
             got = header["version"]
             raise IntegrityError(f"cpu channel: the sender streams version {got}, expected {ticket.version}")
         table = ticket.resolve_table(TensorTable.from_dict(header["table"]), "cpu channel")
-        return table, int(header[BUCKET_BYTES_PARAM])
+        return table, int(header[HEADER_BUCKET_BYTES])
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
         self.begin()

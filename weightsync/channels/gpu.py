@@ -109,12 +109,28 @@ def wire_group(
     return out
 
 
-def wait(work: Completable, timeout_s: float, what: str, abort: Callable[[], None]) -> None:
-    """Return once ``work`` completed; past ``timeout_s`` call ``abort`` and raise naming ``what``."""
+WATCH_S = 0.25
+"""How often a wait that is still pending calls its ``watch`` (never within a layer group's usual time)."""
+
+
+def wait(
+    work: Completable,
+    timeout_s: float,
+    what: str,
+    abort: Callable[[], None],
+    watch: Callable[[], None] | None = None,
+) -> None:
+    """Return once ``work`` completed; past ``timeout_s`` call ``abort`` and raise naming ``what``. ``watch``, when
+    given, is called every ``WATCH_S`` while the work is pending: it may raise to end the wait early (a member of
+    the group was found silent), and the caller decides what becomes of the group then."""
     start = time.monotonic()
     spin, sleep = (0.0, _BACKGROUND_SLEEP_S) if getattr(_background, "on", False) else (_SPIN_S, _SLEEP_S)
+    next_watch = WATCH_S
     while not work.is_completed():
         waited = time.monotonic() - start
+        if watch is not None and waited >= next_watch:
+            watch()
+            next_watch = waited + WATCH_S
         if waited > timeout_s:
             abort()
             raise TransferTimeoutError(

@@ -296,7 +296,7 @@ class IpcReceiver(Receiver):
     def __init__(self, rendezvous: Rendezvous, rank: int, device: str | torch.device) -> None:
         assert rendezvous.endpoint is not None
         self.rank, self.device = rank, gpu.cuda_device(device)
-        base = wire.join_store(rendezvous.endpoint, rendezvous.timeout_s)
+        base = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.IPC)
         self._store = dist.PrefixStore(rendezvous.prefix, base)
         self._mapped: dict[int, torch.Tensor] = {}
         self._prepared: _Prepared | None = None
@@ -369,7 +369,9 @@ class IpcReceiver(Receiver):
         """
         self.begin()
         key = f"v{ticket.version}/meta"
-        meta = json.loads(wait_key(self._store, key, ticket.timeout_s, f"v{ticket.version} handles", Channel.IPC))
+        # published when the sender starts (at the latest at the join deadline): the transfer timeout counts from then
+        first_wait_s = ticket.join_timeout_s + ticket.timeout_s
+        meta = json.loads(wait_key(self._store, key, first_wait_s, f"v{ticket.version} handles", Channel.IPC))
         table = self.table = self._tables.fetch(
             self._store, ticket, ticket.timeout_s, Channel.IPC, str(meta["layout_digest"])
         )

@@ -390,7 +390,8 @@ class NixlReceiver(Receiver):
         self.device, self.receiver, self.window = _device(device), rank, window
         self.timeout_s = rendezvous.timeout_s
         self._agent = _nixl_agent(f"weightsync-replica-{rank}-{uuid.uuid4().hex[:12]}")
-        self._store = dist.PrefixStore(rendezvous.prefix, wire.join_store(rendezvous.endpoint, self.timeout_s))
+        store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, self.timeout_s, Channel.NIXL)
+        self._store = dist.PrefixStore(rendezvous.prefix, store)
         self._remote = rendezvous.agent
         self._load_metadata(rendezvous.metadata, f"the rendezvous' agent metadata (agent {rendezvous.agent!r})")
         self._epoch = rendezvous.epoch
@@ -518,10 +519,12 @@ class NixlReceiver(Receiver):
         ``place`` should return the same mapping for the same table, so the prepared READs are kept.
         """
         self.begin()
+        # the sender publishes the metadata when it starts (at the latest at the join deadline): the transfer
+        # timeout counts from then, not from this receiver's join
+        first_wait_s = ticket.join_timeout_s + ticket.timeout_s
+        what = f"v{ticket.version} metadata"
+        raw = wait_key(self._store, f"v{ticket.version}/meta", first_wait_s, what, Channel.NIXL)
         deadline = time.monotonic() + ticket.timeout_s
-        raw = wait_key(
-            self._store, f"v{ticket.version}/meta", ticket.timeout_s, f"v{ticket.version} metadata", Channel.NIXL
-        )
         meta = VersionMeta.parse(
             raw, ticket, lambda digest: self._tables.fetch(self._store, ticket, ticket.timeout_s, Channel.NIXL, digest)
         )

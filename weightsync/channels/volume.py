@@ -111,11 +111,9 @@ class VolumeSender(Sender):
         futures = []
         # A version may be laid out for another reader: one file under a fixed name plus side
         # files (a PEFT adapter folder: adapter_model.safetensors + adapter_config.json).
-        single = str(ticket.params.get("shard_name", ""))
-        files = {str(k): str(v) for k, v in dict(ticket.params.get("files", {})).items()}
-        for fname in [single, *files]:
-            if fname and (Path(fname).name != fname or fname == MANIFEST):
-                raise PermanentError(f"volume file name {fname!r} must be a plain name other than {MANIFEST}")
+        single, files = ticket.shard_name, ticket.files
+        if MANIFEST in (single, *files):
+            raise PermanentError(f"volume file name {MANIFEST!r} is the manifest's; name the shard or file otherwise")
         shard_limit = float("inf") if single else self.shard_bytes
 
         def flush() -> None:
@@ -242,9 +240,9 @@ class VolumeReceiver(Receiver):
         self.begin()
 
     def version_directory(self, ticket: UpdateTicket) -> Path:
-        root = ticket.params.get("root") or self.root
+        root = ticket.root or self.root
         if root is None:
-            raise PermanentError("volume channel: no volume root in the ticket's params or the receiver")
+            raise PermanentError("volume channel: no volume root in the ticket or the receiver")
         return version_dir(Path(root), ticket.version)
 
     @classmethod

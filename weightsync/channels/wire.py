@@ -23,6 +23,7 @@ import datetime
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -127,12 +128,28 @@ def own_connection(store: Any) -> Any:
     return dist.TCPStore(store.host, store.port, None, False, store.timeout, False)
 
 
-def join_store(endpoint: Endpoint, timeout_s: float) -> Any:
-    """A client of a peer's rendezvous store; raises ``TransferTimeoutError`` when it cannot be reached in time."""
-    try:
-        return dist.TCPStore(endpoint.host, endpoint.port, None, False, datetime.timedelta(seconds=timeout_s), False)
-    except (RuntimeError, OSError) as e:
-        raise TransferTimeoutError(f"rendezvous store at {endpoint} unreachable within {timeout_s:.0f}s: {e}") from e
+def join_store(endpoint: Endpoint, join_timeout_s: float, timeout_s: float, channel: Channel) -> Any:
+    """A client of a peer's rendezvous store, connected within ``join_timeout_s`` (the plan's join deadline) or
+    ``TransferTimeoutError``; its later waits default to ``timeout_s``.
+
+    Bounded by our own deadline too (``bounded``): torch's client retries a connection with growing delays that
+    can overrun its timeout by tens of seconds (seen: a retry delay of 37 s on a 90 s timeout), and inside a vLLM
+    worker that holds ``init_weight_transfer_engine`` and every call after it."""
+
+    def connect() -> Any:
+        try:
+            store = dist.TCPStore(
+                endpoint.host, endpoint.port, None, False, datetime.timedelta(seconds=join_timeout_s), False
+            )
+        except (RuntimeError, OSError) as e:
+            raise TransferTimeoutError(
+                f"{channel.value} channel: rendezvous store at {endpoint} unreachable within the join deadline of "
+                f"{join_timeout_s:g}s: {e}"
+            ) from e
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store
+
+    return bounded(connect, join_timeout_s, f"connecting to the rendezvous store at {endpoint}", channel)
 
 
 def local_address_for(peer: Endpoint) -> str:
@@ -291,6 +308,21 @@ def verify_group(group: Group, expected: Mapping[str, str]) -> dict[str, str]:
             )
         got[spec.name] = digest
     return got
+
+
+def let_go(pg: Any, posted: list[Any], name: str) -> None:
+    """Drop a gloo process group without waiting for it: gloo's destructor blocks (holding the GIL, so every thread
+    of the process stops) until each send still queued to a peer ended, a frozen peer's only at the operation's
+    timeout. The group is kept on a thread of its own until the ``posted`` works it still has completed."""
+    pending = [w for w in posted if not w.is_completed()]
+
+    def release() -> None:
+        nonlocal pg
+        while not all(w.is_completed() for w in pending):
+            time.sleep(0.05)
+        pg = None  # the last reference: nothing is queued, so gloo's destructor returns at once
+
+    threading.Thread(target=release, name=name, daemon=True).start()
 
 
 def end_when_done(forming: threading.Thread, end: Callable[[], None]) -> None:

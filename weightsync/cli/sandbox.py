@@ -102,7 +102,7 @@ def sync_once(args: argparse.Namespace) -> dict[str, Any]:
     sender: Any
     if channel is Channel.CPU:
         sender = CpuSender()
-        rdv = direct_rendezvous(sender.offer())
+        rdv = direct_rendezvous(sender.offer(), join_timeout_s=60)  # the engine joins after it is planned
         sender.take_plan({"sandbox": rdv})
     else:
         sender = VolumeSender(volume)

@@ -252,9 +252,14 @@ class CoordinatorClient:
         )
         return serde.version_info(response.info), response.condition_met
 
+    def wait_joined(self, version: int, timeout_s: float) -> tuple[VersionInfo, bool]:
+        """The version once every replica planned on a live channel joined (or moved off it, or was dropped), or
+        as it stands after ``timeout_s``; and whether they all had."""
+        return self._wait(version, WaitFor.RECEIVERS_JOINED, timeout_s)
+
     def wait_receivers_joined(self, version: int, timeout_s: float) -> VersionInfo:
         """Block until every replica planned on a live channel joined (or was dropped); raise on timeout."""
-        info, met = self._wait(version, WaitFor.RECEIVERS_JOINED, timeout_s)
+        info, met = self.wait_joined(version, timeout_s)
         if not met:
             waiting = [r.replica_id for r in info.replicas if r.state is ReplicaState.PLANNED]
             raise faults.DeadlineExceeded(f"version {version}: receivers {waiting} did not join in {timeout_s:g}s")
@@ -294,6 +299,11 @@ class CoordinatorClient:
             wait_s + self.timeout_s,
         )
         return serde.version_info(response.info)
+
+    def report_lost(self, version: int, lost: Mapping[str, str]) -> None:
+        """Tell the coordinator, while the version is under way, which receivers a sender lost (they missed the
+        join deadline, or their channel failed): each falls back to the volume at once, alone."""
+        self._call("ReportLost", lambda: serde.report_lost_to(self.lease.lease_id, version, lost))
 
     def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:
         response = self._call(

@@ -176,6 +176,11 @@ class Coordinator:
         with self._cond:
             return versions.report_sent(self._state, lease_id, version, sent)
 
+    def report_lost(self, lease_id: str, version: int, lost: Mapping[str, str]) -> None:
+        """The publisher lost these receivers mid-version: each falls back to the volume now, alone."""
+        with self._cond:
+            versions.report_lost(self._state, lease_id, version, lost)
+
     def wait_version(self, job_name: str, version: int, until: WaitFor, timeout_s: float) -> tuple[VersionInfo, bool]:
         """Block until the version reached ``until`` (or settled) or ``timeout_s`` passed on the core's clock.
 

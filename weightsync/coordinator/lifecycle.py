@@ -71,6 +71,8 @@ class VersionRecord:
     counts: dict[ReplicaState, int] = field(default_factory=dict)
     live_planned: int = 0
     """Replicas planned on a live channel that have not joined yet (the publisher waits for none left)."""
+    fell_back: set[str] = field(default_factory=set)
+    """Replicas re-planned on the volume after their live channel failed (``replan``)."""
 
     def __post_init__(self) -> None:
         for rid in self.plans:
@@ -89,6 +91,7 @@ class VersionRecord:
         self.set(plan.replica_id, ReplicaState.DROPPED)  # leaves the live count consistently
         self.plans[plan.replica_id] = plan
         self.set(plan.replica_id, ReplicaState.PLANNED)
+        self.fell_back.add(plan.replica_id)
 
     def set(self, replica_id: str, status: ReplicaState) -> None:
         """Change one replica's status, keeping the per-status counts (acks are O(1), not O(fleet))."""

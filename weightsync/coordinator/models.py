@@ -13,28 +13,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from weightsync.channels.base import Rendezvous
+from weightsync.channels.rules import LIVE_CHANNELS as LIVE_CHANNELS  # the channel rules' types are the
+from weightsync.channels.rules import Capabilities as Capabilities  # control plane's vocabulary too
+from weightsync.channels.rules import EngineKind as EngineKind
 from weightsync.errors import PermanentError
-from weightsync.jobconfig import JobConfig
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S, JobConfig
 from weightsync.tensors import TensorTable, is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 DEFAULT_PREFERENCE: tuple[Channel, ...] = (Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU, Channel.VOLUME)
 """Colocated same GPU -> ipc; same NCCL domain -> nccl; both NIXL -> nixl; CPU engine -> cpu; else volume."""
 
-LIVE_CHANNELS = frozenset({Channel.IPC, Channel.NCCL, Channel.NIXL, Channel.CPU})
-"""Channels a sender streams while the publisher waits: each has memberships (the sender is rank 0, each
-replica takes ``devices`` consecutive ranks) under a store prefix only planned members learn. The volume is
-not live: a replica planned on it loads a version once it is durable."""
-
 
 class Role(enum.StrEnum):
     TRAINER = "trainer"
     REPLICA = "replica"
-
-
-class EngineKind(enum.StrEnum):
-    CPU = "cpu"
-    GPU = "gpu"
 
 
 class EventKind(enum.StrEnum):
@@ -70,25 +63,6 @@ SETTLED_STATES = frozenset({VersionState.READY, VersionState.FAILED, VersionStat
 
 
 @dataclass(frozen=True)
-class Capabilities:
-    """What one end can do: a trainer lists channels it sends, a replica channels it receives."""
-
-    host: str = ""
-    gpu_uuids: tuple[str, ...] = ()
-    devices: int = 1
-    channels: tuple[Channel, ...] = ()
-    nccl_domain: str = ""
-    nixl: bool = False
-    volume_id: str = ""
-    volume_mount: str = ""
-    engine: EngineKind = EngineKind.CPU
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.devices <= 64:
-            raise PermanentError(f"capabilities.devices must be 1..64 (a replica's workers), got {self.devices}")
-
-
-@dataclass(frozen=True)
 class JobPolicy:
     """Per-job knobs; ``ack_quorum`` 0 means every live planned replica must ack."""
 
@@ -103,6 +77,9 @@ class JobPolicy:
     all_or_nothing: bool = False
     """Every planned replica stages a version and switches it in only once the replicas the ack policy needs
     have staged it (COMMIT); a version whose policy cannot be met that way fails with no replica switched."""
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    """Every live plan's ``Rendezvous.join_timeout_s``: receivers join within it or the sender goes on without
+    them (``JobConfig.join_timeout_s``)."""
 
     @classmethod
     def of(cls, config: JobConfig) -> JobPolicy:
@@ -114,6 +91,7 @@ class JobPolicy:
             config.retention,
             config.ready_without_acks,
             config.all_or_nothing,
+            config.join_timeout_s,
         )
 
     def __post_init__(self) -> None:
@@ -128,6 +106,8 @@ class JobPolicy:
             raise PermanentError(f"policy.version_timeout_s must be > 0, got {self.version_timeout_s}")
         if self.retention < 1:
             raise PermanentError(f"policy.retention must be >= 1, got {self.retention}")
+        if self.join_timeout_s <= 0:
+            raise PermanentError(f"policy.join_timeout_s must be > 0, got {self.join_timeout_s}")
 
 
 @dataclass(frozen=True)

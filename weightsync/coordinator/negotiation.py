@@ -1,7 +1,9 @@
 """Negotiation: the best channel each replica shares with the trainer, and the memberships it forms.
 
 Pure functions over registered capabilities and the trainer's offers, so every rule
-is unit-tested without a server. Only channels the trainer offered are negotiated.
+is unit-tested without a server; the rules themselves are ``channels.rules.between``
+(one place, shared with what each end checks of itself). Only channels the trainer
+offered are negotiated.
 The default preference (``models.DEFAULT_PREFERENCE``) is:
 
 1. ``ipc``    - same host and every GPU of the replica is one the trainer's buffers live on (colocated);
@@ -27,8 +29,10 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from weightsync.channels import rules
 from weightsync.channels.base import Offer, Rendezvous
-from weightsync.coordinator.models import LIVE_CHANNELS, Capabilities, ChannelPlan, EngineKind
+from weightsync.coordinator.models import LIVE_CHANNELS, Capabilities, ChannelPlan
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.vocabulary import Channel
 
 
@@ -74,49 +78,15 @@ class GroupState:
     minted: int = 0
     """The newest generation minted for the job."""
 
+    def without(self, key: str) -> GroupState:
+        """These memberships but ``key``'s: the next round mints a new generation for it even with the same members
+        (a member was lost from its group, which its sender formed again without it: the survivors and the lost one
+        must all join a new one, not the one they think they are in)."""
+        return GroupState({k: m for k, m in self.memberships.items() if k != key}, self.minted)
+
 
 def group_key(channel: Channel, replica_id: str) -> str:
     return f"{channel.value}/{replica_id}" if channel in PAIRWISE_CHANNELS else channel.value
-
-
-def why_not(
-    channel: Channel,
-    trainer: Capabilities,
-    offer: Offer | None,
-    replica: Candidate,
-    in_nccl: frozenset[str] = frozenset(),
-) -> str:
-    """Empty when ``channel`` works between the two ends; otherwise the reason it does not. ``in_nccl`` holds the
-    GPUs already in the NCCL group (the trainer's and earlier replicas'): NCCL takes one rank per GPU."""
-    caps = replica.capabilities
-    if channel in replica.failed_channels:
-        return "failed before for this replica"
-    if offer is None:
-        return "trainer did not offer it"
-    if channel not in caps.channels:
-        return "replica cannot receive it"
-    if channel is Channel.IPC:
-        if not caps.host or caps.host != trainer.host:
-            return f"different hosts ({trainer.host!r} vs {caps.host!r})"
-        if not caps.gpu_uuids or not set(caps.gpu_uuids) <= set(offer.devices):
-            return "replica GPUs are not the trainer's"
-    elif channel is Channel.NCCL:
-        if not caps.nccl_domain or caps.nccl_domain != trainer.nccl_domain:
-            return f"different NCCL domains ({trainer.nccl_domain!r} vs {caps.nccl_domain!r})"
-        shared = sorted(set(caps.gpu_uuids) & (in_nccl | set(trainer.gpu_uuids)))
-        if shared:
-            return f"GPU {shared[0]} already has a rank in the NCCL group (one rank per GPU)"
-    elif channel is Channel.NIXL:
-        if not caps.nixl:
-            return "replica has no NIXL"
-    elif channel is Channel.CPU:
-        if caps.engine is not EngineKind.CPU:
-            return "replica engine is not a CPU engine"
-    elif channel is Channel.VOLUME and (not caps.volume_id or caps.volume_id != trainer.volume_id):
-        return f"no shared volume ({trainer.volume_id!r} vs {caps.volume_id!r})"
-    if channel in LIVE_CHANNELS and (offer.endpoint is None):
-        return "trainer offered no rendezvous for it"
-    return ""
 
 
 def choose(
@@ -129,7 +99,8 @@ def choose(
     """The first channel of ``preference`` that works, and a reason naming what was skipped."""
     skipped: list[str] = []
     for channel in preference:
-        reason = why_not(channel, trainer, offers.get(channel), replica, in_nccl)
+        caps, failed = replica.capabilities, replica.failed_channels
+        reason = rules.between(channel, trainer, offers.get(channel), caps, failed, in_nccl)
         if not reason:
             note = f"; skipped {', '.join(skipped)}" if skipped else ""
             return channel, f"{channel.value}{note}"
@@ -144,9 +115,11 @@ def negotiate(
     preference: Sequence[Channel],
     previous: GroupState,
     version: int = 0,
+    join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
 ) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
     """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships
-    (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``)."""
+    (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``). Every live rendezvous
+    carries the job's join deadline (``join_timeout_s``)."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
     in_nccl: frozenset[str] = frozenset()
@@ -196,6 +169,7 @@ def negotiate(
                 agent=offer.agent,
                 metadata=offer.metadata,
                 epoch=offer.epoch,
+                join_timeout_s=join_timeout_s,
             )
             next_rank[key] += caps.devices
         else:

@@ -15,6 +15,7 @@ from weightsync.channels.base import Endpoint, Offer, Rendezvous
 from weightsync.coordinator import faults, models
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.errors import PermanentError
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.tensors import is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
@@ -154,6 +155,7 @@ def policy(m: pb.JobPolicy, default: models.JobPolicy, field: str = "policy") ->
             retention=m.retention or default.retention,
             ready_without_acks=m.ready_without_acks or default.ready_without_acks,
             all_or_nothing=m.all_or_nothing or default.all_or_nothing,
+            join_timeout_s=m.join_timeout_s or default.join_timeout_s,
         )
     except PermanentError as e:
         raise faults.InvalidArgument(str(e)) from None
@@ -167,6 +169,7 @@ def policy_to(p: models.JobPolicy) -> pb.JobPolicy:
         retention=p.retention,
         ready_without_acks=p.ready_without_acks,
         all_or_nothing=p.all_or_nothing,
+        join_timeout_s=p.join_timeout_s,
     )
 
 
@@ -207,6 +210,7 @@ def rendezvous(m: pb.Rendezvous, ch: Channel, field: str) -> Rendezvous:
             metadata=m.metadata,
             epoch=m.epoch,
             root=m.root,
+            join_timeout_s=m.join_timeout_s or DEFAULT_JOIN_TIMEOUT_S,
         )
     except PermanentError as e:
         raise faults.InvalidArgument(f"{field}.rendezvous: {e}") from None
@@ -225,6 +229,7 @@ def rendezvous_to(r: Rendezvous) -> pb.Rendezvous:
         metadata=r.metadata,
         epoch=r.epoch,
         root=r.root,
+        join_timeout_s=r.join_timeout_s,
     )
 
 
@@ -325,15 +330,35 @@ def ack_to(lease_id: str, r: models.AckReport) -> pb.AckRequest:
     )
 
 
+def _receivers(failed: Iterable[pb.FailedReceiver], field: str) -> dict[str, str]:
+    out = {}
+    for i, f in enumerate(failed):
+        if not f.replica_id or not f.error:
+            raise faults.InvalidArgument(f"{field}[{i}] needs a replica_id and an error")
+        out[f.replica_id] = f.error
+    return out
+
+
+def _receivers_to(failed: Mapping[str, str]) -> list[pb.FailedReceiver]:
+    return [pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(failed.items())]
+
+
 def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
     """The publisher's content digest, the receivers its channels lost (replica id -> error), and why the volume
     copy failed, if it did."""
-    failed = {}
-    for i, f in enumerate(m.failed):
-        if not f.replica_id or not f.error:
-            raise faults.InvalidArgument(f"failed[{i}] needs a replica_id and an error")
-        failed[f.replica_id] = f.error
+    failed = _receivers(m.failed, "failed")
     return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error)
+
+
+def report_lost(m: pb.ReportLostRequest) -> dict[str, str]:
+    """The receivers the publisher lost mid-version (replica id -> why); at least one."""
+    if not m.lost:
+        raise faults.InvalidArgument("lost is empty; report the receivers the sender lost")
+    return _receivers(m.lost, "lost")
+
+
+def report_lost_to(lease_id: str, version: int, lost: Mapping[str, str]) -> pb.ReportLostRequest:
+    return pb.ReportLostRequest(lease_id=lease_id, version=version, lost=_receivers_to(lost))
 
 
 def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s: float = 0.0) -> pb.ReportSentRequest:
@@ -341,7 +366,7 @@ def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s:
         lease_id=lease_id,
         version=version,
         content_digest=sent.content_digest,
-        failed=[pb.FailedReceiver(replica_id=r, error=_error_text(e)) for r, e in sorted(sent.failed.items())],
+        failed=_receivers_to(sent.failed),
         volume_error=_error_text(sent.volume_error),
         wait_s=wait_s,
     )
@@ -517,6 +542,10 @@ def progress_request(lease_id: str, version: int, value: models.Progress) -> pb.
 
 def progress_response() -> pb.ReportProgressResponse:
     return pb.ReportProgressResponse()
+
+
+def report_lost_response() -> pb.ReportLostResponse:
+    return pb.ReportLostResponse()
 
 
 def ack_response(value: VersionState) -> pb.AckResponse:

@@ -103,6 +103,7 @@ class Servicer:
                 "Ack",
                 "WaitVersion",
                 "ReportSent",
+                "ReportLost",
                 "MarkDurable",
                 "GetJob",
                 "ListVersions",
@@ -218,6 +219,14 @@ class Servicer:
                 info.job, request.version, WaitFor.SETTLED_OR_DURABLE_NEEDED, self._bounded(request.wait_s, context)
             )
         return serde.report_sent_response(info)
+
+    @_guard
+    def ReportLost(self, request: pb.ReportLostRequest, context: grpc.ServicerContext) -> pb.ReportLostResponse:
+        lost = serde.report_lost(request)
+        self.core.report_lost(
+            _nonempty(request.lease_id, "lease_id", "register the trainer first"), request.version, lost
+        )
+        return serde.report_lost_response()
 
     @_guard
     def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:

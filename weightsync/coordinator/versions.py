@@ -32,9 +32,10 @@ acked different bytes. Every report ends in ``verdicts.settle``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from weightsync import metrics as metrics_mod
+from weightsync.channels import rules
 from weightsync.channels.base import Offer, Rendezvous
 from weightsync.coordinator import faults, lifecycle, negotiation, streams, verdicts
 from weightsync.coordinator.jobs import Job, Member
@@ -114,7 +115,13 @@ def open_version(
         if m.role is Role.REPLICA and streams.listening(state, m, now)
     ]
     plans, unplanned, job.groups = negotiation.negotiate(
-        trainer.capabilities, all_offers, candidates, job.policy.channel_preference, job.groups, job.next_version
+        trainer.capabilities,
+        all_offers,
+        candidates,
+        job.policy.channel_preference,
+        job.groups,
+        job.next_version,
+        job.policy.join_timeout_s,
     )
     rec = VersionRecord(
         job_name,
@@ -166,7 +173,9 @@ def report_progress(state: CoreState, lease_id: str, version: int, progress: Pro
     job = state.job(member.job)
     rec = state.record(job, version)
     rid = member.member_id
-    if progress is Progress.JOINED and rec.status.get(rid) is ReplicaState.PLANNED:
+    planned = rec.plans.get(rid)
+    live = planned is not None and planned.channel in LIVE_CHANNELS  # not one moved to the volume meanwhile
+    if progress is Progress.JOINED and live and rec.status.get(rid) is ReplicaState.PLANNED:
         rec.set(rid, ReplicaState.JOINED)
         if rec.receivers_joined():
             state.wake()
@@ -211,6 +220,11 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
         ok = not error
     planned = rec.plans.get(rid)
     waiting = planned is not None and rec.status.get(rid) in lifecycle.WAITING
+    if waiting and not ok and report.channel_failed and rid in rec.fell_back:
+        # its live channel's failure, told after the publisher's report of it moved this replica to the volume
+        # already: the volume plan stands
+        log.info("job %s v%d: %s's late report of its live channel's failure: %s", job.name, rec.version, rid, error)
+        return rec.state
     fell_back = (
         planned is not None
         and waiting
@@ -279,11 +293,12 @@ def _fall_back(
     if planned.channel is Channel.VOLUME:
         return False
     member.fail_channel(planned.channel, state.clock.monotonic())
-    reason = negotiation.why_not(
+    job.groups = job.groups.without(negotiation.group_key(planned.channel, member.member_id))
+    reason = rules.between(
         Channel.VOLUME,
         trainer.capabilities if trainer else Capabilities(),
         trainer.offers.get(Channel.VOLUME) if trainer else None,
-        negotiation.Candidate(member.member_id, member.incarnation, member.capabilities),
+        member.capabilities,
     )
     if reason:
         return False
@@ -303,16 +318,46 @@ def _fall_back(
     return True
 
 
-def report_sent(state: CoreState, lease_id: str, version: int, sent: SentReport) -> VersionInfo:
+def _trainers_version(state: CoreState, lease_id: str, version: int) -> tuple[Job, VersionRecord]:
     trainer = state.member(lease_id, Role.TRAINER)
     job = state.job(trainer.job)
     rec = state.record(job, version)
     if rec.incarnation != trainer.incarnation:
         raise faults.PermissionDenied(f"version {version} was opened by another trainer incarnation")
+    return job, rec
+
+
+def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str]) -> None:
+    """The publisher's senders lost these receivers (they missed the join deadline, or their channel failed
+    mid-transfer): each one still waiting on a live plan falls back to the volume now, alone (its channel is kept
+    off for it only). One that cannot take the volume keeps its plan with the trainer's word recorded: its own
+    ack or its lease decides (a replica that died is dropped, and does not fail the version for the others). The
+    others' plans are not touched. The caller settles the version."""
+    for rid, why in sorted(lost.items()):
+        planned, member = rec.plans.get(rid), job.members.get(rid)
+        if planned is None or planned.channel not in LIVE_CHANNELS:
+            continue  # fell back already
+        job.groups = job.groups.without(negotiation.group_key(planned.channel, rid))
+        if rec.status.get(rid) not in lifecycle.WAITING:
+            continue  # loaded already, or dropped with its lease
+        error = f"the trainer's sender lost it: {why}"
+        if member is None or not _fall_back(state, job, rec, member, planned, error):
+            rec.errors.setdefault(rid, f"{error}; it has no volume to fall back to")
+    state.dirty = True
+
+
+def report_lost(state: CoreState, lease_id: str, version: int, lost: Mapping[str, str]) -> None:
+    job, rec = _trainers_version(state, lease_id, version)
+    if rec.state is VersionState.STAGING:
+        _lost(state, job, rec, lost)
+        verdicts.settle(state, job, rec)
+
+
+def report_sent(state: CoreState, lease_id: str, version: int, sent: SentReport) -> VersionInfo:
+    job, rec = _trainers_version(state, lease_id, version)
     rec.content_digest, rec.sent = sent.content_digest, True
-    for rid, why in sent.failed.items():
-        if rec.status.get(rid) in lifecycle.WAITING:
-            rec.errors.setdefault(rid, f"the trainer's sender lost it: {why}")
+    if rec.state is VersionState.STAGING:
+        _lost(state, job, rec, sent.failed)  # those not reported lost already
     if sent.volume_error and rec.state is VersionState.STAGING:
         for rid in rec.volume_waiting():  # nothing to fall back to from the volume
             rec.set(rid, ReplicaState.FAILED)

@@ -15,6 +15,7 @@ import enum
 
 from pydantic import Field
 
+from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.resources._base import (
     ARG_LENGTH,
     DNS_LABEL,
@@ -159,6 +160,14 @@ class Sync(Model):
         description="A transfer stalled this long (a peer died or is unreachable) is abandoned and the replica "
         "loads the version from the checkpoint volume.",
     )
+    join_timeout_seconds: int = Field(
+        default=int(DEFAULT_JOIN_TIMEOUT_S),
+        ge=1,
+        le=600,
+        description="A version's replicas join its transfer within this (from its start), or the trainer sends to "
+        "those that joined and the late one loads the version from the checkpoint volume, alone; also how far one "
+        "replica may fall behind the others mid-transfer before it is left out the same way.",
+    )
     retention: int = Field(default=3, ge=1, le=100, description="WeightVersion objects (and volume copies) kept.")
     rdma: Rdma | None = Field(
         default=None,
@@ -241,6 +250,12 @@ RLJOB_SPEC_RULES = rules(
         "spec.sync.transferTimeoutSeconds must be below spec.sync.timeoutSeconds: a transfer stalled on a replica "
         "that died is abandoned only after it, and the version would time out first for every replica",
         ".sync.transferTimeoutSeconds",
+    ),
+    (
+        "self.sync.joinTimeoutSeconds < self.sync.transferTimeoutSeconds",
+        "spec.sync.joinTimeoutSeconds must be below spec.sync.transferTimeoutSeconds: the join deadline is the "
+        "short one, the transfer timeout bounds a transfer that started",
+        ".sync.joinTimeoutSeconds",
     ),
     (
         "!self.sync.allOrNothing || self.sync.mode == 'staged'",

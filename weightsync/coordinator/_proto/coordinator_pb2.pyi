@@ -169,20 +169,22 @@ class SenderOffer(_message.Message):
     def __init__(self, channel: _Optional[_Union[Channel, str]] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., devices: _Optional[_Iterable[str]] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class JobPolicy(_message.Message):
-    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention", "ready_without_acks", "all_or_nothing")
+    __slots__ = ("channel_preference", "ack_quorum", "version_timeout_s", "retention", "ready_without_acks", "all_or_nothing", "join_timeout_s")
     CHANNEL_PREFERENCE_FIELD_NUMBER: _ClassVar[int]
     ACK_QUORUM_FIELD_NUMBER: _ClassVar[int]
     VERSION_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     READY_WITHOUT_ACKS_FIELD_NUMBER: _ClassVar[int]
     ALL_OR_NOTHING_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     channel_preference: _containers.RepeatedScalarFieldContainer[Channel]
     ack_quorum: int
     version_timeout_s: float
     retention: int
     ready_without_acks: bool
     all_or_nothing: bool
-    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ..., all_or_nothing: _Optional[bool] = ...) -> None: ...
+    join_timeout_s: float
+    def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ..., all_or_nothing: _Optional[bool] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version")
@@ -243,7 +245,7 @@ class TableSummary(_message.Message):
     def __init__(self, tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layout_digest: _Optional[str] = ..., unverified: _Optional[bool] = ...) -> None: ...
 
 class Rendezvous(_message.Message):
-    __slots__ = ("host", "port", "group", "secret", "generation", "rank", "world_size", "agent", "metadata", "epoch", "root")
+    __slots__ = ("host", "port", "group", "secret", "generation", "rank", "world_size", "agent", "metadata", "epoch", "root", "join_timeout_s")
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class Rendezvous(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     host: str
     port: int
     group: str
@@ -266,7 +269,8 @@ class Rendezvous(_message.Message):
     metadata: bytes
     epoch: int
     root: str
-    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., secret: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ..., root: _Optional[str] = ...) -> None: ...
+    join_timeout_s: float
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., secret: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ..., root: _Optional[str] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ChannelPlan(_message.Message):
     __slots__ = ("replica_id", "channel", "rendezvous", "reason", "manifest_checksum")
@@ -493,6 +497,20 @@ class ReportSentResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: VersionInfo
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ...) -> None: ...
+
+class ReportLostRequest(_message.Message):
+    __slots__ = ("lease_id", "version", "lost")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    version: int
+    lost: _containers.RepeatedCompositeFieldContainer[FailedReceiver]
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., lost: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ...) -> None: ...
+
+class ReportLostResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class MarkDurableResponse(_message.Message):
     __slots__ = ("info",)
