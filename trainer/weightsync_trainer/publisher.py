@@ -485,9 +485,12 @@ class Publisher:
         try:
             groups: Iterable[Sequence[torch.Tensor]] = snapshot if snapshot else self.source.groups()
             ticket = UpdateTicket(version, Channel.VOLUME, self.table, step=step, verify=self.verify)
-            self.volume.send(ticket, groups)
+            written = self.volume.send(ticket, groups).digests
             path = manifests.manifest_path(self.volume.root, version)
-            self.client.mark_durable(version, str(path), manifest_checksum(path.read_bytes()))
+            # what was written, for the replicas that load it from there: a version no live channel carried
+            # is checked against the trainer's digest too
+            digest = content_digest(written) if written else ""
+            self.client.mark_durable(version, str(path), manifest_checksum(path.read_bytes()), digest)
         except (WeightsyncError, OSError) as e:
             log.error("v%d: the volume copy failed: %s", version, e)
             self.durable_errors.append(f"version {version}: {e}")
