@@ -69,6 +69,7 @@ def sync_once(args: argparse.Namespace, report: dict[str, Any]) -> None:
     from weightsync.channels.base import Rendezvous, UpdateTicket, direct_rendezvous
     from weightsync.channels.cpu import CpuSender
     from weightsync.channels.volume import VolumeSender
+    from weightsync.errors import PermanentError
     from weightsync.tensors import manifest_checksum
     from weightsync.vocabulary import Channel, SyncPhase
     from weightsync_inference.lifecycle import Replica
@@ -83,7 +84,7 @@ def sync_once(args: argparse.Namespace, report: dict[str, Any]) -> None:
         else (Channel.NCCL if torch.cuda.is_available() else Channel.CPU)
     )
     if channel not in (Channel.CPU, Channel.VOLUME):
-        raise SystemExit(
+        raise PermanentError(
             f"channel {channel.value!r} moves GPU tensors; the sandbox runs vLLM's CPU engine here. "
             "The GPU channels are exercised by tests/gpu and bench/gpu_channels.py on a GPU machine."
         )
