@@ -52,6 +52,9 @@ PROMPT_TOKENS = 300
 """Two full 128-token blocks of the CPU backend's prefix cache, and a partial one."""
 CACHED = 256
 TOKENS = 16
+TOLERANCE = 0.25
+"""|Δlogprob| against transformers over a 300-token prompt: bf16 rounding adds up over long prompts (0.11 seen); KV
+from the old weights moved them by 4.6 on average (and no greedy token agreed)."""
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 MODES = [(sync, pause) for sync in (SyncMode.IN_PLACE, SyncMode.STAGED) for pause in PauseMode]
 
@@ -149,7 +152,7 @@ def test_a_switch_leaves_no_kv_computed_under_the_old_weights(live: Live, sync: 
     assert after.hits == 0, f"{after.hits:.0f} prompt tokens came from KV cached before the switch"
     bypassed = _complete(live, bypass=True)
     assert after.tokens == bypassed.tokens, "the repeated prompt is answered unlike a request that reads no cache"
-    agreement = reference.agreement(trainer, [live.prompt], [(after.tokens, after.logprobs)], support.LOGPROB_TOLERANCE)
+    agreement = reference.agreement(trainer, [live.prompt], [(after.tokens, after.logprobs)], TOLERANCE)
     assert agreement.ok, "\n".join(agreement.mismatches)
     assert after.versions == bypassed.versions == str(ticket.version)
     again = _complete(live)  # the cache works again, on blocks computed under the new weights

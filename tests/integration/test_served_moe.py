@@ -81,7 +81,7 @@ class Fleet:
 
     def info(self, version: int) -> Any:
         with self.client() as client:
-            return client.version_info(version)
+            return client.version_info(version, job=JOB)
 
     def drift(self, model: torch.nn.Module) -> float:
         """The served engine's largest |Δlogprob| against transformers on ``model`` (teacher-forced)."""
