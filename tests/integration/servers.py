@@ -20,10 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import torch
 
 from tests import support
+from weightsync.channels import manifests
+from weightsync.channels.base import UpdateTicket
+from weightsync.channels.volume import VolumeSender
+from weightsync.tensors import TensorTable, manifest_checksum
 from weightsync.vocabulary import Channel
 from weightsync_inference import served
+from weightsync_trainer.publisher import send
+from weightsync_trainer.sources import ModuleSource
 
 START_TIMEOUT_S = 240.0
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +120,18 @@ def running(
         for proc in reversed(procs):
             stop(proc)
         agent.close()
+
+
+def publish(root: Path, folder: Path, version: int, seed: int) -> tuple[UpdateTicket, torch.nn.Module, TensorTable]:
+    """A trained model written to the volume as ``version``: the ticket a replica gets for it (layout digest, manifest
+    checksum), the trainer's model, and its table."""
+    trainer = support.hf_trainer(folder, seed=seed)
+    source = ModuleSource(trainer)
+    table = source.table()
+    send(source, VolumeSender(root), UpdateTicket(version, Channel.VOLUME, table, step=version))
+    checksum = manifest_checksum(manifests.manifest_path(root, version).read_bytes())
+    ticket = UpdateTicket(version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum)
+    return ticket, trainer, table
 
 
 def metric(url: str, name: str) -> float:

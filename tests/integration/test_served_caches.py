@@ -33,18 +33,14 @@ import torch
 
 from tests import support
 from tests.integration import servers
-from weightsync.channels import manifests
 from weightsync.channels.base import Rendezvous, UpdateTicket
-from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator.models import summarize
-from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import Channel, EngineState, PauseMode, SyncMode
 from weightsync_inference import proxy, served
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica
 from weightsync_inference.staging import staging_bytes
 from weightsync_trainer import reference
-from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -70,14 +66,7 @@ class Live:
     def publish(self, seed: int) -> tuple[UpdateTicket, torch.nn.Module, int]:
         """A new version on the volume: its ticket, the trainer's model, and the bytes its stage needs."""
         self.version += 1
-        trainer = support.hf_trainer(self.folder, seed=seed)
-        source = ModuleSource(trainer)
-        table = source.table()
-        send(source, VolumeSender(self.root), UpdateTicket(self.version, Channel.VOLUME, table, step=self.version))
-        checksum = manifest_checksum(manifests.manifest_path(self.root, self.version).read_bytes())
-        ticket = UpdateTicket(
-            self.version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum
-        )
+        ticket, trainer, table = servers.publish(self.root, self.folder, self.version, seed)
         summary = summarize(table)
         return ticket, trainer, staging_bytes(summary.total_bytes, summary.tensor_count)
 

@@ -26,11 +26,9 @@ from tests import support
 from tests.integration import faulty_worker, servers
 from weightsync.channels import manifests
 from weightsync.channels.base import Offer, Rendezvous, UpdateTicket
-from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import server
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Capabilities, JobPolicy, summarize
-from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import Channel, EngineState, PauseMode, ReplicaState, VersionState
 from weightsync_inference import proxy
 from weightsync_inference import served as served_mod
@@ -38,7 +36,6 @@ from weightsync_inference.agent import Agent, AgentConfig
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica, UpdateFailed, UpdateOutcome
 from weightsync_inference.staging import StagingUnavailable, staging_bytes
-from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -75,14 +72,7 @@ class Served:
     def publish(self, seed: int) -> tuple[UpdateTicket, torch.nn.Module]:
         """Write a new version to the volume; the ticket a replica gets for it (layout digest, manifest checksum)."""
         self.version += 1
-        trainer = support.hf_trainer(self.folder, seed=seed)
-        source = ModuleSource(trainer)
-        table = source.table()
-        send(source, VolumeSender(self.root), UpdateTicket(self.version, Channel.VOLUME, table, step=self.version))
-        checksum = manifest_checksum(manifests.manifest_path(self.root, self.version).read_bytes())
-        ticket = UpdateTicket(
-            self.version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum
-        )
+        ticket, trainer, _ = servers.publish(self.root, self.folder, self.version, seed)
         return ticket, trainer
 
 

@@ -146,34 +146,25 @@ def test_moe_versions_sync_over_the_cpu_stream_and_the_volume(fleet: Fleet) -> N
     assert {s.name: s.shape for s in table} == {n: tuple(t.shape) for n, t in checkpoint.items()}
     report, _ = fleet.publish(trained, (Channel.CPU, Channel.VOLUME))
     assert report.state is VersionState.READY, report
-    info = fleet.info(report.version)
-    (replica,) = info.replicas
-    assert (replica.channel, replica.state, replica.content_digest) == (
-        Channel.CPU,
-        ReplicaState.LOADED,
-        report.content_digest,
-    )
-    _wait_serving(fleet, report.version)
-    ours = fleet.drift(trained)
-    DRIFT[fleet.preset]["weightsync_cpu"] = ours
-    assert ours <= support.LOGPROB_TOLERANCE, f"{fleet.preset} after our update: {ours} (control: {DRIFT})"
+    _served_as_published(fleet, report.version, Channel.CPU, report.content_digest, trained)
 
     # a publisher that offers only the volume: nothing streams the version, the trainer's written digest is the bar
     again = support.hf_trainer(fleet.folder, seed=2)
     report, _ = fleet.publish(again, (Channel.VOLUME,))
     assert report.state is VersionState.READY and not report.content_digest, report
-    info = fleet.info(report.version)
     written = manifests.Manifest.load(manifests.version_dir(fleet.volume, report.version)).table.digests()
-    assert info.content_digest == content_digest(written) and written, info
-    (replica,) = info.replicas
-    assert (replica.channel, replica.state, replica.content_digest) == (
-        Channel.VOLUME,
-        ReplicaState.LOADED,
-        info.content_digest,
-    )
-    _wait_serving(fleet, report.version)
-    DRIFT[fleet.preset]["weightsync_volume"] = fleet.drift(again)
-    assert DRIFT[fleet.preset]["weightsync_volume"] <= support.LOGPROB_TOLERANCE, DRIFT
+    assert written and fleet.info(report.version).content_digest == content_digest(written)
+    _served_as_published(fleet, report.version, Channel.VOLUME, content_digest(written), again)
+
+
+def _served_as_published(fleet: Fleet, version: int, channel: Channel, digest: str, model: torch.nn.Module) -> None:
+    """The replica loaded ``version`` over ``channel``, computing the trainer's ``digest``, and serves what
+    transformers computes with the model's weights (the largest |Δlogprob| is recorded beside the control's)."""
+    (replica,) = fleet.info(version).replicas
+    assert (replica.channel, replica.state, replica.content_digest) == (channel, ReplicaState.LOADED, digest)
+    _wait_serving(fleet, version)
+    DRIFT[fleet.preset][f"weightsync_{channel.value}"] = ours = fleet.drift(model)
+    assert ours <= support.LOGPROB_TOLERANCE, f"{fleet.preset} over {channel.value}: {ours} (control: {DRIFT})"
 
 
 class _InMemoryNames(ModuleSource):
