@@ -90,7 +90,7 @@ class Conversion:
         model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
         if model is None:
             return None
-        probe = {n: p.detach().to("meta") for n, p in model.named_parameters()}
+        probe = {n: _meta(p) for n, p in model.named_parameters()}
         converted = revert_weight_conversion(model, probe)
         if converted.keys() == probe.keys() and all(converted[n] is probe[n] for n in probe):
             return None
@@ -108,7 +108,7 @@ class Conversion:
         refused when a group's conversion needs a tensor of another group."""
         out = []
         for group in groups:
-            meta = {n: t.detach().to("meta") for n, t in group.items()}
+            meta = {n: _meta(t) for n, t in group.items()}
             try:
                 converted = self.convert(meta)
             except Exception as e:  # noqa: BLE001 - transformers' own error, named with the group that raised it
@@ -120,6 +120,13 @@ class Conversion:
                 ) from None
             out.append(sorted(converted.items(), key=lambda item: _natural(item[0])))
         return out
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s whole shape (a DTensor's global one: no collective, no copy)."""
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
