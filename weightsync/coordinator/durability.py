@@ -9,12 +9,12 @@ the core's lock (the facade sequences them):
    manifest from its own mount, never from the client's path, and checks the
    publisher's checksum against it, and its content digest against the per-tensor
    digests the manifest lists; without a mount the publisher's word stands;
-3. ``record`` (locked): the version is durable; its content digest is what the
-   trainer wrote (the same as it streamed, when it streamed the version: a volume
-   copy of other bytes is refused), so a version no channel but the volume carried
-   is checked against the trainer's digest too, not only replicas against each
-   other; every replica planned on the volume for it is sent its ASSIGN now (with
-   the checksum to verify against), the ``wait_version`` callers are woken, and the
+3. ``record`` (locked): the version is durable; a version no channel but the
+   volume carried takes the content digest of what the trainer wrote there, so its
+   replicas are checked against the trainer's digest too, not only against each
+   other (a version that was streamed keeps the digest the trainer reported sent);
+   every replica planned on the volume for it is sent its ASSIGN now (with the
+   checksum to verify against), the ``wait_version`` callers are woken, and the
    volume's retention is applied.
 
 Retention (``_retire``) runs only for jobs whose volume this process mounts. It
@@ -104,13 +104,10 @@ def record(
     job = state.job(job_name)
     rec = state.record(job, version)
     checksum = durable.checksum
-    if durable.content_digest and rec.content_digest and durable.content_digest != rec.content_digest:
-        raise faults.InvalidArgument(
-            f"version {version}'s volume copy has content digest {durable.content_digest}, the trainer streamed "
-            f"{rec.content_digest}: the copy holds other bytes than the live channels carried; it is not durable"
-        )
     rec.durable, rec.manifest_path, rec.manifest_checksum = True, durable.manifest_path, checksum
-    rec.content_digest = rec.content_digest or durable.content_digest  # a version only the volume carried
+    # a version only the volume carried is held to what the trainer wrote; one streamed keeps what the trainer
+    # reported sent, and a replica that loads other bytes from the volume fails its ack against that
+    rec.content_digest = rec.content_digest or durable.content_digest
     for rid in rec.volume_waiting():
         member = job.members.get(rid)
         if member is not None:
