@@ -4,17 +4,21 @@ Which parameter a checkpoint tensor lands in is the model's own business: a rena
 (``WeightsMapper``, Mixtral's ``block_sparse_moe``), stacked parameters (q/k/v into one
 ``qkv_proj``), experts merged into one parameter per layer (``experts.N.gate_proj.weight``
 into rows of ``experts.w13_weight``), tensor-parallel shards, GGUF reshapes. Rather than a
-table of ours, ``check`` asks the model: inside a layerwise reload (which has put the
-parameters on the meta device, in checkpoint layout), it feeds ``model.load_weights`` a meta
-tensor of each tensor's name, dtype and shape, with every weight loader replaced by one that
-runs the original loader against a meta parameter and counts what it would copy (vLLM's own
-``get_numel_loaded``), so nothing is buffered, processed or written. Then:
+table of ours, ``check`` asks the model: it puts every layer's parameters, for the length of
+the check, back in checkpoint layout on the meta device (from the metadata vLLM recorded when
+it built the model for its layerwise reload: the CPU backend keeps only packed copies of
+linear weights), feeds ``model.load_weights`` a meta tensor of each tensor's name, dtype and
+shape, with every weight loader replaced by one that runs the loader against a meta parameter
+and counts what it would copy (vLLM's own ``get_numel_loaded``), then puts the layers' own
+tensors back: nothing is buffered, processed or written, and no reload is left begun. Then:
 
 - a tensor the loader refuses (no such module, a shape its loader asserts against) is named,
   with vLLM's own message;
 - a tensor the loader silently skips (some models ``continue`` past names they do not know)
   is named: it would never reach the engine;
-- a parameter the version does not fill completely is named, with how much of it was filled.
+- a parameter the version does not fill completely is named, with how much of it was filled;
+- a float tensor the model holds under its own name as another float dtype is named
+  (``validation.check_dtypes``: a misconfigured trainer, never cast).
 
 vLLM's sharded RDT engine bakes its plan the same way (``sharded_rdt_engine._bake``); like it,
 this leans on layerwise internals (the loader wrapper it unwraps) that vLLM exposes no public
@@ -23,15 +27,18 @@ call for.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from weightsync.channels import placement
 from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import ModelMismatchError
 from weightsync.tensors import TensorTable
+from weightsync_inference import validation
 
 _LAYERWISE_LOADER = "online_process_loader"
 
@@ -53,11 +60,41 @@ def _source(tensor: object, fakes: dict[int, str]) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _checkpoint_layout(model: torch.nn.Module) -> Iterator[None]:
+    """Every layer's tensors in checkpoint layout on the meta device for the block, its own tensors after."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+    saved = []
+    try:
+        for layer in model.modules():
+            params, buffers = get_layer_params_buffers(layer)
+            saved.append((layer, params, buffers, set(layer._non_persistent_buffers_set)))
+            restore_layer_on_meta(layer, get_layerwise_info(layer))
+        yield
+    finally:
+        for layer, params, buffers, non_persistent in saved:
+            for name in get_layer_tensors(layer):
+                delattr(layer, name)
+            for name, param in params.items():
+                layer.register_parameter(name, param)
+            for name, buffer in buffers.items():
+                layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+
+
 def check(model: torch.nn.Module, table: TensorTable, optional: frozenset[str] = frozenset()) -> None:
     """Raise ``ModelMismatchError`` naming the first tensor or parameter of ``table`` the model would not load whole.
 
-    Call it inside a layerwise reload (``initialize_layerwise_reload`` done, nothing loaded yet). ``optional``:
-    parameters (and tensors) the version may leave out or the model may skip (a tied head)."""
+    Call it outside a layerwise reload (it lays the parameters out as a reload does, for its own length).
+    ``optional``: parameters (and tensors) the version may leave out or the model may skip (a tied head)."""
+    with _checkpoint_layout(model):
+        validation.check_dtypes(table, placement.layout_of(model.named_parameters()))
+        _dry_run(model, table, optional)
+
+
+def _dry_run(model: torch.nn.Module, table: TensorTable, optional: frozenset[str]) -> None:
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, get_numel_loaded, to_meta_tensor
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader

@@ -43,7 +43,7 @@ from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext
 from weightsync.errors import PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
-from weightsync_inference import dryrun, validation
+from weightsync_inference import dryrun
 from weightsync_inference.receipts import Identity, Receipt
 from weightsync_inference.updates import Updater
 
@@ -101,31 +101,14 @@ class VllmModel:
 
     def check(self, table: TensorTable) -> None:
         """Refuse a version that does not fit the model before any of its bytes lands: vLLM's own loader, run on
-        meta tensors (``dryrun``); and a float tensor of another dtype than its parameter's.
-
-        The dry run needs a layerwise reload begun, because the CPU backend keeps only packed copies of linear
-        weights and the reload restores their shapes (on the meta device); one begun for the check alone ends
-        with nothing loaded, which puts every layer's weights back as they were.
-        """
-        self._prepack_moe_again()
-        began = not self._reloading
-        if began:
-            self._begin_reload()
-        try:
-            validation.check_dtypes(table, placement.layout_of(self._model.named_parameters()))
-            tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
-            dryrun.check(self._model, table, optional=frozenset({"lm_head.weight"}) if tied else frozenset())
-        finally:
-            if began:
-                self._finalize()
+        meta tensors in checkpoint layout (``dryrun``); and a float tensor of another dtype than its parameter's."""
+        tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
+        dryrun.check(self._model, table, optional=frozenset({"lm_head.weight"}) if tied else frozenset())
 
     def begin_load(self, table: TensorTable) -> None:
-        self._prepack_moe_again()
-        self._begin_reload()
-
-    def _begin_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._prepack_moe_again()
         initialize_layerwise_reload(self._model)
         self._reloading = True
 
