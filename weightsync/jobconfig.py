@@ -5,7 +5,9 @@ RLJob's spec and mounts it into every pod; the coordinator takes its policy from
 (channels, ack policy, timeout, retention), each agent the channels it may receive
 and the job's NCCL domain, the publisher the channels it offers and the checkpoint
 directory. The embedded default writes the same file. Parsed once, here, into a
-typed ``JobConfig``; a malformed file fails naming the field.
+typed ``JobConfig``; a malformed file fails naming the field. The file's schema is the
+model ``weightsync.resources.jobfile.JobFile`` (docs/job-config.md, generated); this
+parser stays free of pydantic (the GPU host has none), and a unit test holds it to the model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ENV = "WEIGHTSYNC_CONFIG"
 DEFAULT_JOIN_TIMEOUT_S = 10.0
 """The join deadline when a job sets none: several times the slowest join measured on a loaded CPU fleet
 (docs/faults.md, "The join deadline"), far below any transfer timeout."""
+REFERENCE = "docs/job-config.md"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class JobConfig:
             quorum = int(sync.get("quorum") or 0) if sync.get("ackPolicy", "All") == "Quorum" else 0
             return cls(
                 job=str(data["job"]),
-                channels=tuple(Channel.parse(str(c)) for c in sync.get("channels", ["volume"])),
+                # the RLJob's default, in its preference order (docs/job-config.md)
+                channels=tuple(Channel.parse(str(c)) for c in sync.get("channels", list(Channel))),
                 ack_quorum=quorum,
                 timeout_s=float(sync.get("timeoutSeconds", 600)),
                 transfer_timeout_s=float(sync.get("transferTimeoutSeconds", 120)),
@@ -89,8 +93,14 @@ class JobConfig:
                 sync_mode=SyncMode(str(sync.get("mode", SyncMode.IN_PLACE.value))),
                 all_or_nothing=bool(sync.get("allOrNothing", False)),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PermanentError(f"{where}: malformed job config ({type(e).__name__}: {e})") from None
+        except KeyError as e:
+            raise PermanentError(
+                f"{where}: the job config has no {e.args[0]!r} (the job's name); its fields: {REFERENCE}"
+            ) from None
+        except (TypeError, ValueError) as e:
+            raise PermanentError(
+                f"{where}: malformed job config ({type(e).__name__}: {e}); its fields: {REFERENCE}"
+            ) from None
 
     def to_json(self) -> dict[str, Any]:
         """The ``job.json`` form (what the operator writes), for the embedded default and tests."""

@@ -24,6 +24,9 @@ channels of the job it can receive, then follows its watch stream:
   reloads the newest durable READY version before serving again; a staged v is dropped
   (no parameter was touched).
 
+What the replica serves at every moment (one version, or two while one switches in; paused or
+torn) is on its ``served.Board``, which the agent serves on loopback for the proxy beside it.
+
 Every ack carries what the engine itself computed while loading: the layout digest of
 the table it received and the content digest over the per-tensor digests it computed
 where the bytes landed (its receipt). A failed update is acked as failed, with
@@ -52,6 +55,7 @@ from weightsync.metrics import AgentMetrics
 from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
 from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
 from weightsync_inference.receipts import Identity
+from weightsync_inference.served import Board
 from weightsync_inference.staging import StageStatus, StagingUnavailable, staging_bytes
 
 log = logging.getLogger(__name__)
@@ -135,8 +139,10 @@ class Agent:
         client: CoordinatorClient,
         config: AgentConfig,
         metrics: AgentMetrics | None = None,
+        board: Board | None = None,
     ) -> None:
-        self.replica = Replica(control, version=served_version(control))
+        """``board``: where the replica shows what it serves (``served``: the proxy reads it)."""
+        self.replica = Replica(control, version=served_version(control), board=board)
         if self.replica.adopt() is EngineState.TORN:  # a previous agent died mid-update: recovered once registered
             log.warning(
                 "replica %s: the engine was left paused and torn; it stays paused until a whole version loads",

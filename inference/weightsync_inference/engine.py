@@ -11,9 +11,17 @@ same class the GPU host's harness runs; this module adapts vLLM's model to it:
   (``initialize_layerwise_reload`` when the first such group arrives, after checking the
   version fits the model; ``finalize_layerwise_reload`` at finish), which is what makes
   the CPU backend's repacked linear layers and quantised layers load correctly;
+- a version is checked against vLLM's own loader before the first tensor loads
+  (``dryrun``: renames, stacked and merged expert parameters, tensor-parallel shards), so
+  a version that cannot load is refused naming the tensor, with no parameter changed;
 - with tied embeddings, the layers sharing the embedding's weight are post-processed
   again after every reload or in-place write (the CPU backend keeps a packed copy of the
-  head's weight).
+  head's weight);
+- mixture-of-experts layers on the CPU backend are prepacked again after a reload: vLLM
+  0.32 prepacks their expert weights for its CPU kernel only when the model first loads,
+  so its layerwise reload left them in the loader's layout, which that kernel reads as
+  other numbers (vLLM's own ``reload_weights`` of an unchanged checkpoint moved a tiny
+  Mixtral's log-probabilities by up to 5.3; see ``_prepack_moe_again``).
 
 Each worker keeps the receipt of its last update; the agent reads it through vLLM's
 ``collective_rpc`` (``weightsync_inference.worker``) and acks from it.
@@ -32,10 +40,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 
 from weightsync.channels import placement
 from weightsync.channels.base import Rendezvous, UpdateTicket, WorkerContext
-from weightsync.errors import ModelMismatchError, PermanentError
+from weightsync.errors import PermanentError
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
-from weightsync_inference import validation
+from weightsync_inference import dryrun
 from weightsync_inference.receipts import Identity, Receipt
 from weightsync_inference.updates import Updater
 
@@ -68,6 +76,7 @@ class VllmModel:
     def __init__(self, engine: WeightsyncEngine) -> None:
         self.engine = engine
         self._reloading = False
+        self._moe_prepack_fixed = False
 
     @property
     def _model(self) -> Any:
@@ -90,34 +99,18 @@ class VllmModel:
     def writes_in_place(self) -> bool:
         return not self._renames() and not self._sharded()
 
+    def check(self, table: TensorTable) -> None:
+        """Refuse a version that does not fit the model before any of its bytes lands: vLLM's own loader, run on
+        meta tensors in checkpoint layout (``dryrun``); and a float tensor of another dtype than its parameter's."""
+        tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
+        dryrun.check(self._model, table, optional=frozenset({"lm_head.weight"}) if tied else frozenset())
+
     def begin_load(self, table: TensorTable) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._prepack_moe_again()
         initialize_layerwise_reload(self._model)
         self._reloading = True
-        try:
-            self._check_table(table)
-        except ModelMismatchError:
-            self._finalize()  # nothing was loaded: this puts every layer's weights back as they were
-            raise
-
-    def _check_table(self, table: TensorTable) -> None:
-        """Refuse a version that does not fit the model before its first tensor loads.
-
-        Runs after the layerwise reload began, because the CPU backend keeps only packed
-        copies of linear weights; the reload restores their shapes (on the meta device).
-        Models whose checkpoint names vLLM rewrites are left to vLLM's loader.
-        """
-        if self._renames():
-            return
-        tied = bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
-        validation.check_table(
-            table,
-            placement.layout_of(self._model.named_parameters()),
-            placement.fused_mapping(self._model),
-            optional=frozenset({"lm_head.weight"}) if tied else frozenset(),
-            sharded=self._sharded(),
-        )
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._model.load_weights(weights)
@@ -147,6 +140,33 @@ class VllmModel:
             finalize_layerwise_reload(self._model, self.engine.model_config)
         finally:
             reload_log.removeFilter(quiet)
+
+    def _prepack_moe_again(self) -> None:
+        """Make vLLM's CPU mixture-of-experts layers prepack their expert weights after every reload, as they do once
+        at load (an upstream gap in vLLM 0.32, CPU backend only).
+
+        A reload runs the layer's ``process_weights_after_loading`` with the loaded (unpacked) weights, which sets
+        the kernel format up but prepacks only on a layer's first load; the unpacked result is then copied over
+        the prepacked parameters the CPU kernel reads. Running the experts' own prepack step there again, where
+        vLLM would on a first load, gives the kernel what it expects. Installed once, before the first reload."""
+        from vllm.platforms import current_platform
+
+        if self._moe_prepack_fixed or not current_platform.is_cpu():
+            return
+        self._moe_prepack_fixed = True
+        for module in self._model.modules():
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if method is None or experts is None or not type(experts).__module__.endswith(".cpu_moe"):
+                continue
+            process = method.process_weights_after_loading
+
+            def process_and_prepack(layer: Any, process: Any = process, experts: Any = experts) -> None:
+                process(layer)
+                experts.process_weights_after_loading(layer)
+
+            method.process_weights_after_loading = process_and_prepack
 
     def _refresh_tied_layers(self) -> None:
         """Re-run post-processing for layers that share their weight with another layer.

@@ -32,12 +32,16 @@ import httpx
 
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
 from weightsync.vocabulary import PauseMode
-from weightsync_inference import receipts, staging
+from weightsync_inference import receipts, staging, worker
 
 LOOPBACK_NAMES = ("localhost",)
 INITIAL_WEIGHT_VERSIONS = frozenset({"default", "None"})
 """What vLLM's ``/weight_info`` says before any update finished (0.32: ``default``; earlier: ``None``): the weights
 the server started with, version 0 to weightsync."""
+NO_EXTENSION = (
+    f"start vLLM with --worker-extension-cls {worker.QUALNAME} (the weightsync worker extension: the agent asks "
+    "each worker through it what it is and what it loaded)"
+)
 ENGINE_GRACE_S = 30.0
 """How much longer the agent waits for a call than the engine's own bounded waits take (the rendezvous and the
 ticket carry them): the engine's error, which says whether bytes landed, then arrives before the HTTP timeout."""
@@ -158,10 +162,25 @@ class HttpEngine:
 
     def pause(self) -> None:
         """Pause scheduling (``vocabulary.PauseMode``: keep freezes in-flight requests, which continue on
-        ``resume``; wait lets them finish first; abort ends them)."""
+        ``resume``; wait lets them finish first; abort ends them). The caches are kept here (vLLM's default would
+        clear them now, through a parameter it deprecates): ``reset_caches`` drops them once the weights changed."""
         waits = self.pause_mode is PauseMode.WAIT
         timeout = self.transfer_timeout_s if waits else None
-        self._call("POST", "/pause", params={"mode": self.pause_mode.value}, timeout_s=timeout)
+        params = {"mode": self.pause_mode.value, "clear_cache": "false"}
+        self._call("POST", "/pause", params=params, timeout_s=timeout)
+
+    def reset_caches(self) -> None:
+        """vLLM's prefix cache (requests in flight preempted, to be computed again; a KV connector's cache too) and
+        its encoder cache. The multimodal processor cache stays: it holds preprocessed inputs, not the weights'
+        outputs."""
+        params = {"reset_running_requests": "true", "reset_external": "true"}
+        answer = self._call("POST", "/reset_prefix_cache", params=params)
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise WeightsyncError(
+                f"vLLM's /reset_prefix_cache answered {answer!r:.200}: its prefix cache (or its KV connector's) was "
+                "not reset, so it would serve KV computed under the previous weights"
+            )
+        self._call("POST", "/reset_encoder_cache")
 
     def resume(self) -> None:
         self._call("POST", "/resume")
@@ -207,13 +226,15 @@ class HttpEngine:
         """One JSON answer per worker from the weightsync worker extension (``/collective_rpc``; string args)."""
         timeout = timeout_s if timeout_s is not None else self.control_timeout_s
         body = {"method": method, "timeout": timeout, "args": list(args)}
-        answer = self._call("POST", "/collective_rpc", body=body, timeout_s=timeout + ENGINE_GRACE_S)
+        try:
+            answer = self._call("POST", "/collective_rpc", body=body, timeout_s=timeout + ENGINE_GRACE_S)
+        except EngineHttpError as e:
+            if f"has no attribute '{method}'" in e.message:  # vLLM's workers were started without our extension
+                raise PermanentError(f"vLLM's workers have no {method}: {NO_EXTENSION}") from None
+            raise
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-            raise PermanentError(
-                f"vLLM's /collective_rpc {method} answered {answer!r:.200}; start vLLM with "
-                "--worker-extension-cls weightsync_inference.worker.WorkerExtension"
-            )
+            raise PermanentError(f"vLLM's /collective_rpc {method} answered {answer!r:.200}; {NO_EXTENSION}")
         return results
 
     def identity(self) -> list[receipts.Identity]:

@@ -7,6 +7,14 @@ kept across an update anyway (``PauseMode.KEEP``), with no pause at all: one cal
 engine runs between two of its steps (``switch``), bracketed by the version it reports.
 
 The rules this module keeps (see DESIGN.md, failure rules):
+- Nothing computed under the old weights is served after a switch: the engine's caches
+  keyed by tokens (vLLM's prefix cache, encoder outputs, a KV connector's cache) are reset
+  here, explicitly, at the moment the new weights became visible: after ``finish`` and
+  before ``resume``, or right after a switch between steps. Requests in flight are computed
+  again under the new weights (their tokens so far stay: they are attributed to both).
+- What the replica serves is kept on its ``served.Board`` at each of these moments (both
+  versions from just before the pause or switch until the caches are reset), which the
+  proxy reads instead of asking a busy engine.
 - A failure before any byte reached a parameter (a corrupt shard refused, a peer
   that never connected) resumes the replica on the version it had.
 - A failure after bytes landed leaves the replica PAUSED and ``TORN``: it must not
@@ -33,6 +41,7 @@ from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
 from weightsync.vocabulary import EngineState, SyncPhase
 from weightsync_inference.receipts import Identity, Receipt
+from weightsync_inference.served import Board, Served
 from weightsync_inference.staging import StageStatus, StagingUnavailable
 
 
@@ -52,6 +61,11 @@ class EngineControl(Protocol):
     def update(self, update_info: dict[str, Any]) -> None: ...
 
     def finish(self, version: str) -> None: ...
+
+    def reset_caches(self) -> None:
+        """Drop what the engine computed under its previous weights and keyed by tokens: the prefix cache (requests
+        in flight are computed again), encoder outputs, a KV connector's cache. Raises when it could not."""
+        ...
 
     def receipt(self) -> Receipt:
         """The engine's own record of its last update (its workers' receipts, merged)."""
@@ -76,7 +90,7 @@ class EngineControl(Protocol):
         ...
 
     def label(self, version: str) -> None:
-        """Set the weight version the engine reports (what completions are attributed to)."""
+        """Set the weight version the engine reports (``/weight_info``: an agent restarted beside it reads it)."""
         ...
 
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
@@ -142,11 +156,17 @@ def _loaded(receipt: Receipt, ticket: UpdateTicket) -> Receipt:
 class Replica:
     """Drives one engine through updates and remembers whether it may serve."""
 
-    def __init__(self, control: EngineControl, version: int = 0) -> None:
-        """``version``: what the engine serves now (an agent restarted beside a running engine reads it there)."""
+    def __init__(self, control: EngineControl, version: int = 0, board: Board | None = None) -> None:
+        """``version``: what the engine serves now (an agent restarted beside a running engine reads it there);
+        ``board``: where what it serves is shown (the agent serves it to the proxy), set from ``adopt`` on."""
         self.control = control
         self.state = EngineState.SERVING
         self.version = version
+        self.board = board or Board()
+
+    def _show(self, one: int, other: int, state: EngineState) -> None:
+        """What the engine may be generating with from now on: versions ``one`` to ``other``, and its state."""
+        self.board.set(Served(min(one, other), max(one, other), state))
 
     def adopt(self) -> EngineState:
         """Take the engine over as it is found (an agent restarted beside a running engine).
@@ -162,6 +182,7 @@ class Replica:
         else:
             self.control.resume()
             self.state = EngineState.SERVING
+        self._show(self.version, self.version, self.state)
         return self.state
 
     def init_transfer(
@@ -176,7 +197,9 @@ class Replica:
         """Load ``ticket``'s version; ``send`` runs the sender concurrently when it lives in this process."""
         t_total = time.perf_counter()
         paused = 0.0
+        previous = self.version
         if self.state is EngineState.SERVING:
+            self._show(previous, ticket.version, EngineState.PAUSED)  # before the pause: either version from here
             self.control.pause()
             self.state = EngineState.PAUSED
             paused = time.perf_counter() - t_total
@@ -191,12 +214,32 @@ class Replica:
             raise self._failed(ticket, e, self.control.resume) from e
         self.version = ticket.version
         t_resume = time.perf_counter()
+        self._reset_caches(previous)
         self.control.resume()
         self.state = EngineState.SERVING
+        self._show(ticket.version, ticket.version, EngineState.SERVING)
         end = time.perf_counter()
         seconds = {**receipt.seconds, SyncPhase.PAUSE: paused, SyncPhase.RESUME: end - t_resume}
         seconds[SyncPhase.TOTAL] = end - t_total
         return UpdateOutcome(ticket.version, receipt, seconds)
+
+    def _reset_caches(self, previous: int, pause: bool = False) -> None:
+        """The new weights are in: drop what the engine computed under ``previous`` before it serves again. When it
+        cannot, the replica must not serve (it would reuse the old weights' KV): TORN, paused (``pause``: now) until a
+        whole version loads."""
+        try:
+            self.control.reset_caches()
+        except WeightsyncError as e:
+            self.state = EngineState.TORN
+            self._show(previous, self.version, EngineState.TORN)
+            if pause:
+                with contextlib.suppress(WeightsyncError):
+                    self.control.pause()
+            raise UpdateFailed(
+                f"version {self.version} loaded, but the engine's caches from version {previous} could not be "
+                f"dropped ({e}); the replica stays paused until a whole version loads",
+                EngineState.TORN,
+            ) from e
 
     def stage(self, ticket: UpdateTicket, nbytes: int) -> None:
         """Start receiving ``ticket``'s version into the engine's stage while it serves the one it has.
@@ -247,19 +290,30 @@ class Replica:
         return outcome
 
     def _between_steps(self, ticket: UpdateTicket) -> UpdateOutcome:
-        """One engine call, run between two steps, with no pause: generation stops for that call only. While it
-        may run, the engine reports both versions, so a completion across it names both (the proxy reads the
-        version before and after each completion), and then the new one."""
-        self.control.label(f"{self.version},{ticket.version}")
+        """One engine call, run between two steps, with no pause: generation stops for that call only; then the
+        caches are reset (a step between the two sees the old weights' prefix KV: only requests already attributed
+        to both versions can be in it) and vLLM's version names the new one. From before the switch until then the
+        board shows both versions (the proxy holds new completions meanwhile; one across it is attributed to
+        both)."""
+        previous = self.version
+        self._show(previous, ticket.version, EngineState.PAUSED)
         t_switch = time.perf_counter()
         try:
             receipt = _loaded(self.control.switch(ticket.to_update_info()), ticket)
         except Exception as e:
-            raise self._failed(ticket, e, lambda: self.control.label(str(self.version)), pause=True) from e
-        switched = time.perf_counter() - t_switch
-        self.control.label(str(ticket.version))
+            raise self._failed(ticket, e, lambda: None, pause=True) from e
+        t_switched = time.perf_counter()
         self.version = ticket.version
-        seconds = {**receipt.seconds, SyncPhase.PAUSE: 0.0, SyncPhase.RESUME: 0.0, SyncPhase.TOTAL: switched}
+        self._reset_caches(previous, pause=True)
+        self.control.label(str(ticket.version))  # vLLM's /weight_info: what an agent restarted beside it reads
+        self._show(ticket.version, ticket.version, EngineState.SERVING)
+        end = time.perf_counter()
+        seconds = {
+            **receipt.seconds,
+            SyncPhase.PAUSE: 0.0,
+            SyncPhase.RESUME: end - t_switched,
+            SyncPhase.TOTAL: end - t_switch,
+        }
         return UpdateOutcome(ticket.version, receipt, seconds)
 
     def _failed(
@@ -269,6 +323,7 @@ class Replica:
         the engine refuses to step until then), else ``restore`` the serving version."""
         if self._torn():
             self.state = EngineState.TORN
+            self._show(self.version, ticket.version, EngineState.TORN)
             if pause:
                 with contextlib.suppress(WeightsyncError):  # an engine that stepped since has stopped: vLLM failed
                     self.control.pause()
@@ -279,6 +334,7 @@ class Replica:
             )
         restore()
         self.state = EngineState.SERVING
+        self._show(self.version, self.version, EngineState.SERVING)
         return UpdateFailed(
             f"version {ticket.version} was refused before any parameter changed: {error}; "
             f"the replica keeps serving version {self.version}",

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from weightsync.errors import WeightsyncError
 from weightsync.vocabulary import Channel
 from weightsync_inference import receipts, staging, worker
 
@@ -62,6 +63,12 @@ class OfflineEngine:
     def finish(self, version: str) -> None:
         self.llm.finish_weight_update(weight_version=version)
 
+    def reset_caches(self) -> None:
+        """As ``HttpEngine.reset_caches``, through the offline engine's own calls."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+            raise WeightsyncError("vLLM's prefix cache (or its KV connector's) was not reset")
+        self.llm.llm_engine.reset_encoder_cache()
+
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
 
@@ -96,7 +103,8 @@ class OfflineEngine:
         """Greedy token ids and their log-probabilities for each token-id prompt (optionally with an adapter)."""
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+        # token ids in and out: no detokenizing, so an engine started without a tokenizer generates too
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False, lora_request=lora_request
         )

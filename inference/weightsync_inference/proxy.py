@@ -11,24 +11,35 @@ exact paths, not prefixes: ``/v1/completions/../../pause`` or ``/v1/models/`` is
 it. The forwarded path is the allow-list's own string, never the client's bytes, so
 no decoding trick can make the upstream see a path other than the one checked.
 
-``/health`` is answered here (readiness: vLLM's ``/health`` answers 200 and vLLM is not
-paused), so a Kubernetes probe needs no access to vLLM itself, and a replica that stays
-paused after a failed update (fail-stop) is taken out of the Service until it loads a
-whole version; a routine update's pause lasts less than a probe period.
+What the replica serves comes from its agent, not from vLLM: the agent is the one process that
+changes the weights and keeps, on loopback, which versions the engine may be generating with and
+whether it is paused or torn (``served``: ``GET /served``, answered from memory). vLLM's own
+``/weight_info`` and ``/is_paused`` are calls into the engine loop that an update holds, so they
+answer nothing for as long as an update takes; asking them made completions fail with 504 and
+``/health`` report a paused replica healthy.
 
-Every completion says which weights made it: the proxy reads vLLM's weight version before
-it forwards a completion route and again after the response ended. A JSON response carries
-``x-weightsync-versions: 12``, or ``12,13`` when an update finished while it was in flight
-(its tokens may come from both; a request that waited out an update in vLLM's queue is also
-reported with both: the attribution errs towards "mixed", never towards "one version"; while a
-staged version switches in between two steps, vLLM reports ``12,13`` and the completions that
-read it are reported with both). A
-streamed response carries the version it started on in ``x-weightsync-version-start`` and
-ends with an SSE comment line ``: weightsync-versions 12,13`` after vLLM's last event, which
-clients that follow the SSE rules skip. Where vLLM has no such route (no development routes),
-the headers are left out; where it has one but cannot answer it (an engine that died as the
-completion ended), a JSON completion is refused with 502 rather than returned unattributed,
-and a stream ends without the comment. The cost is two loopback reads of ``/weight_info`` per completion.
+``/health`` is answered here (readiness): vLLM's ``/health`` answers 200 and the agent says the
+replica serves. Paused for an update, torn (a failed update left it paused until a whole version
+loads: fail-stop), or an agent that does not answer (the proxy cannot tell what is served): 503
+with the reason, so the Service routes around the replica.
+
+Completions and embeddings (``WEIGHTED``) wait while the replica is paused for an update or
+switches a staged version in, at most ``update_wait_s`` (``--update-wait``, default 600 s: a
+job's ``sync.timeoutSeconds``, which bounds how long a version may stay STAGING and exceeds its
+transfer timeout by the job config's own rule), then go on; past that, or when the replica is torn
+or the agent does not answer, they get 503 with ``Retry-After``. Never a 504 or a false answer for
+an update.
+
+Every such answer says which weights made it: the proxy reads the agent's versions before it
+forwards (once the replica serves) and again after the response ended. A JSON response carries
+``x-weightsync-versions: 12``, or ``12,13`` when an update began while it was in flight (its
+tokens, or the prompt KV it was computed from, may come from both; the attribution errs towards
+"mixed", never towards "one version"). A streamed response carries the version it started on in
+``x-weightsync-version-start`` and ends with an SSE comment line ``: weightsync-versions 12,13``
+after vLLM's last event, which clients that follow the SSE rules skip. Where the agent cannot be
+read after the answer ended, a JSON answer is refused with 502 rather than returned unattributed,
+and a stream ends without the comment. The cost is two loopback reads of the agent's board per
+answer, on a kept-alive connection.
 
 Responses stream through as they arrive (server-sent events included); a client that
 goes away closes the upstream request, which makes vLLM abort the generation. JSON
@@ -49,7 +60,9 @@ from typing import Any
 
 import httpx
 
-from weightsync_inference.http_engine import INITIAL_WEIGHT_VERSIONS
+from weightsync.errors import PermanentError
+from weightsync.vocabulary import EngineState
+from weightsync_inference import served
 
 log = logging.getLogger(__name__)
 
@@ -69,21 +82,24 @@ ROUTES: Mapping[str, frozenset[str]] = {
 """Every route the proxy forwards, with its methods. Anything else answers 404."""
 
 HEALTH = "/health"
-IS_PAUSED = "/is_paused"
-WEIGHT_INFO = "/weight_info"
-GENERATION = frozenset({"/v1/completions", "/v1/chat/completions"})
-"""The routes whose responses say which weight versions generated them."""
+WEIGHTED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+"""The routes whose answers the weights compute: held while the replica updates, and attributed to versions."""
 VERSIONS_HEADER = "x-weightsync-versions"
 UNATTRIBUTED = (
-    "vLLM's weight version could not be read {when} the completion ({why}; is the engine still up?): the proxy "
-    "returns no completion it cannot attribute to the weights that made it; retry it"
+    "the replica's weight versions could not be read after the answer ({why}): the proxy returns nothing it "
+    "cannot attribute to the weights that made it; retry it"
 )
 START_HEADER = "x-weightsync-version-start"
 SSE_VERSIONS = ": weightsync-versions "
-PAUSED_REASON = (
-    "vLLM is paused: a weight update is in progress, or one failed after bytes landed and the replica "
-    "waits for a whole version (it never serves a mix)"
+PAUSED_REASON = "a weight update is in progress (the replica is paused, or switches a staged version in)"
+TORN_REASON = (
+    "an update failed after bytes reached the parameters; the replica stays paused until a whole version loads "
+    "(it never serves a mix)"
 )
+RETRY_SOON_S = 1
+"""Retry-After for a replica whose update outlasted the wait, or whose agent does not answer (yet)."""
+RETRY_TORN_S = 10
+"""Retry-After for a torn replica: a whole version loads from the volume first."""
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy sets itself.
 _DROP_REQUEST = frozenset(
@@ -113,12 +129,17 @@ _DROP_RESPONSE = frozenset(
 
 @dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
+    agent: str
+    """The replica's agent (``weightsync agent --served-listen``): what the replica serves."""
     upstream: str = "http://127.0.0.1:8001"
     max_body_bytes: int = 32 << 20
     body_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     health_timeout_s: float = 5.0
+    agent_timeout_s: float = 2.0
+    update_wait_s: float = 600.0
+    """How long a completion waits for an update to end before it gets 503 (``--update-wait``)."""
     max_connections: int = 512
 
 
@@ -150,12 +171,12 @@ class _ClientGone(Exception):
     pass
 
 
-class _Unattributed(Exception):
-    """vLLM has a weight-version route but did not answer it with a version."""
+class _Unavailable(Exception):
+    """The replica cannot answer now: 503 with ``reason`` and ``Retry-After: retry_after_s``."""
 
-
-def _named(e: Exception) -> str:
-    return str(e) if isinstance(e, _Unattributed) else type(e).__name__
+    def __init__(self, reason: str, retry_after_s: int = RETRY_SOON_S) -> None:
+        super().__init__(reason)
+        self.reason, self.retry_after_s = reason, retry_after_s
 
 
 class ProxyApp:
@@ -164,6 +185,7 @@ class ProxyApp:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self._client: httpx.AsyncClient | None = None
+        self._agent: httpx.AsyncClient | None = None
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -178,10 +200,17 @@ class ProxyApp:
             )
         return self._client
 
+    def agent_client(self) -> httpx.AsyncClient:
+        if self._agent is None:  # kept alive: read twice per answer
+            c = self.config
+            self._agent = httpx.AsyncClient(base_url=c.agent.rstrip("/"), trust_env=False, timeout=c.agent_timeout_s)
+        return self._agent
+
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for client in (self._client, self._agent):
+            if client is not None:
+                await client.aclose()
+        self._client = self._agent = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -223,39 +252,55 @@ class ProxyApp:
         try:
             r = await self.client().get(HEALTH, timeout=self.config.health_timeout_s)
             ok, reason = r.status_code == 200, f"vLLM /health answered {r.status_code}"
-            if ok and await self._paused():
-                ok, reason = False, PAUSED_REASON
         except httpx.HTTPError as e:
             ok, reason = False, f"vLLM at {self.config.upstream} is unreachable ({type(e).__name__})"
+        if ok:
+            try:
+                state = (await self._served()).state
+                if state is not EngineState.SERVING:
+                    ok, reason = False, TORN_REASON if state is EngineState.TORN else PAUSED_REASON
+            except _Unavailable as e:
+                ok, reason = False, e.reason
         body = json.dumps({"status": "ok"} if ok else {"status": "unavailable", "reason": reason}).encode()
         await _respond(send, 200 if ok else 503, b"" if head else body)
 
-    async def _paused(self) -> bool:
-        """vLLM's own pause state (a development route, reachable here on loopback only)."""
+    async def _served(self) -> served.Served:
+        """What the replica serves, by its agent's board; ``_Unavailable`` when the agent cannot say."""
+        where = self.config.agent
         try:
-            r = await self.client().get(IS_PAUSED, timeout=self.config.health_timeout_s)
-            return r.status_code == 200 and bool(r.json().get("is_paused"))
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return False  # a server without the development routes cannot be paused
+            r = await self.agent_client().get(served.PATH)
+        except httpx.HTTPError as e:
+            raise _Unavailable(
+                f"the replica's agent at {where} does not answer ({type(e).__name__}): which weights it serves is "
+                "unknown"
+            ) from None
+        try:
+            body = r.json()
+            if r.status_code != 200:
+                raise _Unavailable(f"the replica's agent at {where} answered {r.status_code}: {body.get('reason')}")
+            return served.Served.from_json(body)
+        except (ValueError, AttributeError, PermanentError) as e:
+            raise _Unavailable(f"the replica's agent at {where} answered {r.status_code}, no board: {e}") from None
 
-    async def _weight_version(self) -> Span | None:
-        """The versions vLLM's engine may be generating with: the one it last finished loading (0: the weights it
-        started with), or two while a staged version switches in between steps (the agent labels the engine
-        ``"12,13"`` around that call); None when it has no such route (not in development mode); raises
-        ``_Unattributed`` when it has one but no answer (``httpx``'s errors when vLLM is unreachable)."""
-        r = await self.client().get(WEIGHT_INFO, timeout=self.config.health_timeout_s)  # httpx errors: unreachable
-        if r.status_code == 404:
-            return None
-        try:
-            text = str(r.json().get("weight_version")) if r.status_code == 200 else f"HTTP {r.status_code}"
-        except (ValueError, AttributeError) as e:
-            raise _Unattributed(f"{WEIGHT_INFO} answered no JSON object") from e
-        if text in INITIAL_WEIGHT_VERSIONS:
-            return 0, 0
-        low, _, high = text.partition(",")
-        if low.isdigit() and (high or low).isdigit() and int(low) <= int(high or low):
-            return int(low), int(high or low)
-        raise _Unattributed(text)
+    async def _until_serving(self) -> served.Served:
+        """The board once the replica serves: waits out an update (at most ``update_wait_s``), polling the agent with
+        a backoff from 5 ms (a staged switch takes milliseconds) to 250 ms (an in-place update, seconds)."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self.config.update_wait_s, 0.005
+        while True:
+            board = await self._served()
+            if board.state is EngineState.SERVING:
+                return board
+            if board.state is EngineState.TORN:
+                raise _Unavailable(TORN_REASON, RETRY_TORN_S)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise _Unavailable(
+                    f"{PAUSED_REASON}, for more than the {self.config.update_wait_s:g}s a request waits (the proxy's "
+                    "--update-wait)"
+                )
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.25)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -304,10 +349,11 @@ class ProxyApp:
         client = self.client()
         request = client.build_request(str(scope["method"]), url, headers=headers, content=body)
         try:
-            start = await self._weight_version() if route in GENERATION else None
+            start = await self._until_serving() if route in WEIGHTED else None
             upstream = await client.send(request, stream=True)
-        except _Unattributed as e:
-            await _respond(send, 502, _error_body(502, "BadGateway", UNATTRIBUTED.format(when="before", why=e)))
+        except _Unavailable as e:
+            retry = [(b"retry-after", str(e.retry_after_s).encode())]
+            await _respond(send, 503, _error_body(503, "ServiceUnavailable", e.reason), retry)
             return
         except httpx.TimeoutException as e:
             message = f"vLLM did not answer within the proxy's timeouts ({type(e).__name__})"
@@ -317,7 +363,7 @@ class ProxyApp:
             message = f"vLLM at {c.upstream} is unreachable ({type(e).__name__}); it may still be starting"
             await _respond(send, 502, _error_body(502, "BadGateway", message))
             return
-        versions = None if start is None else _Versions(start, self._weight_version)
+        versions = None if start is None else _Versions(start, self._served)
         try:
             await _relay(upstream, receive, send, versions)
         finally:
@@ -330,27 +376,21 @@ async def _respond(send: Send, status: int, body: bytes, extra: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
-Span = tuple[int, int]
-"""The lowest and highest weight version an engine may be generating with."""
-
-
 def _text(low: int, high: int) -> str:
     return str(low) if low == high else f"{low},{high}"
 
 
 @dataclass(frozen=True)
 class _Versions:
-    """A completion's weight versions: those read before it was forwarded, and how to read those after."""
+    """An answer's weight versions: those the replica served when it was forwarded, and how to read them after."""
 
-    start: Span
-    read: Callable[[], Awaitable[Span | None]]
+    start: served.Served
+    read: Callable[[], Awaitable[served.Served]]
 
-    async def label(self) -> str | None:
-        """``"12"``, ``"12,13"`` when the version changed in flight, None when vLLM no longer says."""
+    async def label(self) -> str:
+        """``"12"``, or ``"12,13"`` when the versions changed (or were changing) while it was in flight."""
         end = await self.read()
-        if end is None:
-            return None
-        return _text(min(self.start[0], end[0]), max(self.start[1], end[1]))
+        return _text(min(self.start.low, end.low), max(self.start.high, end.high))
 
 
 async def _relay(upstream: httpx.Response, receive: Receive, send: Send, versions: _Versions | None = None) -> None:
@@ -365,7 +405,7 @@ async def _relay(upstream: httpx.Response, receive: Receive, send: Send, version
     ]
     streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
     if versions is not None and streamed:
-        headers.append((START_HEADER.encode(), _text(*versions.start).encode()))
+        headers.append((START_HEADER.encode(), versions.start.versions.encode()))
     held = versions is not None and not streamed
     if not held:
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": headers})
@@ -382,9 +422,9 @@ async def _relay(upstream: httpx.Response, receive: Receive, send: Send, version
             log.warning("upstream stream ended early: %s: %s", type(e).__name__, e)
         try:
             label = await versions.label() if versions is not None else None
-        except (_Unattributed, httpx.HTTPError) as e:
+        except _Unavailable as e:
             if held:
-                message = UNATTRIBUTED.format(when="after", why=_named(e))
+                message = UNATTRIBUTED.format(why=e.reason)
                 await _respond(send, 502, _error_body(502, "BadGateway", message))
                 return
             label = None  # a stream already sent its tokens: it ends without the versions comment
@@ -437,12 +477,12 @@ def serve(host: str, port: int, config: ProxyConfig, log_level: str = "info") ->
 
 
 __all__ = [
-    "GENERATION",
     "HEALTH",
     "ROUTES",
     "SSE_VERSIONS",
     "START_HEADER",
     "VERSIONS_HEADER",
+    "WEIGHTED",
     "ProxyApp",
     "ProxyConfig",
     "not_exposed_message",

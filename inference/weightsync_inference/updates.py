@@ -52,8 +52,13 @@ class Model(Protocol):
         """Whether trainer tensors may be written into parameters at all (not for sharded or renamed models)."""
         ...
 
+    def check(self, table: TensorTable) -> None:
+        """Refuse a table the model would not load whole (``ModelMismatchError`` naming the tensor), changing
+        nothing: before the first byte lands in a parameter, in place or through the loader."""
+        ...
+
     def begin_load(self, table: TensorTable) -> None:
-        """Before the first tensor goes through the loader: refuse a table that does not fit (nothing changed yet)."""
+        """Before the first tensor goes through the loader (``check``ed already: nothing changed yet)."""
         ...
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None: ...
@@ -82,6 +87,7 @@ class Updater:
         self._seconds = 0.0
         self._load_seconds = 0.0
         self._places: dict[str, dict[str, torch.Tensor]] = {}
+        self._checked: set[str] = set()
         self.stager = Stager(ctx)
 
     def init(self, rdv: Rendezvous) -> None:
@@ -140,6 +146,7 @@ class Updater:
         receives: from then on the parameters may change, so the update is torn until it
         finishes.
         """
+        self._check(table)
         key = table.layout_digest()
         views = self._places.get(key)
         if views is None:
@@ -147,6 +154,13 @@ class Updater:
         if views:
             self.torn = True
         return views
+
+    def _check(self, table: TensorTable) -> None:
+        """The model's check, once per layout: a layout loads alike every version (and a switch is milliseconds)."""
+        key = table.layout_digest()
+        if key not in self._checked:
+            self.model.check(table)
+            self._checked.add(key)
 
     def _in_place_views(self, table: TensorTable) -> dict[str, torch.Tensor]:
         if not self.model.writes_in_place():
@@ -183,7 +197,8 @@ class Updater:
     def _load(self, weights: list[tuple[str, torch.Tensor]], receiver: Receiver) -> None:
         if not self._loading:
             assert receiver.table is not None
-            self.model.begin_load(receiver.table)  # raises ModelMismatchError having changed nothing
+            self._check(receiver.table)  # raises ModelMismatchError having changed nothing
+            self.model.begin_load(receiver.table)
             self._loading = True
             self.torn = True
         t0 = time.perf_counter()

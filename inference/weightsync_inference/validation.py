@@ -1,10 +1,12 @@
-"""Checking a version's table against the engine's model before any byte is loaded.
+"""Checking a version's table against a model's plain parameter layout before any byte is loaded.
 
 vLLM's loaders fail late and vaguely on a mismatched checkpoint (a KeyError deep in a
 weight loader, an assertion on sizes), after earlier layers already took new values.
 This check runs once per version, before the first tensor loads, and names the tensor:
-a name the engine has no parameter for, a parameter no tensor fills, or a shape that
-does not fit (fused q/k/v and gate/up rows included).
+a name the model has no parameter for, a parameter no tensor fills, or a shape that
+does not fit (fused q/k/v and gate/up rows included). It knows only that layout: the GPU
+host's harness runs it; vLLM's engine asks vLLM's own loader instead (``dryrun``), which
+knows every model's renames and merged parameters, and keeps the dtype rule from here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,21 @@ from weightsync.tensors import TensorTable
 Layout = Mapping[str, tuple[str, tuple[int, ...]]]
 FLOATS = frozenset({"float16", "bfloat16", "float32"})
 """Unquantised dtypes: a difference between these is a misconfigured trainer, not a quantised layer."""
+
+
+def check_dtype(name: str, sent: str, held: str) -> None:
+    """A float tensor the engine holds as another float dtype: a misconfigured trainer, refused (never cast)."""
+    if held in FLOATS and sent in FLOATS and held != sent:
+        raise ModelMismatchError(
+            f"tensor {name!r}: dtype {sent}, the engine holds {held}; publish with the engine's dtype as the wire dtype"
+        )
+
+
+def check_dtypes(table: TensorTable, layout: Layout) -> None:
+    """``check_dtype`` for every tensor the engine holds under its own name."""
+    for spec in table:
+        if spec.name in layout:
+            check_dtype(spec.name, spec.dtype, layout[spec.name][0])
 
 
 def check_table(
@@ -51,11 +68,7 @@ def check_table(
                 raise ModelMismatchError(
                     f"tensor {spec.name!r}: shape {list(spec.shape)}, the engine's parameter has shape {list(shape)}"
                 )
-            if dtype in FLOATS and spec.dtype in FLOATS and dtype != spec.dtype:
-                raise ModelMismatchError(
-                    f"tensor {spec.name!r}: dtype {spec.dtype}, the engine holds {dtype}; "
-                    f"publish with the engine's dtype as the wire dtype"
-                )
+            check_dtype(spec.name, spec.dtype, dtype)
         else:
             raise ModelMismatchError(
                 f"tensor {spec.name!r} was sent but the engine has no such parameter; check the trainer's name mapping"

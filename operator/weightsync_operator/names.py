@@ -29,6 +29,8 @@ METRICS_PORT = 9400
 """Prometheus port of every weightsync process (coordinator, agent, operator)."""
 VLLM_PORT = 8001
 """vLLM's own port, bound to 127.0.0.1: its development-mode RL routes never leave the pod."""
+SERVED_PORT = 8002
+"""The agent's ``/served`` (what the replica serves), bound to 127.0.0.1: the proxy beside it reads it."""
 TRAINER_MASTER_PORT = 29500
 """torch.distributed rendezvous port of trainer rank 0."""
 

@@ -23,6 +23,7 @@ import json
 import secrets
 
 from weightsync.resources import GROUP
+from weightsync.resources.jobfile import JobFile
 from weightsync.resources.rljob import RLJobSpec
 from weightsync.vocabulary import Channel
 from weightsync_operator import certs, names
@@ -56,15 +57,7 @@ def job_config(job: str, spec: RLJobSpec) -> Obj:
     fabric for the job's node pool), so they share one domain, the job's name, whenever the job lists
     the nccl channel; a job whose nodes do not reach each other over NCCL leaves nccl out of its channels.
     """
-    config = {
-        "job": job,
-        "sync": spec.sync.to_wire(),
-        "replicas": spec.inference.replicas,
-        "worldSize": spec.trainer.world_size,
-        "model": spec.inference.model,
-        "checkpointDir": names.CHECKPOINT_MOUNT,
-        "ncclDomain": job if Channel.NCCL in spec.sync.channels else "",
-    }
+    config = JobFile.of(job, spec, names.CHECKPOINT_MOUNT, nccl=Channel.NCCL in spec.sync.channels).to_wire()
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -74,8 +74,11 @@ class HarnessModel:
     def writes_in_place(self) -> bool:
         return True
 
-    def begin_load(self, table: TensorTable) -> None:
+    def check(self, table: TensorTable) -> None:
         validation.check_table(table, placement.layout_of(self.params.items()), self.fused_mapping())
+
+    def begin_load(self, table: TensorTable) -> None:
+        """Nothing to prepare: the harness's loader copies into plain tensors."""
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """What vLLM's weight loaders do for a tensor that cannot be written in place: copy it into its rows."""
@@ -143,6 +146,9 @@ class HarnessEngine:
     def finish(self, version: str) -> None:
         self.updater.finish()
         self.version = int(version)
+
+    def reset_caches(self) -> None:
+        """Nothing to drop: the harness computes nothing from tokens."""
 
     def receipt(self) -> Receipt:
         return self.updater.receipt

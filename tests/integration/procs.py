@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ def write_json(path: Path, data: object) -> None:
 
 
 def stream(args: argparse.Namespace) -> None:
-    """Publish one version over the CPU stream to one replica; with --die-after N, exit hard after N groups.
+    """Publish one version over the CPU stream to one replica; with --die-after N, exit hard after N groups; with
+    --stall-after N, stop for --stall-s seconds after N groups (a slow or stuck trainer), then go on.
 
     The trainer binds its sender on 127.0.0.1, plans one replica on it without a
     coordinator and writes that replica's rendezvous to --rendezvous-out, where the
@@ -55,6 +57,15 @@ def stream(args: argparse.Namespace) -> None:
                 yield group
 
         source.groups = dying  # type: ignore[method-assign]
+    elif args.stall_after is not None:
+
+        def stalling() -> Iterator[Any]:
+            for i, group in enumerate(groups()):
+                if i == args.stall_after:
+                    time.sleep(args.stall_s)
+                yield group
+
+        source.groups = stalling  # type: ignore[method-assign]
     ticket = UpdateTicket(args.version, Channel.CPU, table, table.layout_digest(), step=args.version, timeout_s=60)
     report = send(source, sender, ticket)
     sender.close()
@@ -158,6 +169,8 @@ def main() -> None:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--bucket-bytes", type=int, default=256 << 10)
     s.add_argument("--die-after", type=int, default=None)
+    s.add_argument("--stall-after", type=int, default=None)
+    s.add_argument("--stall-s", type=float, default=0.0)
     r = sub.add_parser("receive")
     r.add_argument("--rendezvous", required=True, help="the replica's rendezvous (JSON, as Rendezvous.to_dict)")
     r.add_argument("--version", type=int, required=True)

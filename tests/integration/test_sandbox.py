@@ -1,29 +1,54 @@
-"""`weightsync sandbox` end to end, as the README runs it: a verified report, on both CPU channels."""
+"""`weightsync sandbox` end to end, as the README runs it: a verified report, on both CPU channels, for dense and
+mixture-of-experts models, from a model folder without tokenizer files, and a JSON report when it fails."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import support
+
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("channel", ["cpu", "volume"])
-def test_sandbox_prints_a_verified_report(channel: str) -> None:
+def _sandbox(*args: str) -> tuple[int, dict[str, object], str]:
     out = subprocess.run(
-        [sys.executable, "-m", "weightsync.cli.main", "sandbox", "--channel", channel, "--json"],
+        [sys.executable, "-m", "weightsync.cli.main", "sandbox", *args, "--json"],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)  # stdout holds the JSON document alone; vLLM's logs went to stderr
-    assert report["channel"] == channel and report["verified"] is True
+    return out.returncode, json.loads(out.stdout), out.stderr  # stdout holds the JSON alone; vLLM logs to stderr
+
+
+@pytest.mark.parametrize(
+    ("preset", "channel"),
+    [("tiny-qwen2", "cpu"), ("tiny-mixtral", "cpu"), ("tiny-qwen2-moe", "volume")],
+)
+def test_sandbox_prints_a_verified_report(preset: str, channel: str) -> None:
+    code, report, stderr = _sandbox("--preset", preset, "--channel", channel)
+    assert code == 0, stderr[-3000:]
+    assert report["channel"] == channel and report["verified"] is True, report
     assert report["digests_verified"] and report["generation_changed"] and not report["mismatches"]
     assert report["bytes"] > 0 and report["total_seconds"] > 0
+
+
+def test_sandbox_needs_no_tokenizer_files(tmp_path: Path) -> None:
+    """Prompts are token ids: a folder with the weights and the config alone syncs and verifies (the volume)."""
+    folder = tmp_path / "weights-only"
+    shutil.copytree(support.tiny_model(), folder, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, report, stderr = _sandbox("--model", str(folder), "--channel", "volume")
+    assert code == 0 and report["verified"] is True, (report, stderr[-3000:])
+
+
+def test_a_failed_sandbox_still_prints_its_json_report() -> None:
+    code, report, _ = _sandbox("--channel", "nccl")
+    assert code == 1 and report["verified"] is False
+    assert "channel 'nccl' moves GPU tensors" in str(report["error"])

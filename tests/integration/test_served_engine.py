@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,25 +23,22 @@ import pytest
 import torch
 
 from tests import support
-from tests.integration import faulty_worker
+from tests.integration import faulty_worker, servers
 from weightsync.channels import manifests
 from weightsync.channels.base import Offer, Rendezvous, UpdateTicket
-from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import server
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Capabilities, JobPolicy, summarize
-from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import Channel, EngineState, PauseMode, ReplicaState, VersionState
 from weightsync_inference import proxy
+from weightsync_inference import served as served_mod
 from weightsync_inference.agent import Agent, AgentConfig
 from weightsync_inference.http_engine import HttpEngine
 from weightsync_inference.lifecycle import Replica, UpdateFailed, UpdateOutcome
 from weightsync_inference.staging import StagingUnavailable, staging_bytes
-from weightsync_trainer.publisher import send
 from weightsync_trainer.sources import ModuleSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-START_TIMEOUT_S = 240.0
 ROOT = Path(__file__).resolve().parents[2]
 DEV_ROUTES = [
     "/pause",
@@ -62,42 +56,6 @@ DEV_ROUTES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(cmd: list[str], log: Path, cwd: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        # own session: teardown ends the server and every process it spawned, and only those
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{url} not healthy within {START_TIMEOUT_S:.0f}s:\n{log.read_text()[-4000:]}")
-
-
 @dataclass
 class Served:
     root: Path
@@ -107,20 +65,14 @@ class Served:
     engine: HttpEngine
     replica: Replica
     log: Path
+    board: served_mod.Board
     version: int = 0
     serving: torch.nn.Module | None = None
 
     def publish(self, seed: int) -> tuple[UpdateTicket, torch.nn.Module]:
         """Write a new version to the volume; the ticket a replica gets for it (layout digest, manifest checksum)."""
         self.version += 1
-        trainer = support.hf_trainer(self.folder, seed=seed)
-        source = ModuleSource(trainer)
-        table = source.table()
-        send(source, VolumeSender(self.root), UpdateTicket(self.version, Channel.VOLUME, table, step=self.version))
-        checksum = manifest_checksum(manifests.manifest_path(self.root, self.version).read_bytes())
-        ticket = UpdateTicket(
-            self.version, Channel.VOLUME, layout_digest=table.layout_digest(), manifest_checksum=checksum
-        )
+        ticket, trainer, _ = servers.publish(self.root, self.folder, self.version, seed)
         return ticket, trainer
 
 
@@ -128,39 +80,14 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     work = tmp_path_factory.mktemp("served")
     folder = support.tiny_model()
-    port, proxy_port = _free_port(), _free_port()
-    url, proxy_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{proxy_port}"
-    # the repository on the path: the workers load the test's extension (the product's plus one fault)
-    env = {**support.env_without_proxies(), "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(ROOT)}
-    vllm_cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port), "--model", str(folder),
-        "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.1", "--seed", "0",
-        "--weight-transfer-config", json.dumps({"backend": Channel.VOLUME.engine_name}),
-        "--worker-extension-cls", faulty_worker.QUALNAME,
-    ]  # fmt: skip
-    # the proxy command module alone (its add_arguments/run, as `weightsync proxy` calls them), so a
-    # half-added command elsewhere in the shared CLI cannot break this module's fixture
-    run_proxy = (
-        "import argparse, sys; from weightsync.cli import proxy; p = argparse.ArgumentParser(); "
-        "proxy.add_arguments(p); sys.exit(proxy.run(p.parse_args()))"
-    )
-    proxy_cmd = [sys.executable, "-c", run_proxy, "--listen", f"127.0.0.1:{proxy_port}", "--upstream", url]
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        procs.append(_start(vllm_cmd, work / "vllm.log", work, env))
-        procs.append(_start(proxy_cmd, work / "proxy.log", work, support.env_without_proxies()))
-        _wait_healthy(url, procs[0], work / "vllm.log")
-        _wait_healthy(proxy_url, procs[1], work / "proxy.log")
-        engine = HttpEngine(url)
-        replica = Replica(engine)
+    with servers.running(work, folder, extension=faulty_worker.QUALNAME) as server:
+        engine = HttpEngine(server.url)
+        replica = Replica(engine, board=server.board)
+        replica.adopt()  # what an agent does first: the proxy reads the board from here on
         root = work / "volume"
         replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
-        yield Served(root, folder, url, proxy_url, engine, replica, work / "vllm.log")
+        yield Served(root, folder, server.url, server.proxy_url, engine, replica, server.log, server.board)
         engine.close()
-    finally:
-        for proc in reversed(procs):
-            _stop(proc)
 
 
 def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
@@ -237,15 +164,6 @@ def test_proxy_hides_dev_routes(served: Served) -> None:
     assert httpx.get(f"{served.url}/weight_info", timeout=10, trust_env=False).status_code == 200
 
 
-def _running(served: Served) -> float:
-    """vLLM's own gauge of the requests it is generating (as of its last step)."""
-    metrics = httpx.get(f"{served.url}/metrics", timeout=10, trust_env=False).text
-    for line in metrics.splitlines():
-        if line.startswith("vllm:num_requests_running"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("vLLM's /metrics has no vllm:num_requests_running")
-
-
 @contextlib.contextmanager
 def _mid_generation(
     served: Served, body: dict[str, object], freeze: bool = True
@@ -263,7 +181,7 @@ def _mid_generation(
                 yield r, first, lines
                 return
             served.engine.pause()
-            if _running(served) > 0:
+            if servers.metric(served.url, "vllm:num_requests_running") > 0:
                 yield r, first, lines
                 return
             served.engine.resume()
@@ -305,7 +223,8 @@ def _stream_through_an_update(served: Served, mode: PauseMode, tokens: int) -> t
     body = {"prompt": support.PROMPTS[0], "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True, "stream": True}  # fmt: skip
     ticket, trainer = served.publish(seed=10 + served.version)
-    replica = Replica(HttpEngine(served.url, pause_mode=mode), version=int(served.engine.weight_version()))
+    engine = HttpEngine(served.url, pause_mode=mode)
+    replica = Replica(engine, version=int(served.engine.weight_version()), board=served.board)
     # abort: frozen first, so the generation surely runs when the update pauses; wait: never frozen (it would wait
     # for a generation that cannot finish)
     with _mid_generation(served, body, freeze=mode is not PauseMode.WAIT) as (_, first, lines):
@@ -496,7 +415,8 @@ def test_a_refused_catch_up_is_acked_backs_off_and_leaves_the_serving_engine_alo
             lag_check_s=0.2, retry_s=0.5, retry_max_s=4.0,
         )  # fmt: skip
         served.engine.pause()  # as an agent that died between pause and the first byte leaves it
-        agent = Agent(HttpEngine(served.url), CoordinatorClient(coordinator.target, insecure=True), config)
+        client = CoordinatorClient(coordinator.target, insecure=True)
+        agent = Agent(HttpEngine(served.url), client, config, board=served.board)
         assert not served.engine.is_paused(), "the new agent did not resume an engine paused with whole weights"
         threading.Thread(target=agent.run, name="agent", daemon=True).start()
 
@@ -529,7 +449,7 @@ def test_a_refused_catch_up_is_acked_backs_off_and_leaves_the_serving_engine_alo
             time.sleep(0.2)
         assert not served.engine.is_paused()
         support.assert_generates_like(served.engine, model)
-        served.version, served.serving = version, model
+        served.version, served.serving, served.replica.version = version, model, version
     finally:
         if agent is not None:
             agent.stop()
@@ -567,8 +487,13 @@ def test_a_staged_switch_that_tears_stops_the_engine_from_stepping(served: Serve
     served.serving = trainer
 
     torn_switch(seed=33)
-    served.engine.resume()
     body = {"prompt": support.PROMPTS[1], "max_tokens": 8, "temperature": 0.0, "return_token_ids": True}
+    # clients get 503 from the proxy at once (the replica is torn), not a wait on a paused engine
     r = httpx.post(f"{served.proxy_url}/v1/completions", json=body, timeout=120, trust_env=False)
+    assert r.status_code == 503 and r.headers["retry-after"] == str(proxy.RETRY_TORN_S), r.text
+    health = httpx.get(f"{served.proxy_url}/health", timeout=10, trust_env=False)
+    assert (health.status_code == 503 and "torn" not in health.json()["reason"]) or "failed after bytes" in health.text
+    served.engine.resume()  # a step that raced the pause, straight to vLLM
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120, trust_env=False)
     assert r.status_code != 200, r.text
     assert "refuses to step until a whole version loads" in served.log.read_text()

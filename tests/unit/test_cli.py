@@ -57,3 +57,13 @@ def test_operator_refuses_a_renew_deadline_that_could_let_two_leaders_overlap() 
     assert str(exc.value) == (
         "weightsync operator: leader election needs 0 < retry (2.0s) < renew deadline (20.0s) < lease duration (15.0s)"
     )
+
+
+def test_the_sandbox_sees_a_change_in_logprobs_when_no_greedy_token_changed() -> None:
+    """One step may move every logit without changing an argmax (a tied Gemma moved ~1.5 nats): the change is
+    measured on the greedy tokens both runs share, up to the first that differs."""
+    from weightsync.cli import sandbox
+
+    same_tokens = sandbox._logprob_change([([3, 4], [-1.0, -2.0])], [([3, 4], [-2.5, -2.1])])
+    assert same_tokens == pytest.approx(1.5)
+    assert sandbox._logprob_change([([3, 4], [-1.0, -2.0])], [([3, 9], [-1.05, -9.0])]) == pytest.approx(0.05)

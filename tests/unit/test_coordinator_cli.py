@@ -63,3 +63,32 @@ def test_status_json(capsys: pytest.CaptureFixture[str]) -> None:
             assert "job 'nope' is unknown" in capsys.readouterr().err
     finally:
         s.stop(0.2)
+
+
+def test_status_shows_every_version_still_on_the_volume_beyond_the_newest_ten(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from weightsync.channels.base import Offer
+    from weightsync.coordinator.models import JobPolicy, TableSummary
+    from weightsync.tensors import DIGEST_PREFIX, manifest_checksum
+
+    s = server.CoordinatorServer(server.ServerConfig(insecure=True, port=0)).start()
+    try:
+        with CoordinatorClient(s.target, insecure=True) as trainer:
+            caps = Capabilities(channels=(Channel.VOLUME,), volume_id="vol")
+            policy = JobPolicy(ready_without_acks=True)  # versions no replica acks: READY once sent
+            trainer.register_trainer("cli-job", "t", caps, policy=policy, offers=[Offer(Channel.VOLUME)])
+            table = TableSummary(1, 8, DIGEST_PREFIX + "1" * 64)
+            for step in range(1, 14):
+                version = trainer.open_version(step, table).version
+                trainer.report_sent(version, "", {})
+                if version == 2:  # the one the volume keeps from long ago
+                    trainer.mark_durable(version, "/ckpt/v00000002/manifest.json", manifest_checksum(b"2"))
+            port = s.target.rsplit(":", 1)[1]
+            assert (
+                cli.main(["coordinator", "--status", "--insecure", "--port", port, "--job", "cli-job", "--json"]) == 0
+            )
+            shown = [v["version"] for v in json.loads(capsys.readouterr().out)["versions"]]
+            assert shown == [*range(13, 3, -1), 2]
+    finally:
+        s.stop(0.2)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from weightsync import metrics
 from weightsync.channels.base import Endpoint, Offer
+from weightsync.channels.manifests import Manifest
 from weightsync.coordinator import faults
 from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
@@ -33,7 +34,7 @@ from weightsync.coordinator.models import (
     WaitFor,
 )
 from weightsync.coordinator.store import MemoryStore
-from weightsync.tensors import DIGEST_PREFIX, manifest_checksum
+from weightsync.tensors import DIGEST_PREFIX, TensorTable, content_digest, manifest_checksum
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 pytestmark = pytest.mark.unit
@@ -79,9 +80,17 @@ def failed(version: int, error: str, **kw: object) -> AckReport:
     return AckReport(version, TABLE.layout_digest, ok=False, error=error, **kw)  # type: ignore[arg-type]
 
 
-def write_manifest(root: Path, version: int) -> tuple[Path, str]:
-    """A version's manifest where the coordinator looks for it (``<root>/v%08d/manifest.json``), and its checksum."""
-    data = f'{{"format": "weightsync.volume/v1", "version": {version}}}\n'.encode()
+def write_manifest(root: Path, version: int, digests: dict[str, str] | None = None) -> tuple[Path, str]:
+    """A version's manifest where the coordinator looks for it (``<root>/v%08d/manifest.json``), and its checksum;
+    ``digests``: the per-tensor digests it lists (none: written with verification off)."""
+    names = sorted(digests or {"w": ""})
+    table = TensorTable.build([[(name, "bfloat16", (4,)) for name in names]])
+    shard = "shard-00000.safetensors"
+    manifest = Manifest(
+        version, version, table.with_digests(digests) if digests else table, dict.fromkeys(names, shard),
+        {shard: (8 * len(names), "0" * 64)}, 0.0,
+    )  # fmt: skip
+    data = manifest.to_json().encode()
     path = root / f"v{version:08d}" / "manifest.json"
     path.parent.mkdir(parents=True)
     path.write_bytes(data)
@@ -384,6 +393,8 @@ def test_a_catch_up_is_shown_with_the_version_and_never_changes_its_verdict() ->
     core.ack(late, ok(v1, content_digest=SENT))
     info = latest(core)
     assert statuses(info)["late"] is ReplicaState.LOADED and not {r.replica_id: r.error for r in info.replicas}["late"]
+    # a catch-up comes from the volume: the status says so, as it does for planned replicas
+    assert {r.replica_id: r.channel for r in info.replicas} == {"r0": Channel.CPU, "late": Channel.VOLUME}
     assert {m.member_id: m.current_version for m in core.get_job("job").members}["late"] == v1
 
 
@@ -477,6 +488,56 @@ def test_mark_durable_checks_the_manifest_on_its_own_volume(tmp_path: Path) -> N
     info = core.mark_durable("job", v, "/publisher/mount/v00000001/manifest.json", checksum)
     assert info.durable and info.manifest_path == str(path) and info.manifest_checksum == checksum
     assert latest(core).manifest_checksum == checksum
+
+
+def test_a_version_only_the_volume_carried_is_checked_against_what_the_trainer_wrote(tmp_path: Path) -> None:
+    """Nothing streamed it (its one replica receives the volume alone), so the publisher reports no digest when it
+    sent; what the trainer wrote is what the replica is held to, not another replica's word."""
+    core, t, _ = fleet(0, volume=tmp_path)
+    vol = core.register("job", Role.REPLICA, "vol", "iv", VOLUME_ONLY).lease_id
+    core.subscribe(vol)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v)
+    assert latest(core).content_digest == "" and latest(core).durable_needed
+    written = {"a": "1" * 64, "b": "2" * 64}
+    path, checksum = write_manifest(tmp_path, v, written)
+    with pytest.raises(faults.InvalidArgument, match=r"content_digest .* is not the .* manifest lists"):
+        core.mark_durable("job", v, str(path), checksum, CORRUPT)
+    info = core.mark_durable("job", v, str(path), checksum, content_digest(written))
+    assert info.durable and info.content_digest == content_digest(written)
+    assert core.ack(vol, ok(v, content_digest=CORRUPT)) is VersionState.FAILED
+    assert "is not the" in latest(core).reason and "the trainer sent" in latest(core).reason
+
+
+def test_a_streamed_version_keeps_the_digest_the_trainer_reported_sent() -> None:
+    """A volume copy's digest does not replace what the live channels carried: a replica that loads other bytes from
+    the volume fails against the trainer's report, as any other would."""
+    core, t, _ = fleet(1)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v, SENT)
+    info = core.mark_durable("job", v, "/ckpt/v00000001/manifest.json", manifest_checksum(b"m"), CORRUPT)
+    assert info.durable and info.content_digest == SENT
+    # without a mount the publisher's claim stands: it is recorded for a version nothing streamed
+    v2 = core.open_version(t, "job", "t1", 2, TABLE).version
+    sent(core, t, v2)
+    assert core.mark_durable("job", v2, "/ckpt/v00000002/manifest.json", manifest_checksum(b"n"), SENT).content_digest
+    with pytest.raises(faults.InvalidArgument, match=r"content_digest 'x' is not sha256"):
+        core.mark_durable("job", v2, "/ckpt/v00000002/manifest.json", manifest_checksum(b"n"), "x")
+
+
+def test_superseded_versions_keep_their_own_settle_times() -> None:
+    clock = ManualClock()
+    core, t, (r0,) = fleet(1, ttl=1000.0, clock=clock)
+    v1 = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v1)
+    core.ack(r0, ok(v1))
+    ready_at = latest(core).settled_at
+    clock.advance(30.0)
+    v2 = core.open_version(t, "job", "t1", 2, TABLE).version
+    sent(core, t, v2)
+    core.ack(r0, ok(v2))
+    settled = {v.version: (v.state, v.settled_at) for v in core.list_versions("job")}
+    assert settled == {v1: (VersionState.SUPERSEDED, ready_at), v2: (VersionState.READY, ready_at + 30.0)}
 
 
 def test_mark_durable_without_a_volume_records_the_publishers_claim() -> None:

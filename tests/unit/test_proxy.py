@@ -3,17 +3,18 @@
 Two kinds of tests: the ASGI app driven directly with crafted scopes (paths exactly as
 a client could send them, no client-side normalisation in the way), and the proxy
 served by uvicorn in front of a small real upstream app on loopback, to check what
-actually crosses the wire (path, headers, streaming, disconnects). Nothing is mocked.
+actually crosses the wire (path, headers, streaming, disconnects, holds), with the
+agent's real board server beside it (``served``). Nothing is mocked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -22,7 +23,8 @@ import uvicorn
 
 from weightsync.cli import proxy as proxy_cli
 from weightsync.errors import PermanentError
-from weightsync_inference import http_engine, proxy
+from weightsync.vocabulary import EngineState
+from weightsync_inference import http_engine, proxy, served
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -100,18 +102,20 @@ def _drive(
 
 @pytest.mark.parametrize("path", ["/pause", "/update_weights", "/v1/completions/../../pause"])
 def test_not_exposed_answers_404_naming_the_route(path: str) -> None:
-    status, _, body = _drive(proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED)), "POST", path)
+    status, _, body = _drive(proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=CLOSED)), "POST", path)
     assert status == 404
     assert f"route POST {path} is not exposed by the weightsync proxy; it forwards only: /v1/completions" in str(body)
 
 
 def test_wrong_method_answers_405_with_allow() -> None:
-    status, headers, body = _drive(proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED)), "GET", "/v1/completions")
+    status, headers, body = _drive(
+        proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=CLOSED)), "GET", "/v1/completions"
+    )
     assert status == 405 and headers[b"allow"] == b"POST" and b"accepts POST, not GET" in body
 
 
 def test_oversized_bodies_are_refused() -> None:
-    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, max_body_bytes=10))
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=CLOSED, max_body_bytes=10))
     declared = [(b"content-length", b"11")]
     assert _drive(app, "POST", "/v1/completions", [b"x" * 11], declared)[0] == 413
     status, _, body = _drive(app, "POST", "/v1/completions", [b"x" * 6, b"x" * 6])  # chunked, no length
@@ -120,7 +124,7 @@ def test_oversized_bodies_are_refused() -> None:
 
 def test_slow_bodies_time_out() -> None:
     """A body whose first chunk says more is coming, then nothing: 408 after the body timeout."""
-    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, body_timeout_s=0.2))
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=CLOSED, body_timeout_s=0.2))
     chunks = [b"{"]
 
     async def run() -> int:
@@ -143,24 +147,70 @@ def test_slow_bodies_time_out() -> None:
 
 
 def test_unreachable_upstream_is_502_and_unhealthy() -> None:
-    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED))
-    status, _, body = _drive(app, "POST", "/v1/completions", [b"{}"])
-    assert status == 502 and b"is unreachable (ConnectError); it may still be starting" in body
-    status, _, body = _drive(app, "GET", "/health")
-    assert status == 503 and b'"status": "unavailable"' in body
+    board = served.Board()
+    board.set(served.Served.one(3))
+    agent = served.serve(board, "127.0.0.1", 0)
+    try:
+        app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=agent.url))
+        status, _, body = _drive(app, "POST", "/v1/completions", [b"{}"])
+        assert status == 502 and b"is unreachable (ConnectError); it may still be starting" in body
+        status, _, body = _drive(app, "GET", "/health")
+        assert status == 503 and b'"status": "unavailable"' in body
+    finally:
+        agent.close()
 
 
-# -- over the wire, with a real upstream -----------------------------------------------------
+def test_without_its_agent_a_replica_serves_nothing_it_cannot_attribute() -> None:
+    """No agent to say which weights the engine serves (not started, or gone): 503 with Retry-After, not a guess."""
+    app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=CLOSED))
+    status, headers, body = _drive(app, "POST", "/v1/completions", [b"{}"])
+    assert status == 503 and headers[b"retry-after"] == b"1", body
+    assert b"the replica's agent at http://127.0.0.1:" in body and b"does not answer (ConnectError)" in body
+    board = served.Board()  # an agent that has not taken the engine over yet
+    agent = served.serve(board, "127.0.0.1", 0)
+    try:
+        app = proxy.ProxyApp(proxy.ProxyConfig(upstream=CLOSED, agent=agent.url))
+        status, _, body = _drive(app, "POST", "/v1/completions", [b"{}"])
+        assert status == 503 and b"answered 503: the agent has not taken the engine over yet" in body, body
+    finally:
+        agent.close()
+
+
+def test_the_board_is_parsed_once_and_checked() -> None:
+    assert served.Served.from_json({"versions": "12,13", "state": "paused"}) == served.Served(
+        12, 13, EngineState.PAUSED
+    )
+    assert served.Served.one(4).to_json() == {"versions": "4", "state": "serving"}
+    for bad in [{"versions": "13,12", "state": "serving"}, {"versions": "x", "state": "serving"}, {"state": "torn"}]:
+        with pytest.raises(PermanentError, match=r"the agent's /served answered .*expected"):
+            served.Served.from_json(bad)
+
+
+# -- over the wire, with a real upstream and a real board -------------------------------------
 
 
 class Upstream:
-    """A small ASGI app standing in for vLLM's OpenAI routes; it records what reached it."""
+    """A small ASGI app standing in for vLLM's OpenAI routes; it records what reached it. Its board stands in for the
+    agent's: a body ``json-update`` finishes an update while the completion runs (the lifecycle shows both versions,
+    then the new one), ``json-gone`` takes the agent away as the completion ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, board: served.Board, agent: served.BoardServer) -> None:
         self.seen: list[dict[str, Any]] = []
         self.disconnected = threading.Event()
-        self.paused = False
-        self.version: int | str | None = 7
+        self.board, self.agent = board, agent
+        board.set(served.Served.one(7))
+
+    @property
+    def version(self) -> int:
+        board = self.board.get()
+        assert board is not None
+        return board.high
+
+    def update(self) -> None:
+        """An update of the kind the lifecycle does: both versions while it runs, then the new one."""
+        version = self.version
+        self.board.set(served.Served(version, version + 1, EngineState.PAUSED))
+        self.board.set(served.Served.one(version + 1))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -177,25 +227,11 @@ class Upstream:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
             return
-        if scope["path"] == "/is_paused":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": json.dumps({"is_paused": self.paused}).encode()})
-            return
-        if scope["path"] == "/weight_info":
-            if self.version is None:  # an engine that is going away: the route is there, the answer is not
-                await send({"type": "http.response.start", "status": 503, "headers": []})
-                await send({"type": "http.response.body", "body": b""})
-                return
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send(
-                {"type": "http.response.body", "body": json.dumps({"weight_version": str(self.version)}).encode()}
-            )
-            return
-        if body.startswith(b"json"):  # a non-streamed completion; "json-update": a version finishes while it runs
+        if body.startswith(b"json"):  # a non-streamed completion
             if body == b"json-update":
-                self.version += 1
-            if body == b"json-gone":  # the engine stops answering as the completion ends
-                self.version = None
+                self.update()
+            if body == b"json-gone":
+                self.agent.close()
             await send(
                 {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
             )
@@ -231,37 +267,56 @@ def _serve(config: uvicorn.Config) -> tuple[uvicorn.Server, threading.Thread]:
     return server, thread
 
 
-@pytest.fixture(scope="module")
-def wire() -> Iterator[tuple[Upstream, str]]:
-    upstream = Upstream()
-    up_port, proxy_port = _free_port(), _free_port()
+@dataclass
+class Wire:
+    upstream: Upstream
+    url: str
+    upstream_url: str
+    board: served.Board
+
+
+def _proxy(config: proxy.ProxyConfig) -> tuple[str, tuple[uvicorn.Server, threading.Thread]]:
+    port = _free_port()
+    server = _serve(proxy.uvicorn_config(proxy.ProxyApp(config), "127.0.0.1", port, log_level="warning"))
+    return f"http://127.0.0.1:{port}", server
+
+
+@pytest.fixture
+def wire() -> Iterator[Wire]:
+    board = served.Board()
+    agent = served.serve(board, "127.0.0.1", 0)
+    upstream = Upstream(board, agent)
+    up_port = _free_port()
     servers = [_serve(uvicorn.Config(upstream, host="127.0.0.1", port=up_port, log_level="warning"))]
+    upstream_url = f"http://127.0.0.1:{up_port}"
     try:
-        app = proxy.ProxyApp(proxy.ProxyConfig(upstream=f"http://127.0.0.1:{up_port}"))
-        servers.append(_serve(proxy.uvicorn_config(app, "127.0.0.1", proxy_port, log_level="warning")))
-        yield upstream, f"http://127.0.0.1:{proxy_port}"
+        url, server = _proxy(proxy.ProxyConfig(upstream=upstream_url, agent=agent.url))
+        servers.append(server)
+        yield Wire(upstream, url, upstream_url, board)
     finally:
+        agent.close()
         for server, thread in servers:
             server.should_exit = True
             thread.join(10)
 
 
-def test_forwards_the_checked_path_and_sanitised_headers(wire: tuple[Upstream, str]) -> None:
-    upstream, url = wire
+def test_forwards_the_checked_path_and_sanitised_headers(wire: Wire) -> None:
+    upstream, url = wire.upstream, wire.url
     headers = {"x-forwarded-for": "6.6.6.6", "authorization": "Bearer k", "proxy-authorization": "x"}
     r = httpx.post(f"{url}/v1/completions?a=1", content=b"short", headers=headers, timeout=10, trust_env=False)
     assert r.status_code == 200 and r.headers["x-upstream"] == "1"
     version = upstream.version
     assert r.text == f"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n: weightsync-versions {version}\n\n"
     assert r.headers[proxy.START_HEADER] == str(version)
-    seen = next(s for s in reversed(upstream.seen) if s["path"] != "/weight_info")
+    seen = upstream.seen[-1]
     assert seen["path"] == "/v1/completions" and seen["query"] == b"a=1" and seen["body"] == b"short"
     assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"  # the client's own claim is dropped
     assert seen["headers"]["authorization"] == "Bearer k" and "proxy-authorization" not in seen["headers"]
+    assert {s["path"] for s in upstream.seen} == {"/v1/completions"}  # nothing asked of the engine but the answer
 
 
-def test_every_completion_says_which_weight_versions_made_it(wire: tuple[Upstream, str]) -> None:
-    upstream, url = wire
+def test_every_completion_says_which_weight_versions_made_it(wire: Wire) -> None:
+    upstream, url = wire.upstream, wire.url
     r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
     assert r.status_code == 200 and r.json() == {"choices": []}
     assert r.headers[proxy.VERSIONS_HEADER] == str(upstream.version)
@@ -272,65 +327,82 @@ def test_every_completion_says_which_weight_versions_made_it(wire: tuple[Upstrea
     with httpx.stream("POST", f"{url}/v1/completions", content=b"short", timeout=10, trust_env=False) as s:
         lines = s.iter_lines()
         assert next(lines) == "data: 0" and s.headers[proxy.START_HEADER] == str(before + 1)
-        upstream.version += 1
+        upstream.update()
         rest = list(lines)
     assert rest[-2:] == [f"{proxy.SSE_VERSIONS}{before + 1},{before + 2}", ""], rest
-    # while a staged version switches in between two steps the engine reports both: so does every completion
-    # that read it, before or after
-    upstream.version, version = f"{before + 2},{before + 3}", upstream.version  # type: ignore[assignment]
-    try:
-        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
-        assert r.headers[proxy.VERSIONS_HEADER] == f"{before + 2},{before + 3}"
-    finally:
-        upstream.version = version
-    # routes that generate nothing carry no versions
+    embedded = httpx.post(f"{url}/v1/embeddings", content=b"json", timeout=10, trust_env=False)
+    assert embedded.headers[proxy.VERSIONS_HEADER] == str(before + 2)  # the weights compute embeddings too
+    # routes that compute nothing with the weights carry no versions
     tokenized = httpx.post(f"{url}/tokenize", content=b"json", timeout=10, trust_env=False)
     assert proxy.VERSIONS_HEADER not in tokenized.headers
-    # before any update vLLM names no number: the weights it started with are version 0
-    upstream.version, version = "default", upstream.version  # type: ignore[assignment]
-    try:
-        initial = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
-        assert initial.headers[proxy.VERSIONS_HEADER] == "0"
-    finally:
-        upstream.version = version
 
 
-def test_a_completion_whose_weight_version_cannot_be_read_is_refused_not_returned_unattributed(
-    wire: tuple[Upstream, str],
+def test_a_completion_whose_versions_cannot_be_read_after_it_is_refused_not_returned_unattributed(
+    wire: Wire,
 ) -> None:
-    upstream, url = wire
-    version = upstream.version
-    try:
-        r = httpx.post(f"{url}/v1/completions", content=b"json-gone", timeout=10, trust_env=False)
-        assert r.status_code == 502 and proxy.VERSIONS_HEADER not in r.headers, r.headers
-        assert "could not be read after the completion (HTTP 503" in r.json()["error"]["message"], r.text
-        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
-        assert r.status_code == 502 and "could not be read before the completion" in r.json()["error"]["message"]
-        assert not any(s["body"] == b"json" for s in upstream.seen[-2:]), "forwarded though unattributable"
-    finally:
-        upstream.version = version
-    assert httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False).status_code == 200
+    r = httpx.post(f"{wire.url}/v1/completions", content=b"json-gone", timeout=10, trust_env=False)
+    assert r.status_code == 502 and proxy.VERSIONS_HEADER not in r.headers, r.headers
+    message = r.json()["error"]["message"]
+    assert "could not be read after the answer (the replica's agent at" in message, message
+    r = httpx.post(f"{wire.url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "does not answer" in r.text
+    assert wire.upstream.seen[-1]["body"] == b"json-gone", "forwarded though unattributable"
 
 
-def test_health_is_answered_by_the_proxy(wire: tuple[Upstream, str]) -> None:
-    _, url = wire
-    r = httpx.get(f"{url}/health", timeout=10, trust_env=False)
+def test_health_is_answered_by_the_proxy_from_the_agents_board(wire: Wire) -> None:
+    r = httpx.get(f"{wire.url}/health", timeout=10, trust_env=False)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+    for state, reason in [(EngineState.PAUSED, "a weight update is in progress"), (EngineState.TORN, "torn")]:
+        wire.board.set(served.Served(7, 8, state))
+        r = httpx.get(f"{wire.url}/health", timeout=10, trust_env=False)
+        assert r.status_code == 503 and reason in r.json()["reason"].replace("failed after bytes", "torn"), r.text
+    wire.board.set(served.Served.one(8))
+    assert httpx.get(f"{wire.url}/health", timeout=10, trust_env=False).status_code == 200
+    assert {s["path"] for s in wire.upstream.seen} == {"/health"}  # vLLM's /is_paused, an engine call, never asked
 
 
-def test_a_paused_replica_is_not_ready(wire: tuple[Upstream, str]) -> None:
-    upstream, url = wire
-    upstream.paused = True
+def test_completions_wait_out_an_update_and_carry_only_the_new_version(wire: Wire) -> None:
+    """While the replica is paused for an update (or switches a staged version in) a completion is held, not
+    failed; once the new version serves it goes on and is attributed to that version alone."""
+    wire.board.set(served.Served(7, 8, EngineState.PAUSED))
+    answer: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: answer.append(
+            httpx.post(f"{wire.url}/v1/completions", content=b"json", timeout=30, trust_env=False)
+        )
+    )
+    t0 = time.monotonic()
+    client.start()
+    time.sleep(0.5)
+    assert not answer and not wire.upstream.seen, "forwarded while the replica was paused for an update"
+    wire.board.set(served.Served.one(8))
+    client.join(10)
+    assert answer[0].status_code == 200 and answer[0].headers[proxy.VERSIONS_HEADER] == "8"
+    assert time.monotonic() - t0 < 2  # the poll's backoff is capped at 250 ms
+
+
+def test_an_update_longer_than_the_wait_or_a_torn_replica_is_503_with_retry_after(wire: Wire) -> None:
+    url, server = _proxy(
+        proxy.ProxyConfig(upstream=wire.upstream_url, agent=wire.upstream.agent.url, update_wait_s=0.3)
+    )
     try:
-        r = httpx.get(f"{url}/health", timeout=10, trust_env=False)
-        assert r.status_code == 503 and "vLLM is paused" in r.json()["reason"]
+        wire.board.set(served.Served(7, 8, EngineState.PAUSED))
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "for more than the 0.3s a request waits (the proxy's --update-wait)" in r.json()["error"]["message"]
+        assert 0.3 <= time.monotonic() - t0 < 2
+        wire.board.set(served.Served(7, 8, EngineState.TORN))
+        r = httpx.post(f"{url}/v1/completions", content=b"json", timeout=10, trust_env=False)
+        assert r.status_code == 503 and r.headers["retry-after"] == str(proxy.RETRY_TORN_S), r.text
+        assert not wire.upstream.seen
     finally:
-        upstream.paused = False
-    assert httpx.get(f"{url}/health", timeout=10, trust_env=False).status_code == 200
+        server[0].should_exit = True
+        server[1].join(10)
 
 
-def test_streams_arrive_as_sent_and_a_leaving_client_stops_the_upstream(wire: tuple[Upstream, str]) -> None:
-    upstream, url = wire
+def test_streams_arrive_as_sent_and_a_leaving_client_stops_the_upstream(wire: Wire) -> None:
+    upstream, url = wire.upstream, wire.url
     upstream.disconnected.clear()
     t0 = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/chat/completions", content=b"long", timeout=10, trust_env=False) as r:

@@ -81,3 +81,44 @@ def test_preset_key_changes_with_config() -> None:
     a = tiny_models.PRESETS["tiny-qwen2"]
     assert a.key() == tiny_models.PRESETS["tiny-qwen2"].key()
     assert a.key() != tiny_models.PRESETS["tiny-llama"].key()
+    assert a.key() == "6611c069b10a"  # dense presets keep their cached folders across the MoE fields' addition
+
+
+def test_moe_presets_need_experts() -> None:
+    with pytest.raises(PermanentError, match=r"arch 'mixtral' with num_experts 0: .* need experts"):
+        tiny_models.ModelPreset("mixtral", 256, 2, 4, 2, 256, 512)
+    with pytest.raises(PermanentError, match="experts_per_token 5 must be between 1 and num_experts 4"):
+        tiny_models.ModelPreset("mixtral", 256, 2, 4, 2, 256, 512, num_experts=4, experts_per_token=5)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_moe_models_publish_the_checkpoints_names_and_tensors(preset: str) -> None:
+    """transformers holds the experts fused (``mlp.experts.gate_up_proj``) and Mixtral's ``block_sparse_moe`` as
+    ``mlp``; the source publishes what ``save_pretrained`` wrote, name for name, shape for shape, byte for byte."""
+    import transformers
+    from safetensors.torch import load_file
+
+    folder = tiny_models.generate(preset)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
+    checkpoint = load_file(str(folder / "model.safetensors"))
+    source = ModuleSource(model)
+    table = source.table()
+    assert {s.name: s.shape for s in table} == {n: tuple(t.shape) for n, t in checkpoint.items()}
+    sent = {
+        s.name: t
+        for specs, group in zip(table.groups(), source.groups(), strict=True)
+        for s, t in zip(specs, group, strict=True)
+    }
+    assert all(torch.equal(sent[n], t) for n, t in checkpoint.items())
+    assert len(table.groups()) == 2 + model.config.num_hidden_layers  # one group per layer, as for dense models
+
+
+def test_dense_models_need_no_conversion() -> None:
+    assert naming.Conversion.of(_pretrained("tiny-qwen2")) is None
+
+
+def _pretrained(preset: str) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_models.generate(preset), dtype=torch.bfloat16)

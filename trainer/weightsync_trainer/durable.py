@@ -22,7 +22,7 @@ from weightsync.channels.base import UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.errors import WeightsyncError
-from weightsync.tensors import TensorTable, manifest_checksum
+from weightsync.tensors import TensorTable, content_digest, manifest_checksum
 from weightsync.vocabulary import Channel
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,12 @@ class VolumeCopies:
         try:
             groups: Iterable[Sequence[torch.Tensor]] = snapshot if snapshot else self.gather()
             ticket = UpdateTicket(version, Channel.VOLUME, self.table, step=step, verify=self.verify)
-            self.volume.send(ticket, groups)
+            written = self.volume.send(ticket, groups).digests
             path = manifests.manifest_path(self.volume.root, version)
-            self.client.mark_durable(version, str(path), manifest_checksum(path.read_bytes()))
+            # what was written, for the replicas that load it from there: a version no live channel carried
+            # is checked against the trainer's digest too
+            digest = content_digest(written) if written else ""
+            self.client.mark_durable(version, str(path), manifest_checksum(path.read_bytes()), digest)
         except (WeightsyncError, OSError) as e:
             log.error("v%d: the volume copy failed: %s", version, e)
             self.errors.append(f"version {version}: {e}")

@@ -6,11 +6,25 @@ A trainer's parameter names carry wrappers that vLLM has never heard of:
 (``base_model.model.`` and ``.base_layer``). vLLM loads HF checkpoint names, so we
 strip exactly those and nothing else, and skip what must never move (rotary caches
 and other non-persistent state that vLLM recomputes).
+
+Then transformers' own conversion (``Conversion``): transformers 5 holds some models'
+weights in another form than their checkpoints (a mixture-of-experts layer's experts
+fused into one 3-D parameter, ``mlp.experts.gate_up_proj``; Mixtral's
+``block_sparse_moe`` renamed ``mlp``) and converts them back when it saves
+(``revert_weight_conversion``). The published names and tensors are what
+``save_pretrained`` would write, computed by that same function, never a table of ours.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from weightsync.errors import PermanentError
+
+if TYPE_CHECKING:
+    import torch
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 _PEFT_PREFIX = "base_model.model."
@@ -51,3 +65,70 @@ def layer_groups(names: list[str]) -> list[list[str]]:
         prefix_rank.setdefault(prefix, len(prefix_rank))
     ordered = [stacks[k] for k in sorted(stacks, key=lambda k: (prefix_rank[k[0]], k[1]))]
     return [g for g in (pre, *ordered, post) if g]
+
+
+class Conversion:
+    """transformers' reverse conversion of one model, applied a layer group at a time.
+
+    Built from the module a trainer publishes (plain, ``torch.compile``d, FSDP2 or PEFT: the
+    first transformers model inside it); ``of`` returns None when nothing needs converting (not
+    a transformers model, or one whose checkpoint form is its in-memory form), so dense models
+    pay nothing. Each layer group converts alone: transformers' conversions merge or split
+    tensors within one module, never across layers (``layout`` checks it on meta tensors).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> Conversion | None:
+        try:
+            from transformers import PreTrainedModel
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # an older transformers converts nothing
+            return None
+        model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+        if model is None:
+            return None
+        probe = {n: _meta(p) for n, p in model.named_parameters()}
+        converted = revert_weight_conversion(model, probe)
+        if converted.keys() == probe.keys() and all(converted[n] is probe[n] for n in probe):
+            return None
+        return cls(model)
+
+    def convert(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model names -> checkpoint names and tensors (views where transformers splits)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        converted: dict[str, torch.Tensor] = revert_weight_conversion(self.model, dict(tensors))
+        return converted
+
+    def layout(self, groups: list[dict[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Each group's checkpoint names with a meta tensor of their shape and dtype, in the order they are sent;
+        refused when a group's conversion needs a tensor of another group."""
+        out = []
+        for group in groups:
+            meta = {n: _meta(t) for n, t in group.items()}
+            try:
+                converted = self.convert(meta)
+            except Exception as e:  # noqa: BLE001 - transformers' own error, named with the group that raised it
+                first = next(iter(group), "")
+                raise PermanentError(
+                    f"transformers' weight conversion of {type(self.model).__name__} fails on the layer group "
+                    f"starting at {first!r} ({type(e).__name__}: {e}): its checkpoint names cannot be published "
+                    "a layer at a time"
+                ) from None
+            out.append(sorted(converted.items(), key=lambda item: _natural(item[0])))
+        return out
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s whole shape (a DTensor's global one: no collective, no copy)."""
+    import torch
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``experts.2`` before ``experts.10``: the order a human reads the checkpoint in."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in name.split("."))

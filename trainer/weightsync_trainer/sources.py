@@ -10,7 +10,10 @@ group, not the model.
 Sources:
 - ``ModuleSource``: any ``nn.Module`` — plain, transformers, FSDP2-sharded (DTensor)
   or ``torch.compile``d. Tied embeddings travel once (``named_parameters`` already
-  de-duplicates shared tensors, and vLLM ties the head itself).
+  de-duplicates shared tensors, and vLLM ties the head itself). A transformers model
+  whose in-memory weights differ from its checkpoint (mixtures of experts) is published
+  under the checkpoint's names and shapes, converted by transformers itself
+  (``naming.Conversion``), a layer group at a time.
 - ``LoraMergedSource``: a PEFT model published as merged base weights
   (W + scale * B @ A computed per group, the training model untouched).
 - ``LoraAdapterSource``: only the adapter tensors of a PEFT model, under the names
@@ -56,6 +59,14 @@ class ModuleSource:
         self.wire_dtype = wire_dtype
         self._params = self._select()
         self._groups = naming.layer_groups(list(self._params))
+        self._conversion = self._converter()
+        self._published: list[list[tuple[str, torch.Tensor]]] | None = None
+        """With a conversion: per group, the checkpoint names and (meta) tensors it publishes."""
+        if self._conversion is not None:
+            self._published = self._conversion.layout([{n: self._params[n] for n in g} for g in self._groups])
+
+    def _converter(self) -> naming.Conversion | None:
+        return naming.Conversion.of(self.module)
 
     def _select(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -72,21 +83,25 @@ class ModuleSource:
         return t.dtype
 
     def table(self) -> TensorTable:
+        published = self._published or [[(n, self._params[n]) for n in g] for g in self._groups]
         return TensorTable.build(
-            [
-                [(n, dtype_name(self._wire_dtype(self._params[n])), tuple(self._params[n].shape)) for n in g]
-                for g in self._groups
-            ]
+            [[(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in g] for g in published]
         )
 
     def tensor(self, name: str) -> torch.Tensor:
-        t = _materialize(self._params[name].detach())
-        return t.to(self._wire_dtype(t))
+        """One parameter by its model name, whole (gathered), in its own dtype."""
+        return _materialize(self._params[name].detach())
 
     def groups(self) -> Iterator[list[torch.Tensor]]:
         with torch.no_grad():
-            for group in self._groups:
-                yield [self.tensor(n) for n in group]
+            for i, group in enumerate(self._groups):
+                tensors = {n: self.tensor(n) for n in group}
+                if self._conversion is not None and self._published is not None:
+                    converted = self._conversion.convert(tensors)
+                    out = [converted[n] for n, _ in self._published[i]]
+                else:
+                    out = list(tensors.values())
+                yield [t.to(self._wire_dtype(t)) for t in out]
 
 
 class LoraMergedSource(ModuleSource):
@@ -113,7 +128,7 @@ class LoraMergedSource(ModuleSource):
                 if adapter in getattr(layer, "lora_A", {}):
                     delta: torch.Tensor = layer.get_delta_weight(adapter)
                     t = t + delta.to(t.dtype)
-        return t.to(self._wire_dtype(t))
+        return t
 
 
 class LoraAdapterSource(ModuleSource):
@@ -132,6 +147,9 @@ class LoraAdapterSource(ModuleSource):
         if not out:
             raise PermanentError(f"no LoRA tensors for adapter {self.adapter!r}: is this a PEFT LoRA model?")
         return out
+
+    def _converter(self) -> naming.Conversion | None:
+        return None  # adapter tensors travel under the names PEFT saves them with
 
     def adapter_config(self) -> str:
         """The adapter's ``adapter_config.json`` as PEFT writes it."""

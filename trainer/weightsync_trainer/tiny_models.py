@@ -7,6 +7,12 @@ the ``tokenizers`` library, and caches the folder under
 ``$WEIGHTSYNC_CACHE/models/<preset>-<config hash>`` so a second call is free and a
 changed preset gets a new folder. Heads are 64 wide: vLLM's CPU attention kernel
 rejects head_dim 16.
+
+Dense (Qwen2, Llama) and mixture-of-experts (Qwen2-MoE, Mixtral) architectures: the
+MoE ones are where a trainer's names differ from the checkpoint's (transformers 5 holds
+each layer's experts fused, ``mlp.experts.gate_up_proj``, and saves them per expert,
+``experts.N.gate_proj.weight``; Mixtral's ``block_sparse_moe`` is ``mlp`` in memory), and
+where vLLM merges checkpoint tensors into one parameter per layer (``experts.w13_weight``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ GENERATOR_VERSION = 1
 
 @dataclass(frozen=True)
 class ModelPreset:
-    arch: str  # "qwen2" | "llama"
+    arch: str  # "qwen2" | "llama" | "qwen2_moe" | "mixtral"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -40,6 +46,12 @@ class ModelPreset:
     # flipping between near-tied logits.
     initializer_range: float = 0.08
     seed: int = 0
+    # mixture of experts (0: a dense model); Mixtral's experts are ``intermediate_size`` wide, Qwen2-MoE's
+    # ``moe_intermediate_size``, beside one shared expert ``shared_expert_intermediate_size`` wide
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in _ARCHS:
@@ -61,13 +73,26 @@ class ModelPreset:
             )
         if self.vocab_size < 300:
             raise PermanentError(f"vocab_size {self.vocab_size} must be >= 300 (256 byte tokens + merges + specials)")
+        moe = self.arch in _MOE_ARCHS
+        if moe != (self.num_experts > 0):
+            raise PermanentError(
+                f"arch {self.arch!r} with num_experts {self.num_experts}: {', '.join(_MOE_ARCHS)} need experts "
+                "(num_experts >= 2), the dense architectures none"
+            )
+        if moe and not 1 <= self.experts_per_token <= self.num_experts:
+            raise PermanentError(
+                f"experts_per_token {self.experts_per_token} must be between 1 and num_experts {self.num_experts}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     def key(self) -> str:
-        blob = json.dumps({"preset": asdict(self), "generator": GENERATOR_VERSION}, sort_keys=True)
+        fields = asdict(self)
+        if not self.num_experts:  # a dense preset hashes as it did before MoE fields existed: its cache stays valid
+            fields = {k: v for k, v in fields.items() if k not in _MOE_FIELDS}
+        blob = json.dumps({"preset": fields, "generator": GENERATOR_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def hf_config(self) -> dict[str, Any]:
@@ -88,9 +113,26 @@ class ModelPreset:
             "eos_token_id": 2,
             "pad_token_id": 0,
         }
-        return {**_ARCHS[self.arch], **common}
+        return {**_ARCHS[self.arch], **common, **self._moe_config()}
+
+    def _moe_config(self) -> dict[str, Any]:
+        if self.arch == "qwen2_moe":
+            return {
+                "num_experts": self.num_experts,
+                "num_experts_per_tok": self.experts_per_token,
+                "moe_intermediate_size": self.moe_intermediate_size or self.intermediate_size,
+                "shared_expert_intermediate_size": self.shared_expert_intermediate_size or self.intermediate_size,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "norm_topk_prob": False,
+            }
+        if self.arch == "mixtral":
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token}
+        return {}
 
 
+_MOE_FIELDS = ("num_experts", "experts_per_token", "moe_intermediate_size", "shared_expert_intermediate_size")
+_MOE_ARCHS = ("qwen2_moe", "mixtral")
 _ARCHS: dict[str, dict[str, Any]] = {
     "qwen2": {
         "model_type": "qwen2",
@@ -99,12 +141,33 @@ _ARCHS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
     },
     "llama": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "head_dim": None},
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    },
+    "mixtral": {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu"},
 }
 
 PRESETS: dict[str, ModelPreset] = {
     # seconds to load; the tests' and the demo's model
     "tiny-qwen2": ModelPreset("qwen2", 256, 2, 4, 2, 512, 512),
     "tiny-llama": ModelPreset("llama", 256, 2, 4, 2, 512, 512, tie_word_embeddings=False),
+    # mixtures of experts: 4 experts, 2 per token (Qwen2-MoE with its shared expert; Mixtral untied)
+    "tiny-qwen2-moe": ModelPreset(
+        "qwen2_moe",
+        256,
+        2,
+        4,
+        2,
+        512,
+        512,
+        num_experts=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+    ),
+    "tiny-mixtral": ModelPreset("mixtral", 256, 2, 4, 2, 256, 512, tie_word_embeddings=False, num_experts=4),
     # ~0.4B parameters, for benchmarks
     "small-qwen2": ModelPreset("qwen2", 1024, 24, 16, 8, 4096, 32000),
     "small-llama": ModelPreset("llama", 1024, 24, 16, 8, 4096, 32000, tie_word_embeddings=False),

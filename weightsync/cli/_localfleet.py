@@ -132,6 +132,7 @@ class Replica:
     vllm_port: int
     proxy_port: int
     metrics_port: int
+    served_port: int
     procs: list[Proc] = field(default_factory=list)
 
     @property
@@ -261,7 +262,7 @@ class LocalFleet:
 
     def start_replica(self, replica_id: str) -> Replica:
         old = self.replicas.get(replica_id)
-        r = old or Replica(replica_id, free_port(), free_port(), free_port())
+        r = old or Replica(replica_id, free_port(), free_port(), free_port(), free_port())
         vllm = vllm_cmd(self.model, r.vllm_port, Channel.CPU)
         r.procs = [
             spawn(f"{replica_id}-vllm", vllm, self.logs, VLLM_ENV),
@@ -273,6 +274,10 @@ class LocalFleet:
                     f"127.0.0.1:{r.proxy_port}",
                     "--upstream",
                     f"http://127.0.0.1:{r.vllm_port}",
+                    "--agent",
+                    f"http://127.0.0.1:{r.served_port}",
+                    "--update-wait",
+                    str(self.config.timeout_s),
                 ),
                 self.logs,
             ),
@@ -295,6 +300,8 @@ class LocalFleet:
                     "localhost",
                     "--metrics-port",
                     str(r.metrics_port),
+                    "--served-listen",
+                    f"127.0.0.1:{r.served_port}",
                 ),
                 self.logs,
                 self.env,

@@ -6,7 +6,10 @@ docs/serving.md. It asks vLLM's workers what they are (CPU or GPU engine, GPU UU
 tensor-parallel size, NIXL) and what version they serve, registers the replica with
 the job's channels it can receive, loads each version it is assigned (catching up
 from the checkpoint volume first when it joins late), acks what the engine computed
-while loading, and serves its own /metrics (version, lag, sync durations).
+while loading, and serves its own /metrics (version, lag, sync durations) and, on loopback,
+what the replica serves (GET /served: the versions its engine may be generating with and
+whether it is paused or torn), which the proxy reads for every completion instead of asking
+vLLM, whose engine loop an update holds.
 
 The job's channels and NCCL domain come from the job config ($WEIGHTSYNC_CONFIG, the
 job.json the operator mounts) unless flags say otherwise; the node from $NODE_NAME.
@@ -29,11 +32,15 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+DEFAULT_SERVED_PORT = 8002
+"""Where the agent serves what its replica serves (``--served-listen``; the proxy's ``--agent``): vLLM has 8001."""
+
 if TYPE_CHECKING:
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.metrics import AgentMetrics
     from weightsync_inference.agent import Agent, AgentConfig
     from weightsync_inference.http_engine import HttpEngine
+    from weightsync_inference.served import Board
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--host",
         default=os.environ.get("NODE_NAME") or socket.gethostname(),
         help="the node this replica runs on (default $NODE_NAME)",
+    )
+    p.add_argument(
+        "--served-listen",
+        default=f"127.0.0.1:{DEFAULT_SERVED_PORT}",
+        help=f"HOST:PORT for GET /served, what the replica serves (the proxy's --agent; default "
+        f"127.0.0.1:{DEFAULT_SERVED_PORT})",
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for /metrics (default 127.0.0.1)")
@@ -99,10 +112,12 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from weightsync import jobconfig, metrics
+    from weightsync.cli.proxy import parse_listen
     from weightsync.coordinator import auth, tls
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.errors import WeightsyncError
     from weightsync.vocabulary import Channel, PauseMode, SyncMode
+    from weightsync_inference import served
     from weightsync_inference.agent import AgentConfig
     from weightsync_inference.http_engine import HttpEngine
 
@@ -149,7 +164,13 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         server = metrics.serve(args.metrics_port, args.metrics_host)
         print(f"metrics: {server.url}", flush=True)
-    agent = _attach(engine, client, config, agent_metrics, args.wait_vllm)
+    board = served.Board()  # served at once: until the agent has taken the engine over it says "starting"
+    print(f"served: {served.serve(board, *parse_listen(args.served_listen, '--served-listen')).url}", flush=True)
+    try:
+        agent = _attach(engine, client, config, agent_metrics, args.wait_vllm, board)
+    except WeightsyncError as e:  # a vLLM it cannot drive (no worker extension, no weightsync engine): say why
+        print(f"weightsync agent: {e}", file=sys.stderr)
+        return 2
     if agent is None:
         print(f"vLLM at {args.vllm_url} is not ready after {args.wait_vllm:.0f}s", file=sys.stderr)
         return 1
@@ -164,7 +185,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _attach(
-    engine: HttpEngine, client: CoordinatorClient, config: AgentConfig, agent_metrics: AgentMetrics, wait_s: float
+    engine: HttpEngine,
+    client: CoordinatorClient,
+    config: AgentConfig,
+    agent_metrics: AgentMetrics,
+    wait_s: float,
+    board: Board,
 ) -> Agent | None:
     """The agent once vLLM is healthy and its workers answer (what they serve, who they are), or None after
     ``wait_s``. vLLM answers ``/health`` before a loaded machine lets its workers answer every call in time: a
@@ -178,7 +204,7 @@ def _attach(
     while time.monotonic() < deadline:
         if engine.healthy():
             try:
-                return Agent(engine, client, config, agent_metrics)
+                return Agent(engine, client, config, agent_metrics, board)
             except RetryableError as e:
                 logging.getLogger(__name__).warning(
                     "replica %s: vLLM is up but its workers do not answer yet: %s", config.replica_id, e

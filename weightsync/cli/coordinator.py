@@ -232,6 +232,10 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+STATUS_NEWEST = 10
+"""``--status`` shows this many newest versions, and every older one still on the volume."""
+
+
 def _status(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -245,7 +249,9 @@ def _status(args: argparse.Namespace) -> int:
         target, token=auth.load_token(args.token_file), tls=cfg, insecure=args.insecure, timeout_s=5.0
     ) as c:
         job = c.get_job(args.job)
-        versions = c.list_versions(args.job, limit=10)
+        every = c.list_versions(args.job)
+    # the newest ten, and every older one the volume still holds (retention keeps them for catch-up and recovery)
+    versions = [v for i, v in enumerate(every) if i < STATUS_NEWEST or v.durable]
     if args.json:
 
         def plain(o: Any) -> Any:

@@ -1,4 +1,5 @@
-"""Generate the CRD manifests (crds/ and the chart's copy) from weightsync.resources.
+"""Generate the CRD manifests (crds/ and the chart's copy) and the job config's schema and reference page
+(docs/job-config.schema.json, docs/job-config.md) from weightsync.resources.
 
 With --check nothing is written: the command exits 1 and names the stale files
 when a committed copy differs from what the models produce (CI runs this).

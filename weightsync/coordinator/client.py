@@ -16,7 +16,7 @@ Publisher, one sync (``weightsync_trainer.publisher.Publisher`` does all of this
     client.wait_receivers_joined(opened.version, timeout_s=60)   # every live-planned replica joined or dropped
     ...send over each channel from one gather...
     info = client.report_sent(opened.version, content_digest, failed, wait_s=300)  # settled, or durable_needed
-    client.mark_durable(opened.version, manifest_path, manifest_checksum)  # when the volume copy lands
+    client.mark_durable(opened.version, manifest_path, manifest_checksum, content_digest)  # when the copy lands
 
 Agent::
 
@@ -305,9 +305,13 @@ class CoordinatorClient:
         join deadline, or their channel failed): each falls back to the volume at once, alone."""
         self._call("ReportLost", lambda: serde.report_lost_to(self.lease.lease_id, version, lost))
 
-    def mark_durable(self, version: int, manifest_path: str, manifest_checksum: str) -> VersionInfo:
+    def mark_durable(
+        self, version: int, manifest_path: str, manifest_checksum: str, content_digest: str = ""
+    ) -> VersionInfo:
+        """The version's volume copy landed; ``content_digest``: over the per-tensor digests written there."""
         response = self._call(
-            "MarkDurable", lambda: serde.mark_durable_request(self.job, version, manifest_path, manifest_checksum)
+            "MarkDurable",
+            lambda: serde.mark_durable_request(self.job, version, manifest_path, manifest_checksum, content_digest),
         )
         return serde.version_info(response.info)
 

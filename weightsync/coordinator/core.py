@@ -198,19 +198,23 @@ class Coordinator:
                 self._cond.wait(left)
             return rec.info(), versions.reached(rec, until)
 
-    def mark_durable(self, job_name: str, version: int, manifest_path: str, checksum: str) -> VersionInfo:
+    def mark_durable(
+        self, job_name: str, version: int, manifest_path: str, checksum: str, content_digest: str = ""
+    ) -> VersionInfo:
         """The version's volume copy landed. A coordinator that mounts the job's volume reads the manifest itself
-        (from its own mount, never from the client's path) and records its checksum; otherwise it records the
-        publisher's. Replicas planned on the volume for this version are sent it now."""
+        (from its own mount, never from the client's path) and records its checksum and the content digest of the
+        digests it lists; otherwise it records the publisher's. Replicas planned on the volume for this version
+        are sent it now."""
         with self._cond:
-            durability.check(self._state, job_name, version, checksum)
+            durability.check(self._state, job_name, version, checksum, content_digest)
         root = self._state.volumes.get(job_name)
         on_volume: list[int] = []
         if root is not None:  # read off the lock
-            manifest_path = durability.verify(root, job_name, version, checksum)
+            manifest_path, content_digest = durability.verify(root, job_name, version, checksum, content_digest)
             on_volume = manifests.list_versions(root)
         with self._cond:
-            info, doomed = durability.record(self._state, job_name, version, manifest_path, checksum, on_volume)
+            durable = durability.Durable(manifest_path, checksum, content_digest)
+            info, doomed = durability.record(self._state, job_name, version, durable, on_volume)
         if root is not None and doomed:
             manifests.delete(root, doomed)
         return info

@@ -66,6 +66,8 @@ class VersionRecord:
     opened_mono: float = field(default_factory=time.monotonic)
     settled_at: float = 0.0
     status: dict[str, ReplicaState] = field(default_factory=dict)
+    outside: dict[str, Channel] = field(default_factory=dict)
+    """Replicas that loaded it outside any plan (catch-up, recovery), with the channel they loaded it over."""
     errors: dict[str, str] = field(default_factory=dict)
     content: dict[str, str] = field(default_factory=dict)
     counts: dict[ReplicaState, int] = field(default_factory=dict)
@@ -124,11 +126,14 @@ class VersionRecord:
         )
 
     def record_load(self, replica_id: str, ok: bool, error: str) -> bool:
-        """A replica loaded (or failed to load) this settled version outside any plan: a catch-up or a recovery.
-        Shown with the version's replicas, never counted toward its verdict. True when its status changed."""
+        """A replica loaded (or failed to load) this settled version outside any plan: a catch-up or a recovery,
+        which only the volume serves. Shown with the version's replicas and that channel, never counted toward its
+        verdict. True when its status changed."""
         status = ReplicaState.LOADED if ok else ReplicaState.FAILED
         old = self.status.get(replica_id)
         changed = old is not status or self.errors.get(replica_id, "") != error
+        if replica_id not in self.plans:
+            self.outside[replica_id] = Channel.VOLUME
         if old is not None:
             self.counts[old] -= 1
         self.status[replica_id] = status
@@ -224,7 +229,7 @@ class VersionRecord:
             tuple(
                 ReplicaStatus(
                     rid,
-                    self.plans[rid].channel if rid in self.plans else None,
+                    self.plans[rid].channel if rid in self.plans else self.outside.get(rid),
                     self.status[rid],
                     self.errors.get(rid, ""),
                     self.content.get(rid, ""),

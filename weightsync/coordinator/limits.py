@@ -41,6 +41,7 @@ COUNT_LIMITS: dict[str, int] = {
 FIELD_LIMITS: dict[str, int] = {
     "incarnation": 64,
     "error": serde.MAX_ERROR_CHARS,  # a failure's text, kept per replica in the version's record
+    "volume_error": serde.MAX_ERROR_CHARS,  # why the publisher's volume copy failed (an OS error names paths)
     "manifest_path": 1024,
     "volume_mount": 1024,
     "root": 1024,

@@ -564,8 +564,12 @@ def report_sent_response(info: models.VersionInfo) -> pb.ReportSentResponse:
     return pb.ReportSentResponse(info=version_info_to(info))
 
 
-def mark_durable_request(job: str, version: int, manifest_path: str, checksum: str) -> pb.MarkDurableRequest:
-    return pb.MarkDurableRequest(job=job, version=version, manifest_path=manifest_path, manifest_checksum=checksum)
+def mark_durable_request(
+    job: str, version: int, manifest_path: str, checksum: str, content_digest: str = ""
+) -> pb.MarkDurableRequest:
+    return pb.MarkDurableRequest(
+        job=job, version=version, manifest_path=manifest_path, manifest_checksum=checksum, content_digest=content_digest
+    )
 
 
 def mark_durable_response(info: models.VersionInfo) -> pb.MarkDurableResponse:

@@ -230,7 +230,9 @@ class Servicer:
 
     @_guard
     def MarkDurable(self, request: pb.MarkDurableRequest, context: grpc.ServicerContext) -> pb.MarkDurableResponse:
-        info = self.core.mark_durable(request.job, request.version, request.manifest_path, request.manifest_checksum)
+        info = self.core.mark_durable(
+            request.job, request.version, request.manifest_path, request.manifest_checksum, request.content_digest
+        )
         return serde.mark_durable_response(info)
 
     @_guard

@@ -7,7 +7,9 @@ STAGING version is now READY, FAILED or undecided. This module acts on it:
   counted (``version_transitions_total``), saved to the store, and wakes the
   ``wait_version`` callers;
 - READY supersedes every older READY or still-STAGING version of the job (saved
-  too): a job has one newest READY version, and versions never go backwards;
+  too): a job has one newest READY version, and versions never go backwards; a
+  superseded READY version keeps the time it became READY (``settled_at``), one
+  superseded while STAGING settles now;
 - FAILED sends an ABORT to every replica still waiting on the version, so an
   agent mid-load stops at once instead of at its own timeout (and a staged
   replica of an all-or-nothing job drops its stage).
@@ -59,7 +61,9 @@ def finish(state: CoreState, job: Job, rec: VersionRecord, outcome: VersionState
     if outcome is VersionState.READY:
         for older in job.versions.values():
             if older.version < rec.version and older.state in (VersionState.READY, VersionState.STAGING):
-                older.state, older.settled_at = VersionState.SUPERSEDED, state.clock.time()
+                if older.state is VersionState.STAGING:
+                    older.settled_at = state.clock.time()
+                older.state = VersionState.SUPERSEDED
                 older.reason = f"version {rec.version} is READY"
                 if metrics:
                     metrics.version_transitions_total.labels(VersionState.SUPERSEDED.value).inc()

@@ -1,14 +1,16 @@
 """CustomResourceDefinitions generated from the models: the one source of ``crds/`` and the chart's copy.
 
-``weightsync crds`` writes them; ``weightsync crds --check`` (and a unit test)
-regenerates them in memory and fails when a committed copy differs, so a model
-change that forgets to regenerate never ships. The chart keeps its own copy in
+``weightsync crds`` writes them, and the job config's schema and reference page
+(``docs/job-config.schema.json``, ``docs/job-config.md``, from ``jobfile``);
+``weightsync crds --check`` (and a unit test) regenerates them in memory and fails
+when a committed copy differs, so a model change that forgets to regenerate never ships. The chart keeps its own copy in
 ``helm/weightsync/crds/`` because Helm installs that folder before templates and
 never upgrades it (see docs/kubernetes.md for the upgrade path).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from weightsync.resources import jobfile
 from weightsync.resources._base import GROUP, VERSION
 from weightsync.resources.rljob import RLJOB_SPEC_RULES, RLJobSpec, RLJobStatus
 from weightsync.resources.schema import structural
@@ -151,11 +154,13 @@ def file_name(resource: Resource) -> str:
 
 
 def outputs(repo: Path) -> dict[Path, str]:
-    """Every generated file and its text: the top-level crds/ and the chart's copy."""
+    """Every generated file and its text: the top-level crds/, the chart's copy, the job config's schema and page."""
     out: dict[Path, str] = {}
     for folder in (repo / "crds", repo / "helm" / "weightsync" / "crds"):
         for resource in RESOURCES:
             out[folder / file_name(resource)] = render(resource)
+    out[repo / "docs" / "job-config.schema.json"] = json.dumps(jobfile.schema(), indent=1) + "\n"
+    out[repo / "docs" / "job-config.md"] = jobfile.reference()
     return out
 
 

@@ -457,16 +457,18 @@ class WaitVersionResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., condition_met: _Optional[bool] = ...) -> None: ...
 
 class MarkDurableRequest(_message.Message):
-    __slots__ = ("job", "version", "manifest_path", "manifest_checksum")
+    __slots__ = ("job", "version", "manifest_path", "manifest_checksum", "content_digest")
     JOB_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     job: str
     version: int
     manifest_path: str
     manifest_checksum: str
-    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_path: _Optional[str] = ..., manifest_checksum: _Optional[str] = ...) -> None: ...
+    content_digest: str
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., manifest_path: _Optional[str] = ..., manifest_checksum: _Optional[str] = ..., content_digest: _Optional[str] = ...) -> None: ...
 
 class FailedReceiver(_message.Message):
     __slots__ = ("replica_id", "error")
