@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import hashlib
+import heapq
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from weightsync.errors import PermanentError
 from weightsync.sharding.boxes import Box, carry
@@ -85,8 +87,13 @@ class TransferPlan:
     key: str
     """Identifies the (trainer layout, engine layouts, membership) the plan was computed for."""
     replicas: tuple[ReplicaPlan, ...]
-    _order: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
-    """(replica index, region index) in the plan's global order (tensor-major)."""
+
+    @functools.cached_property
+    def _order(self) -> tuple[tuple[int, int], ...]:
+        """(replica index, region index) in the global order: tensor-major, then replica, then each replica's
+        own order; a merge, since every replica's regions are already tensor-major."""
+        streams = [[(r.tensor, ri, gi) for gi, r in enumerate(rp.regions)] for ri, rp in enumerate(self.replicas)]
+        return tuple((ri, gi) for _, ri, gi in heapq.merge(*streams))
 
     def replica(self, replica_id: str) -> ReplicaPlan:
         for r in self.replicas:
@@ -103,6 +110,20 @@ class TransferPlan:
     def sends(self, rank: int) -> list[tuple[str, Region]]:
         """What trainer ``rank`` sends, in the order it sends it."""
         return [(rid, r) for rid, r in self.ordered() if r.rank == rank]
+
+    def part_for_rank(self, rank: int) -> TransferPlan:
+        """Trainer ``rank``'s part: the regions it sends, every replica's reason for the gathered path."""
+        return TransferPlan(
+            self.key,
+            tuple(
+                ReplicaPlan(r.replica_id, tuple(g for g in r.regions if g.rank == rank), r.gathered)
+                for r in self.replicas
+            ),
+        )
+
+    def part_for_replica(self, replica_id: str) -> TransferPlan:
+        """A replica's part: its own regions (every worker's), or why it takes the gathered path."""
+        return TransferPlan(self.key, (self.replica(replica_id),))
 
     def bytes_sent(self) -> dict[int, int]:
         out: dict[int, int] = collections.Counter()
@@ -141,8 +162,6 @@ def plan(trainer: TrainerLayout, members: Sequence[Member]) -> TransferPlan:
     sharded = [m for m in members if not gathered[m.replica_id]]
     load: dict[int, int] = collections.Counter()
     regions: dict[str, list[Region]] = {m.replica_id: [] for m in members}
-    order: list[tuple[int, int]] = []
-    index = {m.replica_id: i for i, m in enumerate(members)}
     for t, spec in enumerate(table.tensors):
         itemsize = ITEMSIZE[spec.dtype]
         holders = trainer.holders(t) if sharded else ()
@@ -155,13 +174,11 @@ def plan(trainer: TrainerLayout, members: Sequence[Member]) -> TransferPlan:
                     for box, ranks in cuts.pieces(need.source):
                         rank = min(ranks, key=lambda r: (load[r], r))
                         load[rank] += box.numel * itemsize
-                        order.append((index[m.replica_id], len(out)))
                         dest = carry(box, need.source, need.dest)
                         out.append(Region(t, rank, w.rank, box, need.param, dest, box.numel * itemsize))
     return TransferPlan(
         plan_key(trainer, members),
         tuple(ReplicaPlan(m.replica_id, tuple(regions[m.replica_id]), gathered[m.replica_id]) for m in members),
-        tuple(order),
     )
 
 
