@@ -13,10 +13,21 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from weightsync.errors import ModelMismatchError, PermanentError
 from weightsync.sharding.boxes import Box, aligned, box_of_view, carry
-from weightsync.sharding.shards import REPLICATE, Mesh, Placement, TrainerLayout, chunk, local_box
+from weightsync.sharding.shards import (
+    REPLICATE,
+    SHARD,
+    STRIDED,
+    Mesh,
+    Placement,
+    TrainerLayout,
+    chunk,
+    local_box,
+    placement_of,
+)
 from weightsync.tensors import TensorTable
 
 pytestmark = pytest.mark.unit
@@ -122,10 +133,33 @@ def test_local_boxes_are_dtensors_for_every_coordinate() -> None:
         placements = [Replicate() if d == REPLICATE else Shard(d) for d in dims]
         for coord in Mesh(mesh_shape, tuple(range(math.prod(mesh_shape)))).coordinates():
             local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord[1]), placements)
-            box = local_box(shape, mesh_shape, coord[1], dims)
+            box = local_box(shape, mesh_shape, coord[1], Placement(0, dims))
             assert box.lengths == tuple(local), (shape, mesh_shape, dims, coord)
             if box.numel:
                 assert box.offsets == tuple(offset), (shape, mesh_shape, dims, coord)
+
+
+def test_fsdp_over_tensor_parallel_is_read_as_cutting_after_it() -> None:
+    """FSDP2 on a (dp, tp) mesh over a column-parallel weight: _StridedShard(0, tp) then Shard(0).
+
+    For sizes the mesh divides; torch cuts uneven sizes otherwise, which the trainer finds when it checks its
+    layout against its own shards (and then takes the gathered path).
+    """
+    for dp, tp in [(2, 2), (2, 4), (4, 2), (3, 2)]:
+        rows = dp * tp * 3
+        torch_placements = [_StridedShard(0, split_factor=tp), Shard(0)]
+        placement = placement_of(0, (dp, tp), [(STRIDED, 0, tp), (SHARD, 0, 0)])
+        assert placement.cuts() == (1, 0)
+        for _, coord in Mesh((dp, tp), tuple(range(dp * tp))).coordinates():
+            local, offset = _compute_local_shape_and_global_offset((rows, 8), (dp, tp), list(coord), torch_placements)
+            box = local_box((rows, 8), (dp, tp), coord, placement)
+            assert box.lengths == tuple(local)
+            if box.numel:
+                assert box.offsets == tuple(offset)
+    with pytest.raises(
+        PermanentError, match=r"_StridedShard\(0, split_factor=3\) on mesh dimension 0 is not FSDP2's form"
+    ):
+        placement_of(0, (2, 2), [(STRIDED, 0, 3), (SHARD, 0, 0)])
 
 
 def test_holders_partition_each_tensor_and_name_every_rank() -> None:

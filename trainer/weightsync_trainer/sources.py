@@ -79,6 +79,11 @@ class ModuleSource:
             ]
         )
 
+    def parameter(self, name: str) -> torch.Tensor:
+        """The trainer's own tensor published as ``name``: a DTensor on a sharded trainer, neither gathered nor
+        cast (``weightsync_trainer.layouts`` reads its placements)."""
+        return self._params[name]
+
     def tensor(self, name: str) -> torch.Tensor:
         t = _materialize(self._params[name].detach())
         return t.to(self._wire_dtype(t))

@@ -8,6 +8,9 @@ adds ``Shard(0)``/``Shard(1)`` on a second mesh dimension; a plain module on one
 rank is a one-rank mesh holding everything. A tensor that one rank of a bigger
 trainer holds whole (an expert of an expert-parallel trainer) is a one-rank mesh too.
 
+FSDP2 over a tensor-parallel mesh cuts a tensor the tensor-parallel dimension already
+cuts after it (``_StridedShard``): a placement's ``order`` says so (``placement_of``).
+
 The boxes follow DTensor's rule for uneven sizes exactly (``torch.chunk``: chunks of
 ``ceil(n / k)``, the trailing ones short or empty), applied mesh dimension by mesh
 dimension, so the same placements give the same boxes here (torch-free, in the
@@ -62,15 +65,59 @@ class Mesh:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """How one tensor lies on the trainer: its mesh (an index into ``TrainerLayout.meshes``), and per mesh
-    dimension ``REPLICATE`` or the tensor dimension that mesh dimension shards."""
+    """How one tensor lies on the trainer: its mesh (an index into ``TrainerLayout.meshes``), per mesh
+    dimension ``REPLICATE`` or the tensor dimension that mesh dimension shards, and the order in which the
+    mesh dimensions cut (empty: mesh order, as DTensor's ``Shard``; FSDP2 over a tensor-parallel mesh marks
+    its dimension ``_StridedShard`` to say it cuts after the tensor-parallel one)."""
 
     mesh: int
     shard_dims: tuple[int, ...]
+    order: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.order and sorted(self.order) != list(range(len(self.shard_dims))):
+            raise PermanentError(
+                f"placement order {list(self.order)} is not an order of the {len(self.shard_dims)} mesh dimensions"
+            )
+
+    def cuts(self) -> tuple[int, ...]:
+        """The mesh dimensions in the order they cut."""
+        return self.order or tuple(range(len(self.shard_dims)))
 
     def __str__(self) -> str:
         parts = ["Replicate()" if d == REPLICATE else f"Shard({d})" for d in self.shard_dims]
-        return f"mesh {self.mesh} ({', '.join(parts)})"
+        order = f", cut in order {list(self.order)}" if self.order else ""
+        return f"mesh {self.mesh} ({', '.join(parts)}{order})"
+
+
+SHARD, STRIDED = "shard", "strided"
+
+
+def placement_of(mesh: int, mesh_shape: Sequence[int], kinds: Sequence[tuple[str, int, int]]) -> Placement:
+    """A ``Placement`` from DTensor's placements, one ``(kind, dim, split_factor)`` per mesh dimension.
+
+    ``kind`` is ``REPLICATE``'s ``"replicate"``, ``SHARD`` or ``STRIDED`` (``_StridedShard``). FSDP2 over a
+    tensor-parallel mesh places a tensor the tensor-parallel dimension already shards ``_StridedShard(d,
+    split_factor=k)`` on its own mesh dimension, where ``k`` is the size of the later mesh dimensions that
+    ``Shard(d)``: its chunks are cut after theirs. That is the one strided form read here; any other raises
+    naming it (the trainer is then described as unsupported and takes the gathered path).
+    """
+    dims = tuple(REPLICATE if kind == "replicate" else dim for kind, dim, _ in kinds)
+    strided = [i for i, (kind, _, _) in enumerate(kinds) if kind == STRIDED]
+    if not strided:
+        return Placement(mesh, dims)
+    order = [i for i in range(len(kinds)) if i not in strided]
+    for i in strided:
+        _, dim, split = kinds[i]
+        later = [j for j in range(i + 1, len(kinds)) if kinds[j][0] == SHARD and kinds[j][1] == dim]
+        if not later or math.prod(mesh_shape[j] for j in later) != split:
+            raise PermanentError(
+                f"_StridedShard({dim}, split_factor={split}) on mesh dimension {i} is not FSDP2's form over "
+                f"tensor parallelism (the later Shard({dim}) mesh dimensions have sizes "
+                f"{[mesh_shape[j] for j in later]})"
+            )
+        order.insert(order.index(later[-1]) + 1, i)
+    return Placement(mesh, dims, tuple(order))
 
 
 def chunk(length: int, parts: int, index: int) -> tuple[int, int]:
@@ -80,10 +127,12 @@ def chunk(length: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(length, start + size) - start
 
 
-def local_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], shard_dims: Sequence[int]) -> Box:
-    """The box a rank at ``coord`` holds: each sharding mesh dimension, in order, chunks what the previous left."""
+def local_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placement: Placement) -> Box:
+    """The box a rank at ``coord`` holds: each sharding mesh dimension, in cut order, chunks what the previous
+    left."""
     offsets, lengths = [0] * len(shape), list(shape)
-    for mesh_dim, dim in enumerate(shard_dims):
+    for mesh_dim in placement.cuts():
+        dim = placement.shard_dims[mesh_dim]
         if dim == REPLICATE:
             continue
         start, length = chunk(lengths[dim], mesh_shape[mesh_dim], coord[mesh_dim])
@@ -150,7 +199,7 @@ class TrainerLayout:
         mesh = self.meshes[p.mesh]
         for r, coord in mesh.coordinates():
             if r == rank:
-                box = local_box(spec.shape, mesh.shape, coord, p.shard_dims)
+                box = local_box(spec.shape, mesh.shape, coord, p)
                 return box if box.numel else None
         return None
 
@@ -172,7 +221,7 @@ class TrainerLayout:
         for m in self.meshes:
             h.update(f"mesh {m.shape} {m.ranks}\n".encode())
         for p in self.placements:
-            h.update(f"{p.mesh} {p.shard_dims}\n".encode())
+            h.update(f"{p.mesh} {p.shard_dims} {p.order}\n".encode())
         return "sha256:" + h.hexdigest()
 
 
@@ -181,7 +230,7 @@ def _holders(shape: tuple[int, ...], mesh: Mesh, p: Placement) -> tuple[tuple[Bo
     """Cached by (shape, mesh, placement): a model repeats few of them across thousands of tensors."""
     cells: dict[Box, list[int]] = {}
     for rank, coord in mesh.coordinates():
-        box = local_box(shape, mesh.shape, coord, p.shard_dims)
+        box = local_box(shape, mesh.shape, coord, p)
         if box.numel:
             cells.setdefault(box, []).append(rank)
     out = tuple(sorted(((box, tuple(sorted(ranks))) for box, ranks in cells.items()), key=lambda c: c[0].offsets))
