@@ -137,3 +137,19 @@ def test_worker_layout_refuses_what_would_break_the_plan() -> None:
     assert WorkerLayout.from_dict(layout.to_dict()) == layout
     with pytest.raises(PermanentError, match="malformed worker layout"):
         WorkerLayout.from_dict({"rank": 0})
+
+
+def test_a_replica_layout_is_its_workers_answers_merged() -> None:
+    table = TensorTable.build([[("w", "bfloat16", (8, 4))]])
+    halves = [
+        WorkerLayout(
+            r, (ParamSpec("w", "bfloat16", (4, 4)),), (Fill(0, Box((4 * r, 0), (4, 4)), 0, Box.whole((4, 4))),)
+        )
+        for r in (0, 1)
+    ]
+    merged = EngineLayout.merged(table.layout_digest(), [{"layout": h.to_dict()} for h in reversed(halves)])
+    assert merged.workers == tuple(halves) and merged.why_not(table) == ""
+    broken = EngineLayout.merged(table.layout_digest(), [{"layout": halves[0].to_dict()}, {"error": "worker 1: no"}])
+    assert broken.unsupported == "worker 1: no" and broken.why_not(table).endswith(
+        "could not be recorded: worker 1: no"
+    )

@@ -167,6 +167,16 @@ class EngineLayout:
         if not self.unsupported and not self.workers:
             raise PermanentError("engine layout has no workers and gives no reason (set unsupported)")
 
+    @classmethod
+    def merged(cls, table_digest: str, answers: Sequence[Mapping[str, Any]]) -> EngineLayout:
+        """A replica's layout from its workers' answers (``{"layout": WorkerLayout.to_dict()}`` or ``{"error":
+        why}``, as ``WorkerExtension.weightsync_layout`` gives them): one worker that cannot be recorded makes the
+        whole replica unsupported."""
+        errors = sorted({str(a["error"]) for a in answers if a.get("error")})
+        if errors:
+            return cls(table_digest, unsupported="; ".join(errors))
+        return cls(table_digest, tuple(sorted((WorkerLayout.from_dict(a["layout"]) for a in answers), key=_rank)))
+
     def why_not(self, table: TensorTable) -> str:
         """Why this replica cannot take regions of a version with ``table`` ("" when it can)."""
         if self.unsupported:
@@ -192,6 +202,10 @@ class EngineLayout:
         for w in self.workers:
             h.update(json.dumps(w.to_dict(), separators=(",", ":")).encode())
         return "sha256:" + h.hexdigest()
+
+
+def _rank(worker: WorkerLayout) -> int:
+    return worker.rank
 
 
 def _box_to(box: Box) -> tuple[list[int], list[int]]:
