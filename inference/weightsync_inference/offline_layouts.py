@@ -57,11 +57,13 @@ def worker_model(
     )
     vllm_config = args.create_engine_config()  # a fresh one per worker: it registers each layer by name
     with set_current_vllm_config(vllm_config):
-        if parallel_state._TP is None:
+        if not parallel_state.model_parallel_is_initialized():
             parallel_state.init_distributed_environment(
                 world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{folder}/pg", backend="gloo"
             )
-            parallel_state.initialize_model_parallel(1, 1)
+        else:
+            parallel_state.destroy_model_parallel()  # its groups follow the config (an expert group for MoE only)
+        parallel_state.initialize_model_parallel(1, 1)
     for group in (parallel_state._TP, parallel_state._EP):  # the layers and loaders ask these for size and rank
         if group is not None:
             group.world_size, group.rank_in_group = tp, rank

@@ -127,7 +127,7 @@ def _layout(model: Any, table: TensorTable, rank: int, sink: Any) -> WorkerLayou
     why: dict[str, str] = {}
     recorded: set[str] = set()
     for module, copies in sink.copies_by_layer.items():
-        prefix = modules.get(id(module), type(module).__name__)
+        prefix = modules[id(module)]
         for c in copies:
             name = c.src[0]
             recorded.add(name)

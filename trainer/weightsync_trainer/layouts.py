@@ -45,7 +45,13 @@ def _read(source: ModuleSource, table: TensorTable, world: int) -> shards.Traine
     meshes: dict[shards.Mesh, int] = {}
     placements = []
     for spec in table:
-        param = source.parameter(spec.name)
+        try:
+            param = source.parameter(spec.name)
+        except KeyError:
+            raise PermanentError(
+                f"tensor {spec.name!r} is no parameter of the trainer: the source converts it from others "
+                "(fused experts published per expert)"
+            ) from None
         if getattr(param, "device_mesh", None) is None:
             mesh, placement = shards.Mesh((1,), (0,)), shards.Placement(0, (shards.REPLICATE,))
         else:

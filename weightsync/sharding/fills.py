@@ -89,19 +89,12 @@ class WorkerLayout:
                 )
             by_param.setdefault(f.param, []).append(f.dest)
         for tensor, boxes in by_tensor.items():
-            clash = _first_overlap(boxes)
-            if clash:
-                raise ModelMismatchError(
-                    f"worker {self.rank}, tensor #{tensor}: boxes {clash[0]} and {clash[1]} are both needed; "
-                    "a worker receives each checkpoint element once (record such a tensor as WHOLE)"
-                )
+            _refuse_overlap(
+                boxes, f"worker {self.rank}, tensor #{tensor}", "needed; a worker receives each element once"
+            )
         for index, boxes in by_param.items():
-            clash = _first_overlap(boxes)
-            if clash:
-                raise ModelMismatchError(
-                    f"worker {self.rank}, parameter {self.params[index].name!r}: boxes {clash[0]} and {clash[1]} "
-                    "are both filled; a parameter element takes one checkpoint element"
-                )
+            where = f"worker {self.rank}, parameter {self.params[index].name!r}"
+            _refuse_overlap(boxes, where, "filled; a parameter element takes one checkpoint element")
 
     def check(self, table: TensorTable) -> None:
         """Raise naming the fill when this layout does not fit ``table`` (recorded against another model)."""
@@ -210,6 +203,12 @@ def _rank(worker: WorkerLayout) -> int:
 
 def _box_to(box: Box) -> tuple[list[int], list[int]]:
     return list(box.offsets), list(box.lengths)
+
+
+def _refuse_overlap(boxes: Sequence[Box], where: str, why: str) -> None:
+    clash = _first_overlap(boxes)
+    if clash:
+        raise ModelMismatchError(f"{where}: boxes {clash[0]} and {clash[1]} are both {why}")
 
 
 def _first_overlap(boxes: Sequence[Box]) -> tuple[Box, Box] | None:
