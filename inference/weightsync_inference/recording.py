@@ -40,8 +40,6 @@ from weightsync.sharding.boxes import Box, aligned, box_of_view, contiguous_stri
 from weightsync.sharding.fills import WHOLE, Fill, ParamSpec, WorkerLayout
 from weightsync.tensors import TensorTable
 
-_STAMP = "_weightsync_recording"
-
 
 def record(model: Any, table: TensorTable, rank: int) -> WorkerLayout:
     """This worker's layout for ``table``; raises ``NotImplementedError`` naming the op a loader needs data for."""
@@ -101,7 +99,6 @@ def _stamp(sink: Any, module: Any, name: str, inner: Callable[..., Any]) -> Call
         finally:
             sink.current = None
 
-    setattr(stamp, _STAMP, True)
     return stamp
 
 
@@ -123,8 +120,8 @@ def _layout(model: Any, table: TensorTable, rank: int, sink: Any) -> WorkerLayou
     index = {s.name: i for i, s in enumerate(table)}
     params: dict[str, ParamSpec] = {}
     numbers: dict[str, int] = {}
-    fills: list[tuple[str, Fill]] = []  # (module, fill); a box of None marks what only the loader can do
-    why: dict[str, str] = {}
+    fills: list[tuple[str, Fill]] = []  # (module, fill): the module decides whether its tensors go whole
+    why: dict[str, str] = {}  # module (or tensor) -> why it goes whole; its fills' boxes are then placeholders
     recorded: set[str] = set()
     for module, copies in sink.copies_by_layer.items():
         prefix = modules[id(module)]
