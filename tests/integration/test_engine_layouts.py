@@ -78,6 +78,43 @@ def _assert_covered(table: TensorTable, layouts: list[WorkerLayout], experts_spr
             assert kept in ({1}, {len(layouts)}) or (len(layouts) > 1 and kept == {1, len(layouts)}), (spec.name, kept)
 
 
+def test_a_mixture_of_experts_engine_records_each_workers_experts(tmp_path: Path) -> None:
+    """A tiny Qwen2-MoE served at tensor-parallel size 2 with expert parallelism: each worker keeps half the
+    experts whole, and says so."""
+    from tests.integration.loader_check import checkpoint
+    from weightsync_inference.offline import OfflineEngine
+    from weightsync_trainer import naming
+
+    folder = tmp_path / "moe"
+    _, tensors = checkpoint("qwen2_moe", folder)
+    table = TensorTable.build(
+        [[(n, "bfloat16", tuple(tensors[n].shape)) for n in g] for g in naming.layer_groups(sorted(tensors))]
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setenv("OMP_NUM_THREADS", "1")
+        engine = OfflineEngine(
+            folder, Channel.CPU, tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True
+        )
+    try:
+        before = engine.greedy(support.PROMPTS, support.TOKENS)
+        layout = engine.engine_layout(table)
+        assert engine.greedy(support.PROMPTS, support.TOKENS) == before
+    finally:
+        engine.close()
+    assert layout.unsupported == "" and len(layout.workers) == 2
+    experts = [
+        {_expert(table.tensors[t].name) for t in w.needs() if ".experts." in table.tensors[t].name}
+        for w in layout.workers
+    ]
+    assert experts == [{"0", "1"}, {"2", "3"}]
+    table_file = tmp_path / "table.json"
+    table_file.write_text(json.dumps(table.to_dict()))
+    offline = _loader_check(tmp_path, "--model", str(folder), "--table", str(table_file), "--tp", "2", "--ep")
+    recorded = tuple(WorkerLayout.from_dict(w["layout"]) for w in offline["2"])  # type: ignore[union-attr]
+    assert recorded == layout.workers and all(not w["mismatches"] for w in offline["2"])  # type: ignore[union-attr]
+
+
 class Engines:
     def __init__(self) -> None:
         from weightsync_inference.offline import OfflineEngine
@@ -155,43 +192,6 @@ def test_an_engine_takes_an_update_after_recording(engines: Engines) -> None:
         support.assert_generates_like(engine, trainer)
     finally:
         sender.close()
-
-
-def test_a_mixture_of_experts_engine_records_each_workers_experts(tmp_path: Path) -> None:
-    """A tiny Qwen2-MoE served at tensor-parallel size 2 with expert parallelism: each worker keeps half the
-    experts whole, and says so."""
-    from tests.integration.loader_check import checkpoint
-    from weightsync_inference.offline import OfflineEngine
-    from weightsync_trainer import naming
-
-    folder = tmp_path / "moe"
-    _, tensors = checkpoint("qwen2_moe", folder)
-    table = TensorTable.build(
-        [[(n, "bfloat16", tuple(tensors[n].shape)) for n in g] for g in naming.layer_groups(sorted(tensors))]
-    )
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setenv("OMP_NUM_THREADS", "1")
-        engine = OfflineEngine(
-            folder, Channel.CPU, tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True
-        )
-    try:
-        before = engine.greedy(support.PROMPTS, support.TOKENS)
-        layout = engine.engine_layout(table)
-        assert engine.greedy(support.PROMPTS, support.TOKENS) == before
-    finally:
-        engine.close()
-    assert layout.unsupported == "" and len(layout.workers) == 2
-    experts = [
-        {_expert(table.tensors[t].name) for t in w.needs() if ".experts." in table.tensors[t].name}
-        for w in layout.workers
-    ]
-    assert experts == [{"0", "1"}, {"2", "3"}]
-    table_file = tmp_path / "table.json"
-    table_file.write_text(json.dumps(table.to_dict()))
-    offline = _loader_check(tmp_path, "--model", str(folder), "--table", str(table_file), "--tp", "2", "--ep")
-    recorded = tuple(WorkerLayout.from_dict(w["layout"]) for w in offline["2"])  # type: ignore[union-attr]
-    assert recorded == layout.workers and all(not w["mismatches"] for w in offline["2"])  # type: ignore[union-attr]
 
 
 def _expert(name: str) -> str:
