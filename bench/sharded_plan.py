@@ -30,6 +30,7 @@ from typing import Any
 
 from engine_layouts import CONFIGS, checkpoint_table, engine_layout
 
+from weightsync.coordinator import serde
 from weightsync.sharding.fills import EngineLayout
 from weightsync.sharding.plans import Member, PlanCache, TransferPlan
 from weightsync.sharding.shards import REPLICATE, Mesh, Placement, TrainerLayout
@@ -186,6 +187,14 @@ def at_scale(model: str, trainer_gpus: int, replicas: int, tp: int, ep: bool, la
         regions += 1
     model_gb = full_table.total_bytes / 1e9
     send_s, recv_s = max(send) / IB_GBS / 1e9, max(recv) / IB_GBS / 1e9
+    # wire sizes against the coordinator's 4 MiB message limit; a shortened model's grow with its depth
+    depth_scale = depth / (layers or depth)
+    wire_mb = {
+        "trainer_layout_mb": serde.trainer_layout_to(fsdp(full_table, trainer_gpus)).ByteSize() / 1e6,
+        "engine_layout_mb": serde.engine_layout_to(layout).ByteSize() / 1e6 * depth_scale,
+        "replica_part_mb": serde.transfer_part_to(one.part_for_replica("replica-0")).ByteSize() / 1e6 * depth_scale,
+        "rank_0_part_mb": serde.transfer_part_to(one.part_for_rank(0)).ByteSize() / 1e6 * depth_scale * replicas,
+    }
     return {
         "model": model,
         "model_gb": model_gb,
@@ -203,6 +212,7 @@ def at_scale(model: str, trainer_gpus: int, replicas: int, tp: int, ep: bool, la
         "regions_per_replica_planned": regions,
         "plan_s": plan_s,
         "layers_planned": layers or depth,
+        **wire_mb,
     }
 
 
