@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import WeightsyncError
+from weightsync.sharding.fills import EngineLayout
+from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 from weightsync_inference import receipts, staging, worker
 
@@ -87,6 +89,11 @@ class OfflineEngine:
 
     def receipt(self) -> receipts.Receipt:
         return receipts.merge([receipts.Receipt.from_dict(r) for r in self.llm.collective_rpc("weightsync_receipt")])
+
+    def engine_layout(self, table: TensorTable) -> EngineLayout:
+        """What each worker keeps of ``table``'s tensors (``WorkerExtension.weightsync_layout``), merged."""
+        answers = self.llm.collective_rpc("weightsync_layout", args=(json.dumps(table.to_dict()),))
+        return EngineLayout.merged(table.layout_digest(), answers)
 
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self.llm.collective_rpc("weightsync_stage", args=(json.dumps(update_info), str(nbytes)))

@@ -9,6 +9,8 @@ answer per worker:
 - ``weightsync_identity``: rank, device, GPU UUID, NIXL (what the agent registers);
 - ``weightsync_receipt``: the receipt of the worker's last update (digests computed
   where the bytes landed, phase times, torn or not);
+- ``weightsync_layout``: what the worker keeps of each tensor of a table and where it
+  lands (its engine layout, recorded from vLLM's own loaders; ``recording``);
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
   worker's stage beside generation (``staging``), and how far it got. The stage RPC
   returns once its receive runs on a thread of its own: the engine's step loop, which
@@ -59,6 +61,20 @@ class WorkerExtension:
     def weightsync_receipt(self) -> dict[str, Any]:
         receipt: dict[str, Any] = self._weightsync_engine().receipt.to_dict()
         return receipt
+
+    def weightsync_layout(self, table: str) -> dict[str, Any]:
+        """``table``: the trainer's table as JSON text (``TensorTable.to_dict``). Answers what this worker keeps of
+        each tensor (``{"layout": WorkerLayout.to_dict()}``, recorded from vLLM's own loaders), or ``{"error":
+        ...}`` when a loader needs data to decide (the replica then takes the gathered path)."""
+        from weightsync.tensors import TensorTable
+        from weightsync_inference import recording
+
+        engine = self._weightsync_engine()
+        try:
+            layout = recording.record_live(engine, TensorTable.from_dict(json.loads(table)))
+        except NotImplementedError as e:
+            return {"error": f"worker {engine.updater.ctx.rank}: {e}"}
+        return {"layout": layout.to_dict()}
 
     def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:
         """``update_info``: the ticket as JSON text; answers ``{"ok": false, "error": ...}`` when the stage cannot

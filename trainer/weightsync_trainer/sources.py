@@ -88,6 +88,11 @@ class ModuleSource:
             [[(n, dtype_name(self._wire_dtype(t)), tuple(t.shape)) for n, t in g] for g in published]
         )
 
+    def parameter(self, name: str) -> torch.Tensor:
+        """The trainer's own tensor published as ``name``: a DTensor on a sharded trainer, neither gathered nor
+        cast (``weightsync_trainer.layouts`` reads its placements)."""
+        return self._params[name]
+
     def tensor(self, name: str) -> torch.Tensor:
         """One parameter by its model name, whole (gathered), in its own dtype."""
         return _materialize(self._params[name].detach())

@@ -8,15 +8,18 @@ servicer can return it as-is with the INVALID_ARGUMENT status.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 from weightsync.channels.base import Endpoint, Offer, Rendezvous
 from weightsync.coordinator import faults, models
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.errors import PermanentError
 from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
-from weightsync.tensors import is_digest
+from weightsync.sharding import fills, plans, shards
+from weightsync.sharding.boxes import Box
+from weightsync.tensors import TensorTable, is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 
@@ -35,6 +38,7 @@ _EV_IN, _EV_OUT = _enum_maps("EVENT_KIND_", [e.value for e in models.EventKind],
 _PR_IN, _PR_OUT = _enum_maps("PROGRESS_", [p.value for p in models.Progress], pb)
 _WF_IN, _WF_OUT = _enum_maps("WAIT_FOR_", [w.value for w in models.WaitFor], pb)
 _RS_IN, _RS_OUT = _enum_maps("REPLICA_STATE_", [r.value for r in ReplicaState], pb)
+_T = TypeVar("_T")
 
 
 def _parse(table: Mapping[int, str], value: int, field: str) -> str:
@@ -466,6 +470,141 @@ def job_info_to(j: models.JobInfo) -> pb.JobInfo:
                 capabilities=capabilities_to(x.capabilities),
             )
             for x in j.members
+        ],
+    )
+
+
+# ---- sharded transfer: both sides' layouts and each side's part of the plan ------------------------------------
+
+
+def _built(field: str, make: Callable[[], _T]) -> _T:
+    """Construct a domain object, turning its own validation error into one naming the wire field."""
+    try:
+        return make()
+    except PermanentError as e:
+        raise faults.InvalidArgument(f"{field}: {e}") from None
+
+
+def box(m: pb.Box, field: str) -> Box:
+    return _built(field, lambda: Box(tuple(m.offsets), tuple(m.lengths)))
+
+
+def box_to(b: Box) -> pb.Box:
+    return pb.Box(offsets=list(b.offsets), lengths=list(b.lengths))
+
+
+def _metas(metas: Iterable[pb.TensorMeta]) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(t.name, t.dtype, tuple(t.shape)) for t in metas]
+
+
+def _mesh(m: pb.DeviceMesh, field: str) -> shards.Mesh:
+    return _built(field, lambda: shards.Mesh(tuple(m.shape), tuple(m.ranks)))
+
+
+def trainer_layout(m: pb.TrainerLayout, field: str = "trainer_layout") -> shards.TrainerLayout:
+    metas = _metas(m.tensors)
+    bounds = [*m.group_starts, len(metas)] if metas else []
+    table = _built(f"{field}.tensors", lambda: TensorTable.build(metas[a:b] for a, b in itertools.pairwise(bounds)))
+    if metas and (len(table) != len(metas) or list(table.group_starts) != list(m.group_starts)):
+        raise faults.InvalidArgument(
+            f"{field}.group_starts {list(m.group_starts)} do not partition {len(metas)} tensors; "
+            "give the start of each send group, from 0, increasing"
+        )
+    meshes = tuple(_mesh(x, f"{field}.meshes[{i}]") for i, x in enumerate(m.meshes))
+    placements = tuple(shards.Placement(p.mesh, tuple(p.shard_dims)) for p in m.placements)
+    return _built(field, lambda: shards.TrainerLayout(table, m.world_size, meshes, placements, m.unsupported))
+
+
+def trainer_layout_to(layout: shards.TrainerLayout) -> pb.TrainerLayout:
+    return pb.TrainerLayout(
+        world_size=layout.world_size,
+        tensors=[pb.TensorMeta(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in layout.table],
+        group_starts=list(layout.table.group_starts) if len(layout.table) else [],
+        meshes=[pb.DeviceMesh(shape=list(x.shape), ranks=list(x.ranks)) for x in layout.meshes],
+        placements=[pb.TensorPlacement(mesh=p.mesh, shard_dims=list(p.shard_dims)) for p in layout.placements],
+        unsupported=layout.unsupported,
+    )
+
+
+def _worker(m: pb.WorkerLayout, field: str) -> fills.WorkerLayout:
+    params = tuple(fills.ParamSpec(n, d, s) for n, d, s in _metas(m.params))
+    entries = tuple(
+        fills.Fill(
+            f.tensor, box(f.source, f"{field}.fills[{i}].source"), f.param, box(f.dest, f"{field}.fills[{i}].dest")
+        )
+        for i, f in enumerate(m.fills)
+    )
+    return _built(field, lambda: fills.WorkerLayout(m.rank, params, entries, m.why_whole))
+
+
+def engine_layout(m: pb.EngineLayout, field: str = "engine_layout") -> fills.EngineLayout:
+    workers = tuple(_worker(w, f"{field}.workers[{i}]") for i, w in enumerate(m.workers))
+    if m.table_digest and not is_digest(m.table_digest):
+        raise faults.InvalidArgument(f"{field}.table_digest {m.table_digest[:80]!r} is not sha256:<64 hex digits>")
+    return _built(field, lambda: fills.EngineLayout(m.table_digest, workers, m.unsupported))
+
+
+def engine_layout_to(layout: fills.EngineLayout) -> pb.EngineLayout:
+    return pb.EngineLayout(
+        table_digest=layout.table_digest,
+        workers=[
+            pb.WorkerLayout(
+                rank=w.rank,
+                params=[pb.TensorMeta(name=p.name, dtype=p.dtype, shape=list(p.shape)) for p in w.params],
+                fills=[
+                    pb.Fill(tensor=f.tensor, source=box_to(f.source), param=f.param, dest=box_to(f.dest))
+                    for f in w.fills
+                ],
+                why_whole=w.why_whole,
+            )
+            for w in layout.workers
+        ],
+        unsupported=layout.unsupported,
+    )
+
+
+def _region(m: pb.TransferRegion, field: str) -> plans.Region:
+    return plans.Region(
+        m.tensor, m.rank, m.worker, box(m.source, f"{field}.source"), m.param, box(m.dest, f"{field}.dest"), m.nbytes
+    )
+
+
+def transfer_part(m: pb.TransferPart, field: str = "transfer") -> plans.TransferPlan:
+    """One side's part of a plan (``TransferPlan.part_for_rank`` / ``part_for_replica``) as it left the coordinator."""
+    return plans.TransferPlan(
+        m.plan_key,
+        tuple(
+            plans.ReplicaPlan(
+                r.replica_id,
+                tuple(_region(g, f"{field}.replicas[{i}].regions[{j}]") for j, g in enumerate(r.regions)),
+                r.gathered,
+            )
+            for i, r in enumerate(m.replicas)
+        ),
+    )
+
+
+def transfer_part_to(p: plans.TransferPlan) -> pb.TransferPart:
+    return pb.TransferPart(
+        plan_key=p.key,
+        replicas=[
+            pb.ReplicaRegions(
+                replica_id=r.replica_id,
+                gathered=r.gathered,
+                regions=[
+                    pb.TransferRegion(
+                        tensor=g.tensor,
+                        rank=g.rank,
+                        worker=g.worker,
+                        source=box_to(g.source),
+                        param=g.param,
+                        dest=box_to(g.dest),
+                        nbytes=g.nbytes,
+                    )
+                    for g in r.regions
+                ],
+            )
+            for r in p.replicas
         ],
     )
 

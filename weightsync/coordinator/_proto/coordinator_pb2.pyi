@@ -577,3 +577,123 @@ class ListVersionsResponse(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     truncated: bool
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class Box(_message.Message):
+    __slots__ = ("offsets", "lengths")
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeviceMesh(_message.Message):
+    __slots__ = ("shape", "ranks")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorPlacement(_message.Message):
+    __slots__ = ("mesh", "shard_dims")
+    MESH_FIELD_NUMBER: _ClassVar[int]
+    SHARD_DIMS_FIELD_NUMBER: _ClassVar[int]
+    mesh: int
+    shard_dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, mesh: _Optional[int] = ..., shard_dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TrainerLayout(_message.Message):
+    __slots__ = ("world_size", "tensors", "group_starts", "meshes", "placements", "unsupported")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STARTS_FIELD_NUMBER: _ClassVar[int]
+    MESHES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    group_starts: _containers.RepeatedScalarFieldContainer[int]
+    meshes: _containers.RepeatedCompositeFieldContainer[DeviceMesh]
+    placements: _containers.RepeatedCompositeFieldContainer[TensorPlacement]
+    unsupported: str
+    def __init__(self, world_size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., group_starts: _Optional[_Iterable[int]] = ..., meshes: _Optional[_Iterable[_Union[DeviceMesh, _Mapping]]] = ..., placements: _Optional[_Iterable[_Union[TensorPlacement, _Mapping]]] = ..., unsupported: _Optional[str] = ...) -> None: ...
+
+class Fill(_message.Message):
+    __slots__ = ("tensor", "source", "param", "dest")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    source: Box
+    param: int
+    dest: Box
+    def __init__(self, tensor: _Optional[int] = ..., source: _Optional[_Union[Box, _Mapping]] = ..., param: _Optional[int] = ..., dest: _Optional[_Union[Box, _Mapping]] = ...) -> None: ...
+
+class WorkerLayout(_message.Message):
+    __slots__ = ("rank", "params", "fills", "why_whole")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    FILLS_FIELD_NUMBER: _ClassVar[int]
+    WHY_WHOLE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    params: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    fills: _containers.RepeatedCompositeFieldContainer[Fill]
+    why_whole: str
+    def __init__(self, rank: _Optional[int] = ..., params: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., fills: _Optional[_Iterable[_Union[Fill, _Mapping]]] = ..., why_whole: _Optional[str] = ...) -> None: ...
+
+class EngineLayout(_message.Message):
+    __slots__ = ("table_digest", "workers", "unsupported")
+    TABLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    table_digest: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerLayout]
+    unsupported: str
+    def __init__(self, table_digest: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerLayout, _Mapping]]] = ..., unsupported: _Optional[str] = ...) -> None: ...
+
+class TransferRegion(_message.Message):
+    __slots__ = ("tensor", "rank", "worker", "source", "param", "dest", "nbytes")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    tensor: int
+    rank: int
+    worker: int
+    source: Box
+    param: int
+    dest: Box
+    nbytes: int
+    def __init__(self, tensor: _Optional[int] = ..., rank: _Optional[int] = ..., worker: _Optional[int] = ..., source: _Optional[_Union[Box, _Mapping]] = ..., param: _Optional[int] = ..., dest: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ReplicaRegions(_message.Message):
+    __slots__ = ("replica_id", "gathered", "regions")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    GATHERED_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    gathered: str
+    regions: _containers.RepeatedCompositeFieldContainer[TransferRegion]
+    def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ...) -> None: ...
+
+class TransferPart(_message.Message):
+    __slots__ = ("plan_key", "replicas")
+    PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    plan_key: str
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaRegions]
+    def __init__(self, plan_key: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaRegions, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,140 @@
+"""The trainer's layout, read from what it holds: each published tensor's DTensor mesh and placements.
+
+``trainer_layout(source)`` describes a ``ModuleSource`` without gathering anything:
+
+- a DTensor (FSDP2 ``Shard(0)``, tensor parallel ``Shard(0)``/``Shard(1)``, ``Replicate``,
+  and FSDP2 over tensor parallelism, whose ``_StridedShard`` says it cuts after the
+  tensor-parallel dimension) keeps its mesh, whose global ranks it lists, and its
+  placements;
+- a plain tensor is rank 0's: the gathered path has always sent rank 0's copy of a
+  tensor no mesh shards, and the sharded path sends the same bytes.
+
+Every rank computes the same layout from the same global metadata, with no collective.
+Before it trusts one, it checks the core's boxes (``weightsync.sharding.shards``)
+against DTensor's own for every rank of each mesh and against the local shards it
+holds; a placement the core cannot express (``Partial``, a strided form other than
+FSDP2's, torch's uneven cut of a strided dimension) makes the whole layout
+*unsupported*, naming the tensor, and every replica takes the gathered path. So do
+sources that compute what they publish (merged LoRA weights, adapters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from weightsync.errors import PermanentError
+from weightsync.sharding import shards
+from weightsync.tensors import TensorTable
+from weightsync_trainer.sources import ModuleSource
+
+
+def trainer_layout(source: ModuleSource) -> shards.TrainerLayout:
+    """This trainer's layout (see the module doc); the same on every rank."""
+    table = source.table()
+    world = _world_size()
+    if type(source) is not ModuleSource:
+        why = f"{type(source).__name__} computes the tensors it publishes from several parameters"
+        return shards.TrainerLayout(table, world, unsupported=why)
+    try:
+        return _read(source, table, world)
+    except PermanentError as e:
+        return shards.TrainerLayout(table, world, unsupported=str(e))
+
+
+def _read(source: ModuleSource, table: TensorTable, world: int) -> shards.TrainerLayout:
+    meshes: dict[shards.Mesh, int] = {}
+    placements = []
+    for spec in table:
+        try:
+            param = source.parameter(spec.name)
+        except KeyError:
+            raise PermanentError(
+                f"tensor {spec.name!r} is no parameter of the trainer: the source converts it from others "
+                "(fused experts published per expert)"
+            ) from None
+        if getattr(param, "device_mesh", None) is None:
+            mesh, placement = shards.Mesh((1,), (0,)), shards.Placement(0, (shards.REPLICATE,))
+        else:
+            root, torch_placements = _on_root(spec.name, param)
+            mesh = shards.Mesh(tuple(root.mesh.shape), tuple(int(r) for r in root.mesh.flatten()))
+            kinds = [_kind(spec.name, p) for p in torch_placements]
+            try:
+                placement = shards.placement_of(0, mesh.shape, kinds)
+            except PermanentError as e:
+                raise PermanentError(f"tensor {spec.name!r}: {e}") from None
+            _check(spec.name, param, root, torch_placements, mesh, placement)
+        index = meshes.setdefault(mesh, len(meshes))
+        placements.append(shards.Placement(index, placement.shard_dims, placement.order))
+    return shards.TrainerLayout(table, world, tuple(meshes), tuple(placements))
+
+
+def _on_root(name: str, param: Any) -> tuple[Any, list[Any]]:
+    """The tensor's mesh and placements on the root of its device mesh.
+
+    A tensor on a slice of a bigger mesh (FSDP2's ``mesh["dp"]`` beside tensor parallelism) lists only the
+    slice's ranks, a different list on each rank; on the root mesh it is replicated along the other
+    dimensions, which every rank describes alike.
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = param.device_mesh
+    root = mesh._get_root_mesh()
+    if root is mesh:
+        return mesh, list(param.placements)
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise PermanentError(
+            f"tensor {name!r} lives on a slice {names} of a device mesh with dimensions {root_names}, "
+            "which the layout cannot place on the whole mesh"
+        )
+    placements: list[Any] = [Replicate()] * len(root_names)
+    for n, p in zip(names, param.placements, strict=True):
+        placements[root_names.index(n)] = p
+    return root, placements
+
+
+def _kind(name: str, placement: Any) -> tuple[str, int, int]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return shards.STRIDED, int(placement.dim), int(placement.split_factor)
+    if isinstance(placement, Shard):
+        return shards.SHARD, int(placement.dim), 0
+    if isinstance(placement, Replicate):
+        return "replicate", shards.REPLICATE, 0
+    raise PermanentError(f"tensor {name!r} has a {placement} placement, which the sharded path cannot send from")
+
+
+def _check(
+    name: str, param: Any, root: Any, torch_placements: list[Any], mesh: shards.Mesh, placement: shards.Placement
+) -> None:
+    """The core's boxes must be DTensor's, for every rank of the mesh and for the shard this rank holds."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape = tuple(param.shape)
+    for rank, coord in mesh.coordinates():
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coord), torch_placements)
+        box = shards.local_box(shape, mesh.shape, coord, placement)
+        if box.lengths != tuple(local) or (box.numel and box.offsets != tuple(offset)):
+            raise PermanentError(
+                f"tensor {name!r} ({', '.join(map(str, torch_placements))} on mesh {list(mesh.shape)}): rank {rank} "
+                f"holds {list(local)} at {list(offset)} in DTensor's cut, {box} in the layout's"
+            )
+    coordinate = root.get_coordinate()
+    held = tuple(param.to_local().shape)
+    if coordinate is not None:
+        box = shards.local_box(shape, mesh.shape, coordinate, placement)
+        if box.lengths != held:
+            raise PermanentError(
+                f"tensor {name!r}: this rank holds a shard of shape {list(held)}, the layout says {box}"
+            )
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+__all__ = ["trainer_layout"]
