@@ -196,7 +196,7 @@ def test_a_completions_answer_without_logprobs_or_with_the_wrong_count_is_refuse
         completions.parse("http://x", _answer(1), {}, [1], 2)
     broken = _answer(1)
     broken["choices"][0]["logprobs"] = None  # type: ignore[index]
-    with pytest.raises(PermanentError, match="choice 0: token_ids and logprobs.token_logprobs"):
+    with pytest.raises(PermanentError, match=r"choice 0: token_ids and logprobs\.token_logprobs"):
         completions.parse("http://x", broken, {}, [1], 1)
 
 
@@ -206,3 +206,41 @@ def test_the_endpoint_comes_from_the_operators_variable_and_is_named_when_missin
     )
     with pytest.raises(PermanentError, match=r"\$WEIGHTSYNC_OPENAI_URL is not set: the operator sets it"):
         completions.endpoint({})
+
+
+# ---- the proxy forwards what the integrations' clients use, not the routes of the frameworks' own syncs -----------
+
+
+CLIENT_ROUTES = [
+    # TRL AsyncGRPOTrainer's rollout worker and VLLMClient (readiness, max_model_len, generation)
+    ("GET", "/health"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/completions"),
+    # RolloutFunc, WeightsyncServer (Atropos): generation and its readiness probe
+    ("HEAD", "/health"),
+]
+NATIVE_SYNC_ROUTES = [
+    # TRL's WeightTransferClient and its server probes, GRPOTrainer's server-mode start-up
+    ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/pause"),
+    ("POST", "/update_weights"),
+    ("GET", "/server_info"),
+    ("GET", "/get_world_size"),
+    ("POST", "/v1/load_lora_adapter"),
+    # Atropos's built-in vLLM server class
+    ("POST", "/generate"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), CLIENT_ROUTES)
+def test_the_proxy_forwards_every_route_the_integrations_clients_call(method: str, path: str) -> None:
+    from weightsync_inference import proxy
+
+    assert proxy.route_decision(method, path) == 200
+
+
+@pytest.mark.parametrize(("method", "path"), NATIVE_SYNC_ROUTES)
+def test_the_proxy_refuses_the_routes_of_the_frameworks_own_weight_sync(method: str, path: str) -> None:
+    from weightsync_inference import proxy
+
+    assert proxy.route_decision(method, path) == 404

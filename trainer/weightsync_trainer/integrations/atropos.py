@@ -128,11 +128,12 @@ def _next_batch(url: str, timeout_s: float) -> dict[str, Any]:
 
 def train(
     config: Any, *, publish: bool = True, env: Mapping[str, str] | None = None, batch_timeout_s: float = 600.0
-) -> list[Step]:
+) -> tuple[list[Step], Any]:
     """Atropos's example trainer loop (``train_legacy``) with weightsync's publish in place of checkpoint-and-restart.
 
     ``config`` is ``example_trainer.TrainingConfig``; its vLLM fields are unused (the replicas belong to the job).
-    ``publish=False`` never syncs: the baseline a run compares against. Returns one ``Step`` per training step.
+    ``publish=False`` never syncs: the baseline a run compares against. Returns one ``Step`` per training step and
+    the trained model.
     """
     frameworks.require("atropos")
     from example_trainer import api, data, model, trainers, training
@@ -187,4 +188,4 @@ def train(
     finally:
         if publisher is not None:
             publisher.close()
-    return steps
+    return steps, policy

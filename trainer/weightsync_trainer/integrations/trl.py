@@ -67,6 +67,8 @@ class WeightTransfer:
         frameworks.require("trl")
         self.stream = streams.StreamPublisher(streams.StreamSource(wire_dtype), env=env)
         self.syncs = 0
+        self.versions: list[int] = []
+        """Per sync, the version it made READY (0 when it did not)."""
 
     @property
     def last(self) -> PublishReport | None:
@@ -80,8 +82,9 @@ class WeightTransfer:
         """Replicas pause themselves around their load (the agent), never on the trainer's word."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.stream.publish(iterator, step=self.syncs)
+        report = self.stream.publish(iterator, step=self.syncs)
         self.syncs += 1
+        self.versions.append(report.version if report is not None and report.state.value == "READY" else 0)
 
     def resume(self) -> None:
         """See ``pause``."""
@@ -170,11 +173,17 @@ class RolloutFunc:
         )
         return None
 
+    def sync(self, trainer: Any) -> int | None:
+        """Publish the trainer's weights unless this step's are published already; the version when READY. Call it
+        after ``trainer.train()``: no generation follows the last optimizer step, so nothing else publishes it."""
+        step = int(trainer.state.global_step)
+        if not self.publish or step == self.published_step:
+            return None
+        return self._publish(trainer, step)
+
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         step = int(trainer.state.global_step)
-        published = None
-        if self.publish and step != self.published_step:
-            published = self._publish(trainer, step)
+        published = self.sync(trainer)
         prompt_ids: list[list[int]] = trainer._tokenize_prompts(prompts)[0]  # TRL's own tokenization (chat template)
         sampling = self._sampling(trainer)
         out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], VERSIONS_KWARG: []}
