@@ -244,3 +244,65 @@ def test_the_proxy_refuses_the_routes_of_the_frameworks_own_weight_sync(method: 
     from weightsync_inference import proxy
 
     assert proxy.route_decision(method, path) == 404
+
+
+class _Replica:
+    """A real HTTP server answering /v1/completions with the given statuses in turn (then 200 with a completion)."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        import http.server
+        import json
+        import threading
+
+        statuses = list(statuses)
+        self.requests: list[dict[str, object]] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                owner.requests.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                status = statuses.pop(0) if statuses else 200
+                body = json.dumps(_answer(2) if status == 200 else {"error": "no"}).encode()
+                self.send_response(status)
+                self.send_header(VERSIONS_HEADER, "4")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def test_the_client_retries_a_gateway_error_and_sends_token_prompts_asking_for_ids_and_logprobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(completions, "BACKOFF_S", 0.01)
+    replica = _Replica([502, 503])
+    client = completions.Client(replica.url + "/v1", timeout_s=5)
+    out = client.complete([1, 2, 3], 2, completions.Sampling(max_tokens=2, seed=7))
+    assert [c.served for c in out] == [Served(4, 4)] * 2 and len(replica.requests) == 3
+    assert replica.requests[-1] == {
+        "prompt": [1, 2, 3], "n": 2, "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "logprobs": 0,
+        "return_token_ids": True, "seed": 7,
+    }  # fmt: skip
+    replica.server.shutdown()
+
+
+def test_the_client_gives_up_at_once_on_a_refusal_and_after_its_attempts_on_a_dead_endpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightsync.cli._localfleet import free_port
+    from weightsync.errors import RetryableError
+
+    monkeypatch.setattr(completions, "BACKOFF_S", 0.01)
+    replica = _Replica([400])
+    with pytest.raises(PermanentError, match="refused the request: HTTP 400"):
+        completions.Client(replica.url, timeout_s=5).complete([1], 2, completions.Sampling())
+    assert len(replica.requests) == 1
+    replica.server.shutdown()
+    with pytest.raises(RetryableError, match=f"failed {completions.ATTEMPTS} times, last: ConnectError"):
+        completions.Client(f"http://127.0.0.1:{free_port()}", timeout_s=5).complete([1], 2, completions.Sampling())

@@ -111,6 +111,15 @@ def _error(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {response.text[:300]}"
 
 
+def _settle(url: str, r: httpx.Response, prompt_ids: Sequence[int], n: int) -> list[Completion] | str:
+    """An answer's completions, or why the request is worth retrying; raises when retrying cannot help."""
+    if r.status_code in RETRY_STATUSES:
+        return _error(r)
+    if r.status_code != 200:
+        raise PermanentError(f"{url}/v1/completions refused the request: {_error(r)}")
+    return parse(url, r.json(), r.headers, prompt_ids, n)
+
+
 class Client:
     """Blocking completions through the job's OpenAI endpoint (``endpoint()`` unless ``url`` is given)."""
 
@@ -128,12 +137,10 @@ class Client:
             except httpx.TransportError as e:
                 error = f"{type(e).__name__}: {e}"
                 continue
-            if r.status_code in RETRY_STATUSES:
-                error = _error(r)
-                continue
-            if r.status_code != 200:
-                raise PermanentError(f"{self.url}/v1/completions refused the request: {_error(r)}")
-            return parse(self.url, r.json(), r.headers, prompt_ids, n)
+            result = _settle(self.url, r, prompt_ids, n)
+            if not isinstance(result, str):
+                return result
+            error = result
         raise _failure(self.url, error)
 
     def close(self) -> None:
@@ -157,12 +164,10 @@ class AsyncClient:
             except httpx.TransportError as e:
                 error = f"{type(e).__name__}: {e}"
                 continue
-            if r.status_code in RETRY_STATUSES:
-                error = _error(r)
-                continue
-            if r.status_code != 200:
-                raise PermanentError(f"{self.url}/v1/completions refused the request: {_error(r)}")
-            return parse(self.url, r.json(), r.headers, prompt_ids, n)
+            result = _settle(self.url, r, prompt_ids, n)
+            if not isinstance(result, str):
+                return result
+            error = result
         raise _failure(self.url, error)
 
     async def healthy(self) -> bool:
