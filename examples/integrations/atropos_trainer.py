@@ -54,7 +54,8 @@ def main() -> None:
             model_name=str(task.model_dir()),
             lr=2e-3,
             training_steps=args.steps,
-            batch_size=32,
+            batch_size=32,  # 4 groups of 8 completions per step, one micro-batch
+            gradient_accumulation_steps=1,
             seq_len=64,
             device="cuda" if torch.cuda.is_available() else "cpu",
             save_path=tempfile.mkdtemp(prefix="atropos-"),

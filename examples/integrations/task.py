@@ -53,7 +53,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 def arguments(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--steps", type=int, default=12, help="training steps (default 12)")
+    p.add_argument("--steps", type=int, default=16, help="training steps (default 16)")
     p.add_argument("--no-sync", action="store_true", help="never publish: the replicas keep the initial weights")
     p.add_argument("--report", default=None, help="write the run's record (JSON) here")
     p.add_argument("--save", default=None, help="save the trainer's final weights here (a transformers folder)")

@@ -46,7 +46,7 @@ def main() -> None:
         num_generations=8,
         max_completion_length=8,
         temperature=1.0,
-        learning_rate=3e-3,
+        learning_rate=5e-3,
         lr_scheduler_type="constant",
         beta=0.0,
         logging_steps=1,

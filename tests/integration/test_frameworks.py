@@ -71,7 +71,10 @@ def test_trl_grpo_trainer_publishes_every_step_and_its_samples_carry_the_version
 def test_trl_grpo_reward_rises_with_sync_and_stays_flat_without(fleet: FrameworkFleet) -> None:
     start = fleet.reset_weights()  # the baseline samples the initial policy, whatever ran before
     flat, _ = fleet.example("trl_grpo.py", "--no-sync", name="trl-grpo-no-sync")
-    assert all(set(s["served"]) == {str(start)} and s["published"] is None for s in flat["steps"])
+    # never published: every sample came from the initial weights, none provably from the trainer's current ones
+    assert all(
+        set(s["served"]) == {str(start)} and s["published"] is None and s["off_policy"] == 32 for s in flat["steps"]
+    )
     rising, final = fleet.example("trl_grpo.py", name="trl-grpo-sync")
     first, last = _quarters(rising["rewards"])
     flat_first, flat_last = _quarters(flat["rewards"])

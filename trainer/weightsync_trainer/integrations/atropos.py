@@ -105,7 +105,7 @@ class Step:
     served: list[str] = field(default_factory=list)
     """The versions that generated each sequence it trained on."""
     off_policy: int = 0
-    """Sequences not generated entirely by the version the replicas served when the step began."""
+    """Sequences not generated entirely by the version of the trainer's weights when the step began."""
     loss: float = 0.0
     reward: float = 0.0
     """The batch's mean score."""
@@ -141,16 +141,17 @@ def train(
     from weightsync_trainer.publisher import Publisher
     from weightsync_trainer.sources import ModuleSource
 
-    policy, _ = model.load_model_and_tokenizer(config)
-    optimizer = trainers.create_optimizer(policy, config)
+    trained, _ = model.load_model_and_tokenizer(config)
+    optimizer = trainers.create_optimizer(trained, config)
     if not api.check_atropos_api(url=config.atropos_url, timeout=60):
         raise TimeoutError(f"the Atropos API at {config.atropos_url} is not reachable")
     api.register_trainer(config)
-    publisher = Publisher.from_env(ModuleSource(policy), os.environ if env is None else env) if publish else None
-    serving = 0
+    publisher = Publisher.from_env(ModuleSource(trained), os.environ if env is None else env) if publish else None
+    policy: int | None = None
+    """The version of the trainer's current weights: None when they changed without a READY publish."""
     if publisher is not None:  # the replicas serve the trainer's weights from the first batch on
         report = publisher.publish(0)
-        serving = report.version if report is not None and report.state.value == "READY" else 0
+        policy = report.version if report is not None and report.state.value == "READY" else None
     steps: list[Step] = []
     try:
         for i in range(config.training_steps):
@@ -161,7 +162,7 @@ def train(
                 raw, config.batch_size, True
             )
             metrics = training.run_training_step(
-                policy,
+                trained,
                 optimizer,
                 tokens,
                 labels,
@@ -175,17 +176,18 @@ def train(
                 i + 1,
                 0,
                 [str(v) if v else "" for v in versions],
-                sum(1 for v in versions if v is None or not v.on_policy(serving)),
+                sum(1 for v in versions if v is None or policy is None or not v.on_policy(policy)),
                 float(metrics.get("loss", 0.0)),
                 sum(scores) / max(len(scores), 1),
             )
+            policy = None
             if publisher is not None:
                 report = publisher.publish(i + 1)
                 if report is not None and report.state.value == "READY":
-                    step.version = serving = report.version
+                    step.version = policy = report.version
             log.info("atropos step %s", asdict(step))
             steps.append(step)
     finally:
         if publisher is not None:
             publisher.close()
-    return steps, policy
+    return steps, trained

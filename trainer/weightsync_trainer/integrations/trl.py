@@ -141,8 +141,6 @@ class RolloutFunc:
         self.wire_dtype = wire_dtype
         self.publisher: Publisher | None = None
         self.published_step: int | None = None
-        self.version = 0
-        """The last version this trainer made READY (0: the replicas' initial weights)."""
         self.history: list[dict[str, Any]] = []
 
     def _sampling(self, trainer: Any) -> completions.Sampling:
@@ -166,7 +164,6 @@ class RolloutFunc:
         if report is None:  # not the sending rank
             return None
         if report.state.value == "READY":
-            self.version = report.version
             return report.version
         log.warning(
             "step %d: version %d is %s (%s); generating anyway", step, report.version, report.state, report.reason
@@ -200,7 +197,9 @@ class RolloutFunc:
                 out[VERSIONS_KWARG].append(str(c.served) if c.served else "")
                 served.append(c.served)
             i += n
-        off_policy = sum(1 for s in served if s is None or not s.on_policy(self.version))
+        # on-policy: generated entirely by the version of this step's weights; without one (not published, or the
+        # publish failed) no sample can be shown to come from the trainer's current weights
+        off_policy = sum(1 for s in served if s is None or published is None or not s.on_policy(published))
         self.history.append(
             {"step": step, "published": published, "served": out[VERSIONS_KWARG], "off_policy": off_policy}
         )
