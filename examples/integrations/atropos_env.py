@@ -33,6 +33,7 @@ class TargetTokensEnv(BaseEnv):  # type: ignore[misc]
         model = str(task.model_dir())
         env = BaseEnvConfig(
             tokenizer_name=model,
+            wandb_name=cls.name,  # the name it registers under with Atropos's API (required there)
             group_size=8,
             use_wandb=False,
             max_token_length=64,
