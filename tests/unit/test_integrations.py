@@ -1,7 +1,7 @@
 """The pieces the framework integrations share: version gates, stream tables, served versions, completions.
 
 The integrations themselves run against real frameworks, replicas and a coordinator in
-tests/integration/test_integrations*.py; these pin the rules those runs rely on.
+tests/integration/test_frameworks.py; these pin the rules those runs rely on.
 """
 
 from __future__ import annotations
@@ -63,6 +63,25 @@ def test_every_extra_pins_a_version_inside_its_supported_range() -> None:
         version = next((s.version for s in pin.specifier if s.operator == "=="), None)
         if version is not None:  # an exact pin must lie inside the range the run-time gate accepts
             assert pin.specifier.contains(version) and version in frameworks.SpecifierSet(framework.supported), key
+
+
+def test_the_test_environment_installs_the_frameworks_at_their_extras_pins() -> None:
+    """requirements/integrations.txt (what tools/setup-env.sh, so make test, installs) holds each framework at the
+    version its extra pins: CI runs the framework tests against what `pip install 'weightsync[trl]'` gives a user."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    lines = (root / "requirements" / "integrations.txt").read_text().splitlines()
+    installed = {r.name: r.specifier for r in (Requirement(x) for x in lines if x and not x.startswith("#"))}
+    for extra in ("trl", "atropos"):
+        pins = [r for r in map(Requirement, extras[extra]) if any(s.operator == "==" for s in r.specifier)]
+        assert pins, extra
+        for pin in pins:
+            assert installed.get(pin.name) == pin.specifier, (extra, pin, installed.get(pin.name))
 
 
 # ---- streams ---------------------------------------------------------------------------------------------------------
