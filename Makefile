@@ -59,6 +59,9 @@ faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py
 
+frameworks: venv models  ## the framework integrations' longer runs (TRL, Atropos, vLLM's factory, verl); CI runs a short set
+	WEIGHTSYNC_FRAMEWORKS=all $(PY) -m pytest tests/integration/test_frameworks.py
+
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py
 
@@ -66,4 +69,4 @@ images:  ## build the four container images with docker or podman (none on the d
 	@engine=$$(command -v docker || command -v podman) || { echo "no docker or podman here: see images/README.md for how the images are checked without one"; exit 1; }; \
 	for c in operator coordinator trainer inference; do $$engine build -f images/$$c/Dockerfile -t weightsync-$$c:dev . || exit 1; done
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults layouts extras images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults layouts frameworks extras images

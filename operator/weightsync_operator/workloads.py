@@ -34,6 +34,7 @@ objects stay, so resuming is a scale-up, not a re-creation.
 
 from __future__ import annotations
 
+from weightsync import served
 from weightsync.resources.rljob import RLJobSpec
 from weightsync.vocabulary import Channel
 from weightsync_operator import names, podspecs
@@ -118,6 +119,8 @@ def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
             {"name": "MASTER_PORT", "value": str(names.TRAINER_MASTER_PORT)},
             {"name": "WEIGHTSYNC_CHECKPOINT_DIR", "value": names.CHECKPOINT_MOUNT},
             {"name": names.TLS_CA_ENV, "value": podspecs.tls_path(names.TLS_CA_KEY)},
+            # where rollouts go: the job's replicas behind their proxies (TRL, Atropos: weightsync_trainer.integrations)
+            {"name": served.OPENAI_URL_ENV, "value": names.openai_url(job, namespace, spec.inference.port)},
         ]
         + [e.to_wire() for e in spec.trainer.env]
     )

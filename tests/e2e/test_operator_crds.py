@@ -48,6 +48,13 @@ def test_example_is_accepted_with_defaults(kube: Kube, namespace: str, crds_inst
     assert spec["sync"]["checkpointVolume"]["accessMode"] == "ReadWriteMany"
 
 
+def test_the_trl_example_is_accepted(kube: Kube, namespace: str, crds_installed: None) -> None:
+    """examples/rljob-trl.yaml: the RLJob whose trainer command is the TRL integration's example."""
+    proc = _apply(kube, namespace, yaml.safe_load((REPO / "examples" / "rljob-trl.yaml").read_text()))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["spec"]["trainer"]["command"][1].endswith("/trl_grpo.py")
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [

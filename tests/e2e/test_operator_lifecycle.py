@@ -83,6 +83,12 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     before = _children(kube, namespace)
     assert before["NetworkPolicy"] == [f"{JOB}-coordinator", f"{JOB}-inference", f"{JOB}-trainer"]
     assert f"{JOB}-openai" in before["Service"]
+    # trainer pods are told the job's OpenAI endpoint: the Service the API server holds, on the port it serves
+    openai = kube.core.read_namespaced_service(f"{JOB}-openai", namespace)
+    url = f"http://{JOB}-openai.{namespace}.svc:{openai.spec.ports[0].port}"
+    for pod in (p for p in gpu_pods if p.metadata.labels["app.kubernetes.io/component"] == "trainer"):
+        env = {e.name: e.value for e in pod.spec.containers[0].env}
+        assert env["WEIGHTSYNC_OPENAI_URL"] == url, pod.metadata.name
 
     # versions written by the coordinator's ServiceAccount are reflected; old ones pruned (retention 3)
     coordinator = kube.service_account_kubeconfig(namespace, f"{JOB}-coordinator", tmp_path / "coordinator")

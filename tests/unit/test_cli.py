@@ -67,3 +67,45 @@ def test_the_sandbox_sees_a_change_in_logprobs_when_no_greedy_token_changed() ->
     same_tokens = sandbox._logprob_change([([3, 4], [-1.0, -2.0])], [([3, 4], [-2.5, -2.1])])
     assert same_tokens == pytest.approx(1.5)
     assert sandbox._logprob_change([([3, 4], [-1.0, -2.0])], [([3, 9], [-1.05, -9.0])]) == pytest.approx(0.05)
+
+
+def test_run_without_a_command_says_how_to_give_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main.main(["run"]) == main.EXIT_USAGE
+    assert "give the trainer command after --" in capsys.readouterr().err
+
+
+def test_the_local_endpoint_forwards_each_connection_to_the_next_upstream_and_skips_a_dead_one() -> None:
+    """`weightsync run`'s stand-in for the job's OpenAI Service: bytes through unchanged, round robin."""
+    import socket
+    import threading
+
+    from weightsync.cli._endpoint import Endpoint
+    from weightsync.cli._localfleet import free_port
+
+    def echo_server(tag: bytes) -> int:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+
+        def serve() -> None:
+            while True:
+                conn, _ = s.accept()
+                with conn:
+                    conn.sendall(tag + conn.recv(100))
+
+        threading.Thread(target=serve, daemon=True).start()
+        return int(s.getsockname()[1])
+
+    dead = free_port()  # nothing listens there: a replica that is down
+    a, b = echo_server(b"a:"), echo_server(b"b:")
+    endpoint = Endpoint(f"127.0.0.1:{free_port()}", [f"127.0.0.1:{a}", f"127.0.0.1:{dead}", f"127.0.0.1:{b}"])
+    endpoint.start()
+    try:
+        seen = []
+        for _ in range(4):
+            with socket.create_connection(("127.0.0.1", int(endpoint.listen.rsplit(":", 1)[1])), timeout=5) as c:
+                c.sendall(b"x-weightsync-versions: 3")
+                seen.append(c.recv(100))
+        assert seen == [b"a:x-weightsync-versions: 3", b"b:x-weightsync-versions: 3"] * 2
+    finally:
+        endpoint.stop()

@@ -93,6 +93,34 @@ def test_vllm_dev_routes_stay_inside_the_pod() -> None:
     assert names.VLLM_PORT not in exposed
 
 
+def test_trainer_pods_are_told_the_jobs_openai_endpoint() -> None:
+    """Rollout code in a trainer pod (TRL, Atropos: weightsync_trainer.integrations) finds the replicas through the
+    OpenAI Service: its name, the job's namespace and the Service's port."""
+    objs = _by_kind()
+    service = objs[("Service", "grpo-openai")]["spec"]
+    url = f"http://grpo-openai.ml.svc:{service['ports'][0]['port']}"
+    for rank in range(SPEC.trainer.world_size):
+        env = {e["name"]: e.get("value") for e in _containers(objs[("Pod", f"grpo-trainer-{rank}")])["trainer"]["env"]}
+        assert env["WEIGHTSYNC_OPENAI_URL"] == url
+    other = SPEC.model_copy(update={"inference": SPEC.inference.model_copy(update={"port": 9100})})
+    env = _containers(_by_kind(spec=other)[("Pod", "grpo-trainer-0")])["trainer"]["env"]
+    assert {"name": "WEIGHTSYNC_OPENAI_URL", "value": "http://grpo-openai.ml.svc:9100"} in env
+
+
+def test_the_trl_examples_trainer_runs_the_trl_integration_against_its_jobs_endpoint() -> None:
+    """examples/rljob-trl.yaml: its trainer command is examples/integrations/trl_grpo.py (copied into the image), and
+    that trainer pod is told the grpo-trl job's OpenAI Service."""
+    body = yaml.safe_load((REPO / "examples" / "rljob-trl.yaml").read_text())
+    spec = RLJobSpec.model_validate(body["spec"])
+    pod = children.trainer_pods(children.Owner(body["metadata"]["name"], "ml", "uid-2"), spec)[0]
+    trainer = _containers(pod)["trainer"]
+    script = Path(trainer["command"][1])
+    assert trainer["command"][0] == "python" and (REPO / "examples" / "integrations" / script.name).is_file()
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["WEIGHTSYNC_OPENAI_URL"] == "http://grpo-trl-openai.ml.svc:8000"
+    assert env["WEIGHTSYNC_MODEL"] == spec.inference.model
+
+
 def test_pods_run_as_non_root_with_shm() -> None:
     objs = _by_kind()
     for key in (("StatefulSet", "grpo-inference"), ("Deployment", "grpo-coordinator"), ("Pod", "grpo-trainer-0")):

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "proxy": "weightsync.cli.proxy",
     "agent": "weightsync.cli.agent",
     "demo": "weightsync.cli.demo",
+    "run": "weightsync.cli.run",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
