@@ -20,6 +20,8 @@ from kubernetes.utils import parse_quantity
 from weightsync.resources import API_VERSION
 from weightsync.resources.rljob import RLJobSpec
 from weightsync_operator import names, networking, support, workloads
+from weightsync_operator.capacity import Shape
+from weightsync_operator.names import Component
 from weightsync_operator.podspecs import Obj
 
 
@@ -130,6 +132,22 @@ def trainer_pods(owner: Owner, spec: RLJobSpec) -> list[Obj]:
         stamp(workloads.trainer_pod(owner.name, owner.namespace, spec, rank), owner)
         for rank in range(spec.trainer.world_size)
     ]
+
+
+def pod_shapes(owner: Owner, spec: RLJobSpec, coordinator_image: str) -> dict[str, list[Shape]]:
+    """What each pod of the running job asks of a node, by component, from the very specs its pods get (the gang
+    admission checks these against the nodes)."""
+    coordinator = workloads.coordinator(owner.name, owner.namespace, spec, coordinator_image, parked=False)
+    inference = workloads.inference(owner.name, owner.namespace, spec, parked=False)["spec"]["template"]["spec"]
+    return {
+        Component.COORDINATOR: [
+            Shape.of(names.child(owner.name, Component.COORDINATOR), coordinator["spec"]["template"]["spec"])
+        ],
+        Component.INFERENCE: [
+            Shape.of(names.inference_pod(owner.name, i), inference) for i in range(spec.inference.replicas)
+        ],
+        Component.TRAINER: [Shape.of(p["metadata"]["name"], p["spec"]) for p in trainer_pods(owner, spec)],
+    }
 
 
 def token_secret(owner: Owner) -> Obj:

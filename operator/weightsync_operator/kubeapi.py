@@ -58,21 +58,27 @@ KINDS = {
 """The kinds a job owns or reads (every one but Secret and RLJob is watched, see ``handlers.WATCHED``)."""
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 """The leader election's lock (``leader``): the operator's own, never a job's."""
-_PATHS = {**KINDS, LEASE.kind: LEASE}
+EVENT = Kind("v1", "Event", "events")
+"""Read only where a controller reports what it could not create (a StatefulSet's pods): never watched."""
+NODE = Kind("v1", "Node", "nodes")
+"""Read by the built-in gang admission (``admission``), which also lists pods of every namespace."""
+_PATHS = {**KINDS, LEASE.kind: LEASE, EVENT.kind: EVENT, NODE.kind: NODE}
 TIMEOUT_S = 30.0
 """No API call blocks longer (a reconcile's retry backoff takes over)."""
 
 
 class ApiError(Exception):
-    """A non-2xx answer; ``status`` is the HTTP code, the message the API server's."""
+    """A non-2xx answer: ``status`` is the HTTP code, ``reason`` the API server's (``Invalid``, ``Forbidden``, ...)
+    and ``detail`` its message."""
 
     def __init__(self, status: int, method: str, path: str, body: str) -> None:
         try:
-            message = json.loads(body).get("message", body)
-        except ValueError:
-            message = body
+            answer = json.loads(body)
+            message, reason = str(answer.get("message", body)), str(answer.get("reason", ""))
+        except (ValueError, AttributeError):
+            message, reason = body, ""
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
-        self.status = status
+        self.status, self.reason, self.detail = status, reason, message
 
 
 class Api:
@@ -112,8 +118,10 @@ class Api:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
-        out = self._call("GET", KINDS[kind].path(namespace), query={"labelSelector": label_selector}) or {}
+    def list(self, kind: str, namespace: str, label_selector: str, field_selector: str = "") -> list[Obj]:
+        """Objects of ``kind`` in ``namespace`` (every namespace, or a cluster-scoped kind, when empty)."""
+        query = {"labelSelector": label_selector} | ({"fieldSelector": field_selector} if field_selector else {})
+        out = self._call("GET", _PATHS[kind].path(namespace), query=query) or {}
         items: list[Obj] = out.get("items", [])
         return items
 

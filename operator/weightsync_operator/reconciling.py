@@ -32,10 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from weightsync.resources.rljob import RLJobSpec, RLJobStatus
-from weightsync_operator import children, names, status, versions
-from weightsync_operator.kubeapi import Api, Obj
+from weightsync.resources.conditions import find, is_true
+from weightsync.resources.rljob import ConditionType, PlacementMode, RLJobSpec, RLJobStatus
+from weightsync_operator import admission, children, names, refusals, status, versions
+from weightsync_operator.kubeapi import Api, ApiError, Obj
 from weightsync_operator.names import Component
+from weightsync_operator.refusals import Refusal
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,11 +60,23 @@ class Memory:
     """(namespace, job) -> the status its events were last computed against, set only when a pass completes: a
     pass that fails after its status patch landed (a write that timed out but was applied, a later delete) loses its
     events, and the next pass, which reads that status back as its old one, must still say what changed."""
+    refused: dict[tuple[str, str], tuple[str, Refusal, float]] = field(default_factory=dict)
+    """(namespace, job) -> (job uid, the refusal its last pass met, seconds until the next retry): a permanent one
+    holds the job's writes until its spec changes, another one is retried after that delay (``refusals``)."""
 
     def forget(self, namespace: str, job: str) -> None:
         gone = {(namespace, names.token_secret(job)), (namespace, names.tls_secret(job))}
         self.secrets = {s for s in self.secrets if s[:2] not in gone}
         self.announced.pop((namespace, job), None)
+        self.refused.pop((namespace, job), None)
+
+    def refusal(self, key: tuple[str, str], uid: str, generation: int) -> Refusal | None:
+        """The refusal the job's spec met, if it still stands: a permanent one until the spec changes."""
+        held = self.refused.get(key)
+        if held is None or held[0] != uid or (held[1].permanent and held[1].generation != generation):
+            self.refused.pop(key, None)
+            return None
+        return held[1]
 
 
 @dataclass(frozen=True)
@@ -79,16 +93,25 @@ class Outcome:
     patched: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)
     writes: int = 0
+    retry_after: float | None = None
+    """Seconds after which the job wants another pass without an event (queued, or a refusal to retry)."""
 
 
 def reconcile(
-    api: Api, body: dict[str, Any], settings: Settings, reads: Reads | None = None, memory: Memory | None = None
+    api: Api,
+    body: dict[str, Any],
+    settings: Settings,
+    reads: Reads | None = None,
+    memory: Memory | None = None,
+    gate: admission.Gate | None = None,
 ) -> Outcome:
-    """One pass over ``body`` (the RLJob as last seen); ``reads`` defaults to the API itself."""
+    """One pass over ``body`` (the RLJob as last seen); ``reads`` defaults to the API itself; ``gate`` admits jobs
+    whole (None: every job may have its pods at once)."""
     reads = reads if reads is not None else api
     memory = memory if memory is not None else Memory()
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
+    key, generation = (namespace, name), int(meta.get("generation", 0))
     owner = children.Owner(name, namespace, meta["uid"])
     spec = RLJobSpec.model_validate(body["spec"])
     old = RLJobStatus.model_validate(body.get("status") or {})
@@ -98,13 +121,17 @@ def reconcile(
     trainer = [v for v in views if v.component == Component.TRAINER]
     placed = sum(1 for p in views if p.component == Component.INFERENCE and p.placed and not p.deleting)
     verdict = status.decide_trainer(spec, old, trainer, placed)
-    parked = verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED)
 
-    seen = status.Observed(generation=int(meta.get("generation", 0)))
-    seen.coordinator_ready = _ready(reads.get("Deployment", namespace, names.child(name, Component.COORDINATOR)))
-    seen.inference_ready = _ready(reads.get("StatefulSet", namespace, names.child(name, Component.INFERENCE)))
-    seen.trainer = trainer
-    seen.pods = views
+    seen = status.Observed(generation=generation, trainer=trainer, pods=views)
+    seen.admission = _admission(gate, key, owner, spec, settings, meta, old, views, verdict)
+    if seen.admission is not None and not seen.admission.admitted:
+        verdict = status.Verdict.QUEUE
+    parked = verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED, status.Verdict.QUEUE)
+    deployment = reads.get("Deployment", namespace, names.child(name, Component.COORDINATOR))
+    statefulset = reads.get("StatefulSet", namespace, names.child(name, Component.INFERENCE))
+    seen.coordinator_ready, seen.inference_ready = _ready(deployment), _ready(statefulset)
+    held = memory.refusal(key, owner.uid, generation)
+    seen.refusal = held or _controllers_refusal(api, deployment, statefulset, generation, parked)
     found = versions.parse(name, reads.list("WeightVersion", namespace, names.label_selector(name)), owner.uid)
     summary = versions.summarize(found)
     new = status.next_status(spec, old, seen, verdict, summary)
@@ -116,20 +143,89 @@ def reconcile(
         guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
         patching = _WRITES.submit(api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
 
-    writes = _ensure_children(api, reads, memory, owner, spec, settings, parked)
+    blocked = held is not None and held.permanent  # the same spec would be refused again: wait for a new one
+    writes, refused = (
+        (0, None) if blocked else _ensure_children(api, reads, memory, owner, spec, settings, parked, generation)
+    )
     for stale in versions.beyond_retention(found, spec.sync.retention):
         writes += api.delete("WeightVersion", namespace, stale)
-    told = memory.announced.get((namespace, name), old)
+    told = memory.announced.get(key, old)
     outcome = Outcome(
         status=new, writes=writes, events=versions.events(told.current_version, told.last_failed_version, summary)
     )
     if patching is not None:
         patching.result()  # before the trainer's deletes (see the module docstring)
         outcome.patched = True
-    outcome.events += _transition_events(told, new, verdict)
-    outcome.writes += _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts)
-    memory.announced[(namespace, name)] = new
+    if not blocked and refused is None:
+        more, refused = _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts, generation)
+        outcome.writes += more
+    if not blocked and refused != held:  # a new refusal, or a held one that passed this time
+        seen.refusal = refused or _controllers_refusal(api, deployment, statefulset, generation, parked)
+        outcome.status = status.next_status(spec, old, seen, verdict, summary)
+        if outcome.status.to_wire() != new.to_wire():
+            api.patch_status("RLJob", namespace, name, outcome.status.to_wire(), None)
+            outcome.patched = True
+    outcome.retry_after = _remember(memory, key, owner.uid, refused if not blocked else held)
+    if verdict == status.Verdict.QUEUE:
+        outcome.retry_after = min(outcome.retry_after or admission.RECHECK_S, admission.RECHECK_S)
+    outcome.events += _transition_events(told, outcome.status, verdict)
+    memory.announced[key] = outcome.status
     return outcome
+
+
+def _admission(
+    gate: admission.Gate | None,
+    key: tuple[str, str],
+    owner: children.Owner,
+    spec: RLJobSpec,
+    settings: Settings,
+    meta: dict[str, Any],
+    old: RLJobStatus,
+    views: list[status.PodView],
+    verdict: status.Verdict,
+) -> admission.Decision | None:
+    """The gate's answer for a job that wants to run; a job that does not (suspended, finished) gives its room
+    back."""
+    if gate is None:
+        return None
+    if verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED):
+        gate.release(key)
+        return None
+    has_pods = any(v.component != Component.COORDINATOR and not v.deleting for v in views)
+    holds = has_pods or is_true(old.conditions, ConditionType.ADMITTED)
+    pods = children.pod_shapes(owner, spec, settings.coordinator_image)
+    colocate = spec.placement.mode == PlacementMode.COLOCATE
+    return gate.decide(key, admission.Want(str(meta.get("creationTimestamp", "")), pods, colocate), holds)
+
+
+def _controllers_refusal(
+    api: Api, deployment: Obj | None, statefulset: Obj | None, generation: int, parked: bool
+) -> Refusal | None:
+    """A refusal the job's controllers met creating its pods (see ``refusals``)."""
+    if parked:
+        return None
+    found = refusals.of_deployment(deployment, generation)
+    if found is None and statefulset is not None and refusals.short_of_pods(statefulset):
+        meta = statefulset["metadata"]
+        events = api.list(
+            "Event",
+            meta["namespace"],
+            "",
+            field_selector=f"involvedObject.kind=StatefulSet,involvedObject.name={meta['name']},reason=FailedCreate",
+        )
+        found = refusals.of_statefulset(statefulset, events, generation)
+    return found
+
+
+def _remember(memory: Memory, key: tuple[str, str], uid: str, refused: Refusal | None) -> float | None:
+    """Keep the refusal the pass met (or forget a passed one); the delay before retrying it, if it is retried."""
+    if refused is None:
+        memory.refused.pop(key, None)
+        return None
+    previous = memory.refused.get(key)
+    delay = refusals.retry_after(previous[2] if previous is not None and previous[1] == refused else 0.0)
+    memory.refused[key] = (uid, refused, delay)
+    return None if refused.permanent else delay
 
 
 _WRITES = ThreadPoolExecutor(max_workers=32, thread_name_prefix="write")
@@ -149,13 +245,21 @@ def _ready(obj: dict[str, Any] | None) -> int:
 
 
 def _ensure_children(
-    api: Api, reads: Reads, memory: Memory, owner: children.Owner, spec: RLJobSpec, settings: Settings, parked: bool
-) -> int:
+    api: Api,
+    reads: Reads,
+    memory: Memory,
+    owner: children.Owner,
+    spec: RLJobSpec,
+    settings: Settings,
+    parked: bool,
+    generation: int,
+) -> tuple[int, Refusal | None]:
     """Apply each child that is missing, differs from the spec or drifted; create the token and TLS Secrets once.
 
     The Secrets are made only when a read finds them missing, and ``create``
     keeps whatever exists (a racing reconcile's): never regenerated, never
-    applied over. Returns writes."""
+    applied over. Returns writes, and the refusal that stopped them (the children after a refused one are not
+    written: they may need it)."""
     writes = 0
     for secret_name, secret in (
         (names.token_secret(owner.name), children.token_secret),
@@ -165,7 +269,14 @@ def _ensure_children(
         if known in memory.secrets:
             continue
         if reads.get("Secret", owner.namespace, secret_name) is None:
-            writes += api.create(secret(owner))
+            obj = secret(owner)
+            try:
+                writes += api.create(obj)
+            except ApiError as err:
+                refusal = refusals.of(err, obj, generation)
+                if refusal is None:
+                    raise
+                return writes, refusal
         memory.secrets.add(known)
     stale = []
     for obj in children.desired(owner, spec, settings.coordinator_image, settings.coordinator_role, parked):
@@ -179,7 +290,13 @@ def _ensure_children(
             continue
         stale.append((obj, key))
     for obj, key in stale:  # in order: a workload's PersistentVolumeClaim and ConfigMap exist before its pods
-        applied = api.apply(obj)
+        try:
+            applied = api.apply(obj)
+        except ApiError as err:
+            refusal = refusals.of(err, obj, generation)
+            if refusal is None:
+                raise
+            return writes, refusal
         meta = obj["metadata"]
         writes += 1
         if applied is not None and not children.covers(applied, obj):
@@ -190,7 +307,7 @@ def _ensure_children(
                 meta["name"],
             )
             memory.hash_only.add(key)
-    return writes
+    return writes, None
 
 
 def _drive_trainer(
@@ -201,29 +318,36 @@ def _drive_trainer(
     pods: list[status.PodView],
     live: list[Obj],
     restarts: int,
-) -> int:
+    generation: int,
+) -> tuple[int, Refusal | None]:
     """Create missing ranks (RUN), each marked with ``restarts`` (the count it is created under), or delete every
-    rank (any other verdict but SUCCEED and WAIT)."""
+    rank (any other verdict but SUCCEED, WAIT and QUEUE). Returns writes and a refusal that stopped them."""
     writes = 0
-    if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT):
-        return 0
+    if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT, status.Verdict.QUEUE):
+        return 0, None
     if verdict != status.Verdict.RUN:
         doomed = [pod.name for pod in pods if not pod.deleting]
-        return sum(_each(lambda name: api.delete("Pod", owner.namespace, name), doomed))
+        return sum(_each(lambda name: api.delete("Pod", owner.namespace, name), doomed)), None
     by_name = {p.name: p for p in pods}
     bodies = {p["metadata"]["name"]: p for p in live}
     for desired in children.trainer_pods(owner, spec):
         existing = by_name.get(desired["metadata"]["name"])
         if existing is None:
             desired["metadata"].setdefault("annotations", {})[names.RESTART_ANNOTATION] = str(restarts)
-            writes += api.create(desired)
+            try:
+                writes += api.create(desired)
+            except ApiError as err:
+                refusal = refusals.of(err, desired, generation)
+                if refusal is None:
+                    raise
+                return writes, refusal
         elif not existing.deleting and (
             existing.spec_hash != children.current_hash(desired)
             or children.containers(bodies[existing.name]) != children.containers(desired)
         ):
             # a pod's spec is immutable but for its images: replace it (the next reconcile creates it again)
             writes += api.delete("Pod", owner.namespace, existing.name)
-    return writes
+    return writes, None
 
 
 def _transition_events(old: RLJobStatus, new: RLJobStatus, verdict: status.Verdict) -> list[tuple[str, str, str]]:
@@ -235,8 +359,8 @@ def _transition_events(old: RLJobStatus, new: RLJobStatus, verdict: status.Verdi
     if new.phase != old.phase:
         kind = "Warning" if new.phase == "Failed" else "Normal"
         out.append((kind, f"Phase{new.phase}", f"phase {old.phase} -> {new.phase}"))
-    old_sched = next((c for c in old.conditions if c.type == "Scheduled"), None)
-    new_sched = next((c for c in new.conditions if c.type == "Scheduled"), None)
-    if new_sched and new_sched.status == "False" and (old_sched is None or old_sched.message != new_sched.message):
-        out.append(("Warning", "Unschedulable", new_sched.message))
+    for ctype, reason in ((ConditionType.SCHEDULED, "Unschedulable"), (ConditionType.APPLIED, "Refused")):
+        was, now = find(old.conditions, ctype), find(new.conditions, ctype)
+        if now and now.status == "False" and now.reason == reason and (was is None or was.message != now.message):
+            out.append(("Warning", reason, now.message))
     return out
