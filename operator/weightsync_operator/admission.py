@@ -69,8 +69,12 @@ class Want:
 
 @dataclass(frozen=True)
 class Decision:
+    """Whether a job may have its pods now, why (for its ``Admitted`` condition), and where: ``node_labels`` by
+    component, those of the flavors Kueue assigned (the built-in admission leaves placement to the job)."""
+
     admitted: bool
     message: str
+    node_labels: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass

@@ -48,7 +48,7 @@ import kopf
 from weightsync.metrics import OperatorMetrics
 from weightsync.resources import GROUP, JOB_LABEL, VERSION, JobPhase
 from weightsync_operator import admission, names
-from weightsync_operator.kubeapi import KINDS, Api, Kind, Obj
+from weightsync_operator.kubeapi import KINDS, WORKLOAD, Api, Kind, Obj
 from weightsync_operator.reconciling import Memory, Outcome, Settings, reconcile
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ KIND = "RLJob"
 RESULTS = ("changed", "unchanged", "error")
 """``result`` label values of weightsync_operator_reconciles_total."""
 WATCHED = tuple(k for k in KINDS.values() if k.kind not in ("RLJob", "Secret"))
-"""Every kind a job owns or reads, but its Secrets: watched and indexed by job."""
+"""Every kind a job owns or reads, but its Secrets: watched and indexed by job (and its Kueue Workload, with the
+Kueue integration on)."""
 DEBOUNCE_S = 0.05
 """A wake-up waits this long before it reconciles, so a burst of events (a StatefulSet scaled: several pods)
 costs one pass."""
@@ -171,6 +172,7 @@ def build_registry(
         loops[0].call_soon_threadsafe(wakers.wake, key)
 
     gate = admission.Gate(api, wake_from_thread) if options.gang else None
+    watched = WATCHED + ((WORKLOAD,) if options.settings.kueue else ())
 
     @kopf.on.login(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -184,7 +186,7 @@ def build_registry(
         settings.posting.level = logging.WARNING  # our own events say what changed
         settings.watching.server_timeout = 1800
         settings.background.cancellation_polling = 1.0
-        for kind in WATCHED:
+        for kind in watched:
             settings.watching.label_selectors[_resource(kind)] = JOB_LABEL
 
     @kopf.on.startup(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
@@ -200,7 +202,7 @@ def build_registry(
     async def poke(body: kopf.Body, **_: Any) -> None:
         wakers.wake((str(body.metadata.namespace), str(body.metadata.labels.get(JOB_LABEL, ""))))
 
-    for kind in WATCHED:
+    for kind in watched:
         group, version, plural = _resource(kind)
         kopf.index(group, version, plural, id=_index_id(kind), labels=has_job, registry=registry)(index)
         kopf.on.event(group, version, plural, id=f"wake_on_{plural}", labels=has_job, registry=registry)(poke)
@@ -239,7 +241,7 @@ def build_registry(
                 wake.clear()
                 reads = None
                 if not from_api:
-                    reads = IndexedReads(api, {k.kind: list(kwargs[_index_id(k)].get(key, ())) for k in WATCHED})
+                    reads = IndexedReads(api, {k.kind: list(kwargs[_index_id(k)].get(key, ())) for k in watched})
                 started = time.monotonic()
                 retry_after = None
                 try:

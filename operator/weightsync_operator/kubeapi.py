@@ -62,7 +62,11 @@ EVENT = Kind("v1", "Event", "events")
 """Read only where a controller reports what it could not create (a StatefulSet's pods): never watched."""
 NODE = Kind("v1", "Node", "nodes")
 """Read by the built-in gang admission (``admission``), which also lists pods of every namespace."""
-_PATHS = {**KINDS, LEASE.kind: LEASE, EVENT.kind: EVENT, NODE.kind: NODE}
+WORKLOAD = Kind("kueue.x-k8s.io/v1beta2", "Workload", "workloads")
+"""Kueue's admission unit: a job's Workload (``kueue``), watched only with the Kueue integration on."""
+FLAVOR = Kind("kueue.x-k8s.io/v1beta2", "ResourceFlavor", "resourceflavors")
+"""Read for the node labels of the flavors Kueue assigned to a job."""
+_PATHS = {**KINDS, **{k.kind: k for k in (LEASE, EVENT, NODE, WORKLOAD, FLAVOR)}}
 TIMEOUT_S = 30.0
 """No API call blocks longer (a reconcile's retry backoff takes over)."""
 
@@ -172,12 +176,14 @@ class Api:
 
     def patch_status(self, kind: str, namespace: str, name: str, status: Obj, resource_version: str | None) -> None:
         """Merge-patch the status subresource; with ``resource_version``, only if nobody wrote in between."""
-        body: Obj = {"status": status}
+        self.patch(kind, namespace, name, {"status": status}, resource_version, "/status")
+
+    def patch(
+        self, kind: str, namespace: str, name: str, body: Obj, resource_version: str | None = None, sub: str = ""
+    ) -> None:
+        """Merge-patch the object (``sub``: a subresource, e.g. ``/status``); with ``resource_version``, only if
+        nobody wrote in between."""
         if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        self._call(
-            "PATCH",
-            KINDS[kind].path(namespace, name) + "/status",
-            body=body,
-            content_type="application/merge-patch+json",
-        )
+            body = {**body, "metadata": {**body.get("metadata", {}), "resourceVersion": resource_version}}
+        path = _PATHS[kind].path(namespace, name) + sub
+        self._call("PATCH", path, body=body, content_type="application/merge-patch+json")

@@ -34,7 +34,7 @@ from typing import Any, Protocol, TypeVar
 
 from weightsync.resources.conditions import find, is_true
 from weightsync.resources.rljob import ConditionType, PlacementMode, RLJobSpec, RLJobStatus
-from weightsync_operator import admission, children, names, refusals, status, versions
+from weightsync_operator import admission, children, kueue, names, refusals, status, versions
 from weightsync_operator.kubeapi import Api, ApiError, Obj
 from weightsync_operator.names import Component
 from weightsync_operator.refusals import Refusal
@@ -81,10 +81,12 @@ class Memory:
 
 @dataclass(frozen=True)
 class Settings:
-    """What the operator adds to every job: the coordinator's default image and its ClusterRole."""
+    """What the operator adds to every job: the coordinator's default image and its ClusterRole; with ``kueue``,
+    jobs labelled with a Kueue queue are admitted by Kueue (``kueue``)."""
 
     coordinator_image: str = "ghcr.io/weightsync/coordinator:0.1.0"
     coordinator_role: str = "weightsync-coordinator"
+    kueue: bool = False
 
 
 @dataclass
@@ -123,8 +125,13 @@ def reconcile(
     verdict = status.decide_trainer(spec, old, trainer, placed)
 
     seen = status.Observed(generation=generation, trainer=trainer, pods=views)
-    seen.admission = _admission(gate, key, owner, spec, settings, meta, old, views, verdict)
-    if seen.admission is not None and not seen.admission.admitted:
+    queued_writes = 0
+    if settings.kueue and kueue.queue_of(meta):
+        seen.admission, queued_writes = _kueue(api, reads, owner, spec, settings, meta, old, views, verdict)
+    else:
+        seen.admission = _admission(gate, key, owner, spec, settings, meta, old, views, verdict)
+    stops = (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED)
+    if seen.admission is not None and not seen.admission.admitted and verdict not in stops:
         verdict = status.Verdict.QUEUE
     parked = verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED, status.Verdict.QUEUE)
     deployment = reads.get("Deployment", namespace, names.child(name, Component.COORDINATOR))
@@ -144,20 +151,35 @@ def reconcile(
         patching = _WRITES.submit(api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
 
     blocked = held is not None and held.permanent  # the same spec would be refused again: wait for a new one
+    node_labels = seen.admission.node_labels if seen.admission is not None else {}
     writes, refused = (
-        (0, None) if blocked else _ensure_children(api, reads, memory, owner, spec, settings, parked, generation)
+        (0, None)
+        if blocked
+        else _ensure_children(api, reads, memory, owner, spec, settings, parked, generation, node_labels)
     )
     for stale in versions.beyond_retention(found, spec.sync.retention):
         writes += api.delete("WeightVersion", namespace, stale)
     told = memory.announced.get(key, old)
     outcome = Outcome(
-        status=new, writes=writes, events=versions.events(told.current_version, told.last_failed_version, summary)
+        status=new,
+        writes=writes + queued_writes,
+        events=versions.events(told.current_version, told.last_failed_version, summary),
     )
     if patching is not None:
         patching.result()  # before the trainer's deletes (see the module docstring)
         outcome.patched = True
     if not blocked and refused is None:
-        more, refused = _drive_trainer(api, owner, spec, verdict, trainer, trainer_pods, new.restarts, generation)
+        more, refused = _drive_trainer(
+            api,
+            owner,
+            spec,
+            verdict,
+            trainer,
+            trainer_pods,
+            new.restarts,
+            generation,
+            node_labels.get(Component.TRAINER),
+        )
         outcome.writes += more
     if not blocked and refused != held:  # a new refusal, or a held one that passed this time
         seen.refusal = refused or _controllers_refusal(api, deployment, statefulset, generation, parked)
@@ -166,8 +188,12 @@ def reconcile(
             api.patch_status("RLJob", namespace, name, outcome.status.to_wire(), None)
             outcome.patched = True
     outcome.retry_after = _remember(memory, key, owner.uid, refused if not blocked else held)
-    if verdict == status.Verdict.QUEUE:
-        outcome.retry_after = min(outcome.retry_after or admission.RECHECK_S, admission.RECHECK_S)
+    for recheck, due in (
+        (verdict == status.Verdict.QUEUE, admission.RECHECK_S),
+        (not parked and refusals.short_of_pods(statefulset), refusals.RECHECK_S),
+    ):
+        if recheck:
+            outcome.retry_after = min(outcome.retry_after or due, due)
     outcome.events += _transition_events(told, outcome.status, verdict)
     memory.announced[key] = outcome.status
     return outcome
@@ -196,6 +222,45 @@ def _admission(
     pods = children.pod_shapes(owner, spec, settings.coordinator_image)
     colocate = spec.placement.mode == PlacementMode.COLOCATE
     return gate.decide(key, admission.Want(str(meta.get("creationTimestamp", "")), pods, colocate), holds)
+
+
+def _kueue(
+    api: Api,
+    reads: Reads,
+    owner: children.Owner,
+    spec: RLJobSpec,
+    settings: Settings,
+    meta: dict[str, Any],
+    old: RLJobStatus,
+    views: list[status.PodView],
+    verdict: status.Verdict,
+) -> tuple[admission.Decision, int]:
+    """Kueue's answer for a job in one of its queues, and what the integration writes for it (see ``kueue``): the
+    Workload, ``spec.suspend`` as Kueue decided, an evicted job's quota given back, a finished job's Workload."""
+    found = [
+        w
+        for w in reads.list("Workload", owner.namespace, names.label_selector(owner.name))
+        if any(r.get("uid") == owner.uid for r in w["metadata"].get("ownerReferences") or [])
+    ]
+    seen = kueue.Seen.of(found[0]) if found else None
+    done = verdict in (status.Verdict.FAIL, status.Verdict.SUCCEED) or status.terminal(old)
+    writes = 0
+    if seen is None and not done:
+        pods = children.pod_specs(owner, spec, settings.coordinator_image)
+        writes += api.create(kueue.workload(owner.reference(), owner.namespace, kueue.queue_of(meta), pods))
+    elif seen is not None and done:
+        succeeded = verdict == status.Verdict.SUCCEED or is_true(old.conditions, ConditionType.SUCCEEDED)
+        writes += kueue.finish(api, seen, succeeded, "the RLJob " + ("succeeded" if succeeded else "failed"))
+    decision = kueue.decision(seen)
+    if decision.admitted and seen is not None:
+        decision = admission.Decision(True, decision.message, kueue.node_labels(api, seen))
+    has_pods = any(not v.deleting and v.phase not in ("Succeeded", "Failed") for v in views)
+    if seen is not None and seen.true("Evicted") and not has_pods:
+        writes += kueue.give_back(api, seen)
+    if not done and spec.suspend == decision.admitted:  # the lever: suspended exactly while not admitted
+        api.patch("RLJob", owner.namespace, owner.name, {"spec": {"suspend": not decision.admitted}})
+        writes += 1
+    return decision, writes
 
 
 def _controllers_refusal(
@@ -253,6 +318,7 @@ def _ensure_children(
     settings: Settings,
     parked: bool,
     generation: int,
+    node_labels: dict[str, dict[str, str]],
 ) -> tuple[int, Refusal | None]:
     """Apply each child that is missing, differs from the spec or drifted; create the token and TLS Secrets once.
 
@@ -279,7 +345,9 @@ def _ensure_children(
                 return writes, refusal
         memory.secrets.add(known)
     stale = []
-    for obj in children.desired(owner, spec, settings.coordinator_image, settings.coordinator_role, parked):
+    for obj in children.desired(
+        owner, spec, settings.coordinator_image, settings.coordinator_role, parked, node_labels
+    ):
         meta = obj["metadata"]
         current = reads.get(obj["kind"], owner.namespace, meta["name"])
         key = (owner.namespace, obj["kind"], meta["name"], children.current_hash(obj))
@@ -319,6 +387,7 @@ def _drive_trainer(
     live: list[Obj],
     restarts: int,
     generation: int,
+    node_labels: dict[str, str] | None,
 ) -> tuple[int, Refusal | None]:
     """Create missing ranks (RUN), each marked with ``restarts`` (the count it is created under), or delete every
     rank (any other verdict but SUCCEED, WAIT and QUEUE). Returns writes and a refusal that stopped them."""
@@ -330,7 +399,7 @@ def _drive_trainer(
         return sum(_each(lambda name: api.delete("Pod", owner.namespace, name), doomed)), None
     by_name = {p.name: p for p in pods}
     bodies = {p["metadata"]["name"]: p for p in live}
-    for desired in children.trainer_pods(owner, spec):
+    for desired in children.trainer_pods(owner, spec, node_labels):
         existing = by_name.get(desired["metadata"]["name"])
         if existing is None:
             desired["metadata"].setdefault("annotations", {})[names.RESTART_ANNOTATION] = str(restarts)

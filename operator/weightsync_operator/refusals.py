@@ -12,8 +12,8 @@ quota, policy) may pass later and is retried with a growing delay.
 Pods that a controller creates are refused to the controller, not to the
 operator: the StatefulSet controller reports its replica pods' refusals only as
 ``FailedCreate`` events on the StatefulSet (read here when it has fewer pods than
-it wants), the Deployment controller as the Deployment's ``ReplicaFailure``
-condition.
+it wants, and again every ``RECHECK_S`` while that lasts), the Deployment
+controller as the Deployment's ``ReplicaFailure`` condition.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ REFUSED = (*PERMANENT, 403)
 """HTTP codes that mean "refused" (the rest is trouble to retry: 404 of a namespace going, 409, 429, 5xx)."""
 RETRY_S = (5.0, 300.0)
 """First and longest delay between retries of a refusal that may pass later (403: a quota, a policy)."""
+RECHECK_S = 10.0
+"""How soon a StatefulSet short of pods is looked at again: its controller writes its status (which wakes the job)
+before the refusal's event may be recorded, and a retry that is refused again changes no status."""
 
 
 @dataclass(frozen=True)
