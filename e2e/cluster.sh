@@ -120,30 +120,31 @@ EOF
   echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
 }
 
+# go_install NAME VERSION BINDIR CGO LDFLAGS PACKAGE@VERSION: `go install` into BINDIR, timed; the build time
+# is kept beside it (<cache>/<name>-<version>/build-seconds).
+go_install() {
+  local name="$1" version="$2" bindir="$3" cgo="$4" ldflags="$5" pkg="$6"
+  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
+  mkdir -p "$bindir" "$GOMODCACHE" "$GOCACHE"
+  local t0=$SECONDS
+  CGO_ENABLED="$cgo" GOBIN="$bindir" "$GO" install -trimpath -ldflags "$ldflags" "$pkg" \
+    || die "building $name $version failed"
+  log "built $name in $((SECONDS - t0)) s -> $bindir"
+  echo "$((SECONDS - t0))" > "$(dirname "$bindir")/build-seconds"
+}
+
 build_kine() {
   [[ -x "$KINE_BIN/kine" ]] && return 0
-  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
   need_cmd gcc "kine's SQLite driver needs cgo"
-  mkdir -p "$KINE_BIN" "$GOMODCACHE" "$GOCACHE"
   log "building kine $KINE_VERSION (cgo, SQLite)"
-  local t0=$SECONDS
-  CGO_ENABLED=1 GOBIN="$KINE_BIN" "$GO" install -trimpath \
-    -ldflags "-s -w -X github.com/k3s-io/kine/pkg/version.Version=$KINE_VERSION" \
-    "github.com/k3s-io/kine@$KINE_VERSION" || die "building kine $KINE_VERSION failed"
-  log "built kine in $((SECONDS - t0)) s -> $KINE_BIN/kine"
-  echo "$((SECONDS - t0))" > "$CACHE/kine-$KINE_VERSION/build-seconds"
+  go_install kine "$KINE_VERSION" "$KINE_BIN" 1 "-s -w -X github.com/k3s-io/kine/pkg/version.Version=$KINE_VERSION" \
+    "github.com/k3s-io/kine@$KINE_VERSION"
 }
 
 build_kwok() {
   [[ -x "$KWOK_BIN/kwok" ]] && return 0
-  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
-  mkdir -p "$KWOK_BIN" "$GOMODCACHE" "$GOCACHE"
   log "building kwok $KWOK_VERSION"
-  local t0=$SECONDS
-  CGO_ENABLED=0 GOBIN="$KWOK_BIN" "$GO" install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" || die "building kwok $KWOK_VERSION failed"
-  log "built kwok in $((SECONDS - t0)) s -> $KWOK_BIN/kwok"
-  echo "$((SECONDS - t0))" > "$CACHE/kwok-$KWOK_VERSION/build-seconds"
+  go_install kwok "$KWOK_VERSION" "$KWOK_BIN" 0 "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 }
 
 # kwok ships no default Stages when run on its own (kwokctl injects them), so
@@ -200,16 +201,11 @@ EOF
 
 build_kueue() {
   [[ -x "$KUEUE_BIN/kueue" && -f "$KUEUE_CRDS/done" ]] && return 0
-  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
-  mkdir -p "$KUEUE_BIN" "$KUEUE_CRDS" "$GOMODCACHE" "$GOCACHE"
   if [[ ! -x "$KUEUE_BIN/kueue" ]]; then
     log "building kueue $KUEUE_VERSION (cold: about 10-25 min on 2 busy cores)"
-    local t0=$SECONDS
-    CGO_ENABLED=0 GOBIN="$KUEUE_BIN" "$GO" install -trimpath -ldflags "-s -w" \
-      "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION" || die "building kueue $KUEUE_VERSION failed"
-    log "built kueue in $((SECONDS - t0)) s -> $KUEUE_BIN/kueue"
-    echo "$((SECONDS - t0))" > "$CACHE/kueue-$KUEUE_VERSION/build-seconds"
+    go_install kueue "$KUEUE_VERSION" "$KUEUE_BIN" 0 "-s -w" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
   fi
+  mkdir -p "$KUEUE_CRDS"
   # its CRDs come from the same module source (what its kustomize and Helm chart install)
   local dir
   dir="$("$GO" mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')"

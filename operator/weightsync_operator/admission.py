@@ -16,8 +16,10 @@ created yet, then walks the queued jobs in creation order and grants each one
 that fits: a job that does not fit does not hold back a smaller one behind it
 (Kueue's BestEffortFIFO). Rounds are serialized and shared: a job that asks
 within ``FRESH_S`` of the last round, with no grant released since, gets that
-round's answer; a queued job asks again every ``RECHECK_S`` (room that pods of
-other workloads free is seen then) or when a grant is released.
+round's answer, or, if it was not in it, is fitted on what that round left (no
+new reads: fifty jobs resumed at once cost one round); a queued job asks again
+every ``RECHECK_S`` (room that pods of other workloads free is seen then) or
+when a grant is released.
 
 The grants of this process are in memory; across a restart the job's status
 (``Admitted`` True) and its pods are the record: a job that has pods, or says it
@@ -80,6 +82,8 @@ class Decision:
 @dataclass
 class _Round:
     at: float
+    free: list[Node]
+    """What the nodes have left after the round's grants: a job that asks first within ``FRESH_S`` is fitted here."""
     answers: dict[Key, Decision] = field(default_factory=dict)
 
 
@@ -104,9 +108,10 @@ class Gate:
                 self._granted[key] = want
                 return Decision(True, _granted(want))
             self._queued[key] = want
-            fresh = self._round is not None and self._clock() - self._round.at < FRESH_S
-            if not (fresh and self._round is not None and key in self._round.answers):
+            if self._round is None or self._clock() - self._round.at >= FRESH_S:
                 self._round = self._run(key)
+            elif key not in self._round.answers:  # a newcomer since: fitted on what the round left, no new reads
+                self._round.answers[key] = self._fit(self._round, key, want)
             answer = self._round.answers[key]
         return answer
 
@@ -134,19 +139,21 @@ class Gate:
             free = capacity.place(free, [Shape.of(pod["metadata"]["name"], pod["spec"])]) or free
         for key, want in sorted(self._granted.items(), key=lambda item: item[1].created):
             free = want.fit(free, _not_created(key, want, pods)) or free
-        answers = {}
+        out = _Round(self._clock(), free)
         for key, want in sorted(self._queued.items(), key=lambda item: (item[1].created, item[0])):
-            after = want.fit(free)
-            if after is None:
-                why = capacity.shortfall(free, want.shapes)
-                answers[key] = Decision(False, f"the whole job does not fit now: {why}")
-                continue
-            free = after
-            answers[key] = Decision(True, _granted(want))
-            self._granted[key] = self._queued.pop(key)
-            if key != asking:
+            out.answers[key] = self._fit(out, key, want)
+            if out.answers[key].admitted and key != asking:
                 self._wake(key)
-        return _Round(self._clock(), answers)
+        return out
+
+    def _fit(self, round_: _Round, key: Key, want: Want) -> Decision:
+        """Grant ``key`` if it fits what ``round_`` left (which its grant then takes)."""
+        after = want.fit(round_.free)
+        if after is None:
+            return Decision(False, f"the whole job does not fit now: {capacity.shortfall(round_.free, want.shapes)}")
+        round_.free = after
+        self._granted[key] = self._queued.pop(key)
+        return Decision(True, _granted(want))
 
 
 def _granted(want: Want) -> str:

@@ -26,6 +26,7 @@ restart from the budget.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 from weightsync.resources.conditions import find, is_true
 from weightsync.resources.rljob import ConditionType, PlacementMode, RLJobSpec, RLJobStatus
 from weightsync_operator import admission, children, kueue, names, refusals, status, versions
-from weightsync_operator.kubeapi import Api, ApiError, Obj
+from weightsync_operator.kubeapi import Api, Obj
 from weightsync_operator.names import Component
 from weightsync_operator.refusals import Refusal
 
@@ -126,10 +127,11 @@ def reconcile(
 
     seen = status.Observed(generation=generation, trainer=trainer, pods=views)
     queued_writes = 0
+    job = _Job(owner, spec, meta, old, views, verdict)
     if settings.kueue and kueue.queue_of(meta):
-        seen.admission, queued_writes = _kueue(api, reads, owner, spec, settings, meta, old, views, verdict)
+        seen.admission, queued_writes = _kueue(api, reads, job, settings)
     else:
-        seen.admission = _admission(gate, key, owner, spec, settings, meta, old, views, verdict)
+        seen.admission = _admission(gate, job, settings)
     stops = (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED)
     if seen.admission is not None and not seen.admission.admitted and verdict not in stops:
         verdict = status.Verdict.QUEUE
@@ -199,65 +201,62 @@ def reconcile(
     return outcome
 
 
-def _admission(
-    gate: admission.Gate | None,
-    key: tuple[str, str],
-    owner: children.Owner,
-    spec: RLJobSpec,
-    settings: Settings,
-    meta: dict[str, Any],
-    old: RLJobStatus,
-    views: list[status.PodView],
-    verdict: status.Verdict,
-) -> admission.Decision | None:
+@dataclass(frozen=True)
+class _Job:
+    """What a pass knows of its job before any write: what the admissions decide from."""
+
+    owner: children.Owner
+    spec: RLJobSpec
+    meta: dict[str, Any]
+    old: RLJobStatus
+    views: list[status.PodView]
+    verdict: status.Verdict
+
+
+def _admission(gate: admission.Gate | None, job: _Job, settings: Settings) -> admission.Decision | None:
     """The gate's answer for a job that wants to run; a job that does not (suspended, finished) gives its room
     back."""
+    key = (job.owner.namespace, job.owner.name)
     if gate is None:
         return None
-    if verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED):
+    if job.verdict in (status.Verdict.PARK, status.Verdict.FAIL, status.Verdict.SUCCEED):
         gate.release(key)
         return None
-    has_pods = any(v.component != Component.COORDINATOR and not v.deleting for v in views)
-    holds = has_pods or is_true(old.conditions, ConditionType.ADMITTED)
-    pods = children.pod_shapes(owner, spec, settings.coordinator_image)
-    colocate = spec.placement.mode == PlacementMode.COLOCATE
-    return gate.decide(key, admission.Want(str(meta.get("creationTimestamp", "")), pods, colocate), holds)
+    has_pods = any(v.component != Component.COORDINATOR and not v.deleting for v in job.views)
+    holds = has_pods or is_true(job.old.conditions, ConditionType.ADMITTED)
+    pods = children.pod_shapes(job.owner, job.spec, settings.coordinator_image)
+    colocate = job.spec.placement.mode == PlacementMode.COLOCATE
+    return gate.decide(key, admission.Want(str(job.meta.get("creationTimestamp", "")), pods, colocate), holds)
 
 
-def _kueue(
-    api: Api,
-    reads: Reads,
-    owner: children.Owner,
-    spec: RLJobSpec,
-    settings: Settings,
-    meta: dict[str, Any],
-    old: RLJobStatus,
-    views: list[status.PodView],
-    verdict: status.Verdict,
-) -> tuple[admission.Decision, int]:
-    """Kueue's answer for a job in one of its queues, and what the integration writes for it (see ``kueue``): the
-    Workload, ``spec.suspend`` as Kueue decided, an evicted job's quota given back, a finished job's Workload."""
+def _kueue(api: Api, reads: Reads, job: _Job, settings: Settings) -> tuple[admission.Decision | None, int]:
+    """Kueue's answer for a job in one of its queues (None once it finished), and what the integration writes for it
+    (see ``kueue``): the Workload, ``spec.suspend`` as Kueue decided, an evicted job's quota given back, a finished
+    job's Workload."""
+    owner, spec, verdict = job.owner, job.spec, job.verdict
     found = [
         w
         for w in reads.list("Workload", owner.namespace, names.label_selector(owner.name))
         if any(r.get("uid") == owner.uid for r in w["metadata"].get("ownerReferences") or [])
     ]
     seen = kueue.Seen.of(found[0]) if found else None
-    done = verdict in (status.Verdict.FAIL, status.Verdict.SUCCEED) or status.terminal(old)
+    done = verdict in (status.Verdict.FAIL, status.Verdict.SUCCEED) or status.terminal(job.old)
     writes = 0
     if seen is None and not done:
         pods = children.pod_specs(owner, spec, settings.coordinator_image)
-        writes += api.create(kueue.workload(owner.reference(), owner.namespace, kueue.queue_of(meta), pods))
+        writes += api.create(kueue.workload(owner.reference(), owner.namespace, kueue.queue_of(job.meta), pods))
     elif seen is not None and done:
-        succeeded = verdict == status.Verdict.SUCCEED or is_true(old.conditions, ConditionType.SUCCEEDED)
+        succeeded = verdict == status.Verdict.SUCCEED or is_true(job.old.conditions, ConditionType.SUCCEEDED)
         writes += kueue.finish(api, seen, succeeded, "the RLJob " + ("succeeded" if succeeded else "failed"))
     decision = kueue.decision(seen)
     if decision.admitted and seen is not None:
         decision = admission.Decision(True, decision.message, kueue.node_labels(api, seen))
-    has_pods = any(not v.deleting and v.phase not in ("Succeeded", "Failed") for v in views)
+    has_pods = any(not v.deleting and v.phase not in ("Succeeded", "Failed") for v in job.views)
     if seen is not None and seen.true("Evicted") and not has_pods:
         writes += kueue.give_back(api, seen)
-    if not done and spec.suspend == decision.admitted:  # the lever: suspended exactly while not admitted
+    if done:
+        return None, writes
+    if spec.suspend == decision.admitted:  # the lever: suspended exactly while not admitted
         api.patch("RLJob", owner.namespace, owner.name, {"spec": {"suspend": not decision.admitted}})
         writes += 1
     return decision, writes
@@ -336,13 +335,10 @@ def _ensure_children(
             continue
         if reads.get("Secret", owner.namespace, secret_name) is None:
             obj = secret(owner)
-            try:
-                writes += api.create(obj)
-            except ApiError as err:
-                refusal = refusals.of(err, obj, generation)
-                if refusal is None:
-                    raise
+            created, refusal = refusals.attempt(functools.partial(api.create, obj), obj, generation)
+            if refusal is not None:
                 return writes, refusal
+            writes += bool(created)
         memory.secrets.add(known)
     stale = []
     for obj in children.desired(
@@ -358,12 +354,8 @@ def _ensure_children(
             continue
         stale.append((obj, key))
     for obj, key in stale:  # in order: a workload's PersistentVolumeClaim and ConfigMap exist before its pods
-        try:
-            applied = api.apply(obj)
-        except ApiError as err:
-            refusal = refusals.of(err, obj, generation)
-            if refusal is None:
-                raise
+        applied, refusal = refusals.attempt(functools.partial(api.apply, obj), obj, generation)
+        if refusal is not None:
             return writes, refusal
         meta = obj["metadata"]
         writes += 1
@@ -403,13 +395,10 @@ def _drive_trainer(
         existing = by_name.get(desired["metadata"]["name"])
         if existing is None:
             desired["metadata"].setdefault("annotations", {})[names.RESTART_ANNOTATION] = str(restarts)
-            try:
-                writes += api.create(desired)
-            except ApiError as err:
-                refusal = refusals.of(err, desired, generation)
-                if refusal is None:
-                    raise
+            created, refusal = refusals.attempt(functools.partial(api.create, desired), desired, generation)
+            if refusal is not None:
                 return writes, refusal
+            writes += bool(created)
         elif not existing.deleting and (
             existing.spec_hash != children.current_hash(desired)
             or children.containers(bodies[existing.name]) != children.containers(desired)

@@ -18,10 +18,13 @@ controller as the Deployment's ``ReplicaFailure`` condition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from weightsync_operator.kubeapi import ApiError
+
+T = TypeVar("T")
 
 PERMANENT = (400, 422)
 """HTTP codes of a refusal of the object itself: the same object is refused again, so it waits for a new spec."""
@@ -68,6 +71,17 @@ def of(err: ApiError, obj: dict[str, Any], generation: int) -> Refusal | None:
         return None
     meta = obj.get("metadata", {})
     return Refusal(obj.get("kind", ""), meta.get("name", ""), err.detail, generation, err.status in PERMANENT)
+
+
+def attempt(write: Callable[[], T], obj: dict[str, Any], generation: int) -> tuple[T | None, Refusal | None]:
+    """``write()`` of ``obj``, or the refusal it met instead (trouble that is no refusal propagates)."""
+    try:
+        return write(), None
+    except ApiError as err:
+        refusal = of(err, obj, generation)
+        if refusal is None:
+            raise
+        return None, refusal
 
 
 def of_statefulset(sts: dict[str, Any] | None, events: list[dict[str, Any]], generation: int) -> Refusal | None:

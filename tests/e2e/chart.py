@@ -53,12 +53,6 @@ class Operator:
                 [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
             )
 
-    def check_uninstall(self, namespace: str) -> subprocess.CompletedProcess[str]:
-        """The chart's pre-delete hook command, scoped to ``namespace``."""
-        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-        argv = [sys.executable, "-c", RUN_OPERATOR, "--check-uninstall", f"--namespace={namespace}"]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
-
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
