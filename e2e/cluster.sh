@@ -264,6 +264,7 @@ integrations:
   externalFrameworks: ["RLJob.v1alpha1.weightsync.io"]
 EOF
   kubectl_ apply --server-side --force-conflicts -f "$KUEUE_CRDS" >/dev/null || die "applying Kueue's CRDs failed"
+  kubectl_ get namespace kueue-system >/dev/null 2>&1 || kubectl_ create namespace kueue-system >/dev/null  # its own
   start_component kueue "$KUEUE_BIN/kueue" --config "$dir/config.yaml" --kubeconfig "$KUBECONFIG_PATH" \
     --feature-gates VisibilityOnDemand=false
   wait_for "kueue /readyz" 120 kueue curl -sf "http://$HOST:$KUEUE_HEALTH_PORT/readyz"
