@@ -265,7 +265,16 @@ integrations:
 EOF
   kubectl_ apply --server-side --force-conflicts -f "$KUEUE_CRDS" >/dev/null || die "applying Kueue's CRDs failed"
   kubectl_ get namespace kueue-system >/dev/null 2>&1 || kubectl_ create namespace kueue-system >/dev/null  # its own
-  start_component kueue "$KUEUE_BIN/kueue" --config "$dir/config.yaml" --kubeconfig "$KUBECONFIG_PATH" \
+  # Without its own certificate management (which wants its webhook configurations registered), Kueue reads its
+  # metrics server's certificate from a fixed path, /etc/kueue/metrics/certs: it runs in a mount namespace of its own
+  # whose /etc is an overlay that adds that folder, so nothing is written to this machine's /etc.
+  mkdir -p "$dir/etc/kueue/metrics/certs" "$dir/etc-work"
+  cp "$dir/certs/tls.crt" "$dir/certs/tls.key" "$dir/etc/kueue/metrics/certs/"
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  start_component kueue unshare --mount --propagation private -- bash -c \
+    'mount -t overlay overlay -o "lowerdir=/etc,upperdir=$0,workdir=$1" /etc && exec "${@:2}"' \
+    "$dir/etc" "$dir/etc-work" \
+    "$KUEUE_BIN/kueue" --config "$dir/config.yaml" --kubeconfig "$KUBECONFIG_PATH" \
     --feature-gates VisibilityOnDemand=false
   wait_for "kueue /readyz" 120 kueue curl -sf "http://$HOST:$KUEUE_HEALTH_PORT/readyz"
   log "kueue $KUEUE_VERSION ready (health http://$HOST:$KUEUE_HEALTH_PORT, log $LOGS/kueue.log)"
