@@ -149,7 +149,7 @@ def shortfall(free: list[Node], shapes: list[Shape]) -> str:
         if not eligible:
             return f"pod {shape.name} matches no Ready node (its nodeSelector, or a taint it does not tolerate)"
         if not any(all(n.allocatable.get(r, Decimal(0)) >= a for r, a in shape.requests.items()) for n in eligible):
-            wants = ", ".join(f"{_fmt(a)} {r}" for r, a in sorted(shape.requests.items()) if r != PODS)
+            wants = ", ".join(_fmt(a, r) for r, a in sorted(shape.requests.items()) if r != PODS)
             return f"pod {shape.name} asks for {wants}: more than any node it may use has allocatable"
     needed: dict[str, Decimal] = {}
     for shape in shapes:
@@ -159,9 +159,16 @@ def shortfall(free: list[Node], shapes: list[Shape]) -> str:
     for resource, amount in sorted(needed.items(), key=lambda item: ("/" not in item[0], item[0])):
         available = sum((max(n.free.get(resource, Decimal(0)), Decimal(0)) for n in eligible_nodes), Decimal(0))
         if available < amount:
-            return f"it needs {_fmt(amount)} {resource} in all and {_fmt(available)} are free on the nodes it may use"
+            return (
+                f"it needs {_fmt(amount, resource)} in all; the nodes it may use have {_fmt(available, resource)} free"
+            )
     return "its pods do not pack onto the nodes' free capacity together"
 
 
-def _fmt(amount: Decimal) -> str:
-    return str(amount.normalize()) if amount == amount.to_integral_value() else f"{amount:.2f}"
+def _fmt(amount: Decimal, resource: str) -> str:
+    """``64Gi memory``, ``8 cpu``, ``500m cpu``, ``4 nvidia.com/gpu``."""
+    if resource in ("memory", "ephemeral-storage"):
+        return f"{amount / 2**30:g}Gi {resource}"
+    if resource == "cpu" and amount != amount.to_integral_value():
+        return f"{amount * 1000:.0f}m cpu"
+    return f"{amount.normalize():f} {resource}"

@@ -87,7 +87,10 @@ def test_ten_jobs_on_sixteen_gpus_run_four_at_a_time_whole_and_in_turn() -> None
     answers = {key: gate.decide(key, want, holds=False) for key, want in wants.items()}
     admitted = [key for key, answer in answers.items() if answer.admitted]
     assert admitted == [("ns", f"job-{i}") for i in range(4)]  # 4 GPUs each: four fit 16, in creation order
-    assert "it needs 4 nvidia.com/gpu in all and 0 are free" in answers[("ns", "job-4")].message
+    assert (
+        "it needs 4 nvidia.com/gpu in all; the nodes it may use have 0 nvidia.com/gpu free"
+        in answers[("ns", "job-4")].message
+    )
     assert gate.rounds == 1 and api.lists == 2  # the first job's round; the others fitted on what it left
     clock[0] += 1
     assert not gate.decide(("ns", "job-9"), wants[("ns", "job-9")], holds=False).admitted and gate.rounds == 1
@@ -123,7 +126,7 @@ def test_pods_waiting_for_a_node_keep_their_room() -> None:
         api.pods.append({"metadata": {"name": f"other-{node}"}, "spec": spec, "status": {"phase": "Pending"}})
     assert shapes
     answer = Gate(api, lambda key: None).decide(("ns", "j"), _want("j", "1"), holds=False)
-    assert not answer.admitted and "2 are free" in answer.message  # 16 - 2 x 7 pending
+    assert not answer.admitted and "have 2 nvidia.com/gpu free" in answer.message  # 16 - 2 x 7 pending
 
 
 def test_a_job_with_pods_or_admitted_before_keeps_its_grant_without_a_round() -> None:
