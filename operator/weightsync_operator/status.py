@@ -154,13 +154,12 @@ def _scheduled(spec: RLJobSpec, seen: Observed, verdict: Verdict, done: bool) ->
         component: min(count, sum(1 for p in seen.pods if p.component == component and p.placed and not p.deleting))
         for component, count in expected.items()
     }
-    want, have = sum(expected.values()), sum(placed.values())
-    if have >= want:
-        return TRUE, "AllScheduled", f"every pod has a node ({have}/{want})"
+    # no counts in the messages: each pod placed would be one more status write (Running has the counts)
+    if sum(placed.values()) >= sum(expected.values()):
+        return TRUE, "AllScheduled", f"every pod has a node ({sum(expected.values())} pods)"
     if seen.refusal is not None:
-        return FALSE, "Refused", f"{have}/{want} pods have a node; {seen.refusal.text}"
-    short = ", ".join(f"{component} {placed[component]}/{count}" for component, count in expected.items())
-    return FALSE, "Waiting", f"{have}/{want} pods have a node ({short})"
+        return FALSE, "Refused", f"not every pod has a node: {seen.refusal.text}"
+    return FALSE, "Waiting", "not every pod has a node yet (created, not placed yet, or not created yet)"
 
 
 def next_status(
