@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e.chart import Operator, example, rljob, wait_phase
 from tests.e2e.conftest import Kube, Timeouts
@@ -148,8 +149,6 @@ def test_a_namespace_editor_runs_jobs_without_cluster_admin(
 
 def _with_token(kube: Kube, kubeconfig: Path, token: str, path: Path) -> Path:
     """``kubeconfig`` with its user's credentials replaced by ``token``."""
-    import yaml
-
     config = yaml.safe_load(kubeconfig.read_text())
     config["users"][0]["user"] = {"token": token}
     path.write_text(yaml.safe_dump(config))
