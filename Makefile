@@ -4,7 +4,7 @@ PY := .venv/bin/python
 export PYTHONUNBUFFERED := 1
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 venv:  ## build .venv with torch 2.13.0, vLLM (CPU build) and the test tools (idempotent)
 	@bash tools/setup-env.sh
@@ -44,6 +44,10 @@ test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all 
 e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
 	$(PY) -m pytest tests -m e2e
 
+e2e-kueue: venv e2e-tools  ## gang admission by Kueue: 10 jobs on 16 GPUs with real Kueue (builds it once, ~20 min cold)
+	bash e2e/cluster.sh kueue-tools >/dev/null
+	WEIGHTSYNC_E2E_KUEUE=1 $(PY) -m pytest tests/e2e/test_operator_kueue.py -m e2e
+
 unit: venv  ## only the unit tier (seconds)
 	$(PY) -m pytest tests -m unit
 
@@ -69,4 +73,4 @@ images:  ## build the four container images with docker or podman (none on the d
 	@engine=$$(command -v docker || command -v podman) || { echo "no docker or podman here: see images/README.md for how the images are checked without one"; exit 1; }; \
 	for c in operator coordinator trainer inference; do $$engine build -f images/$$c/Dockerfile -t weightsync-$$c:dev . || exit 1; done
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults layouts frameworks extras images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults layouts frameworks extras images

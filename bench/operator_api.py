@@ -15,11 +15,16 @@ windows and cancels out. The operator's own requests are also counted directly (
 Fairness flow schema), which the background's swings do not blur: a fixed part, the leader's Lease
 renewals, plus what each job adds.
 
-At the largest count it then patches ``spec.suspend`` on every job at once (from a thread pool)
-and times, per job, the patch until the job's status says Suspended, and until its children say so too
-(the inference StatefulSet and coordinator Deployment scaled to 0, every trainer pod deleted or being deleted)
-(p50, p99); the same for resuming (status Running: every pod back and ready); it reads the operator's resident
-memory and CPU time.
+At each count of ``--suspend-at`` (default: the largest) it then patches ``spec.suspend`` on every job at once
+(from a thread pool) and times, per job, the patch until the job's status says Suspended, and until its children
+say so too (the inference StatefulSet and coordinator Deployment scaled to 0, every trainer pod deleted or being
+deleted) (p50, p99); the same for resuming (status Running: every pod back and ready); it reads the operator's
+resident memory and CPU time.
+
+``--resync-spread N`` adds a row for the safety net's reads: the operator restarted with ``--resync-seconds
+--resync-period``, N idle jobs, and its own requests counted every second for two periods (after its start, whose
+first pass per job reads the API at once): each job's wait is drawn from 0.5 to 1.5 periods, so the reads should
+spread over the period rather than come in one burst.
 """
 
 from __future__ import annotations
@@ -219,6 +224,55 @@ def spec_change(kube: Kube, namespace: str, names: list[str], suspend: bool) -> 
     return row
 
 
+def own_requests(kube: Kube) -> float:
+    """The operator's own requests so far (see ``OWN``)."""
+    return request_counts(kube).get(OWN, 0.0)
+
+
+def resync_spread(kube: Kube, operator: Operator, jobs: int, period: float) -> dict[str, Any]:
+    """The operator's own requests per second over two resync periods of ``jobs`` idle jobs (the Lease's renewal,
+    one PUT every 2 s, taken out), after its start's first passes."""
+    namespace = f"bench-resync-{uuid.uuid4().hex[:5]}"
+    names = [f"job-{i}" for i in range(jobs)]
+    kube.kubectl("create", "namespace", namespace)
+    kube.wait_for(lambda: kube.core.read_namespaced_service_account("default", namespace), 60, "default SA")
+    try:
+        for name in names:
+            kube.prebind_checkpoint_volume(namespace, name)
+            kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(small(name)))
+        wait_all(kube, namespace, names, "Running", 120 + 6 * jobs)
+        operator.stop()
+        operator.start(f"--resync-seconds={period:g}")
+        time.sleep(10 + period / 4)  # the start's first passes (every job reads the API once) and their events
+        counts, last = [], own_requests(kube)
+        end = time.monotonic() + 2 * period
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            now = own_requests(kube)
+            counts.append(max(now - last - 0.5, 0.0))
+            last = now
+        operator.stop()
+        operator.start()
+        fives = [sum(counts[i : i + 5]) for i in range(0, len(counts) - 4)]
+        total = sum(counts)
+        return {
+            "resync_jobs": jobs,
+            "resync_period_s": period,
+            "window_s": len(counts),
+            "reads": round(total),
+            "reads_per_job_per_period": round(total / jobs / 2, 1),
+            "busiest_1s": round(max(counts)),
+            "busiest_5s": round(max(fives)),
+            "seconds_with_reads": sum(1 for c in counts if c >= 1),
+            "even_share_per_s": round(total / len(counts), 1),
+        }
+    finally:
+        kube.kubectl("delete", "rljobs", "--all", "-n", namespace, "--wait=true", "--timeout=300s", check=False)
+        kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        for name in names:
+            kube.kubectl("delete", "pv", f"{namespace}-{name}", "--wait=false", check=False)
+
+
 def proc_stats(pid: int) -> dict[str, float]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
@@ -280,6 +334,15 @@ def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, nargs="+", default=[1, 10, 50])
+    p.add_argument(
+        "--suspend-at",
+        type=int,
+        nargs="*",
+        default=None,
+        help="job counts to suspend and resume at (default: the largest of --jobs)",
+    )
+    p.add_argument("--resync-spread", type=int, default=0, help="idle jobs for the resync-spread row (0: none)")
+    p.add_argument("--resync-period", type=float, default=60.0, help="--resync-seconds of the resync-spread row")
     p.add_argument("--window", type=float, default=60.0, help="seconds of each request-rate window")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait after the jobs are Running")
     p.add_argument("--json", default=None)
@@ -290,8 +353,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         with installed(kube, Path(tmp)) as operator:
             time.sleep(3)
+            suspend_at = set(args.suspend_at if args.suspend_at is not None else [max(args.jobs)])
             for jobs in args.jobs:
-                row = run_count(kube, operator, jobs, args.window, args.settle, jobs == max(args.jobs))
+                row = run_count(kube, operator, jobs, args.window, args.settle, jobs in suspend_at)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            if args.resync_spread:
+                row = resync_spread(kube, operator, args.resync_spread, args.resync_period)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         if args.operator_log:

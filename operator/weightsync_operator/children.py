@@ -20,6 +20,8 @@ from kubernetes.utils import parse_quantity
 from weightsync.resources import API_VERSION
 from weightsync.resources.rljob import RLJobSpec
 from weightsync_operator import names, networking, support, workloads
+from weightsync_operator.capacity import Shape
+from weightsync_operator.names import Component
 from weightsync_operator.podspecs import Obj
 
 
@@ -111,25 +113,58 @@ def drifted(want: Obj, live: Obj | None) -> bool:
     return live is None or current_hash(live) != current_hash(want) or not covers(live, want)
 
 
-def desired(owner: Owner, spec: RLJobSpec, coordinator_image: str, coordinator_role: str, parked: bool) -> list[Obj]:
-    """Every child except the trainer pods and the token and TLS Secrets (which have their own life cycles)."""
+def desired(
+    owner: Owner,
+    spec: RLJobSpec,
+    coordinator_image: str,
+    coordinator_role: str,
+    parked: bool,
+    node_labels: dict[str, Obj] | None = None,
+) -> list[Obj]:
+    """Every child except the trainer pods and the token and TLS Secrets (which have their own life cycles);
+    ``node_labels``: by component, those of the flavors Kueue admitted the job's pod sets on."""
+    on = node_labels or {}
     objs = [
         *support.checkpoint_claim(owner.name, spec),
         support.job_config(owner.name, spec),
         *support.coordinator_identity(owner.name, coordinator_role),
         *networking.services(owner.name, spec),
         *networking.network_policies(owner.name, spec),
-        workloads.coordinator(owner.name, owner.namespace, spec, coordinator_image, parked),
-        workloads.inference(owner.name, owner.namespace, spec, parked),
+        workloads.coordinator(
+            owner.name, owner.namespace, spec, coordinator_image, parked, on.get(Component.COORDINATOR)
+        ),
+        workloads.inference(owner.name, owner.namespace, spec, parked, on.get(Component.INFERENCE)),
     ]
     return [stamp(o, owner) for o in objs]
 
 
-def trainer_pods(owner: Owner, spec: RLJobSpec) -> list[Obj]:
+def trainer_pods(owner: Owner, spec: RLJobSpec, node_labels: Obj | None = None) -> list[Obj]:
     return [
-        stamp(workloads.trainer_pod(owner.name, owner.namespace, spec, rank), owner)
+        stamp(workloads.trainer_pod(owner.name, owner.namespace, spec, rank, node_labels), owner)
         for rank in range(spec.trainer.world_size)
     ]
+
+
+def pod_specs(owner: Owner, spec: RLJobSpec, coordinator_image: str) -> dict[str, list[tuple[str, Obj]]]:
+    """(name, pod spec) of each pod of the running job, by component: the very specs its pods get (the gang
+    admission checks them against the nodes; Kueue's Workload carries them)."""
+    coordinator = workloads.coordinator(owner.name, owner.namespace, spec, coordinator_image, parked=False)
+    inference = workloads.inference(owner.name, owner.namespace, spec, parked=False)["spec"]["template"]["spec"]
+    return {
+        Component.COORDINATOR: [
+            (names.child(owner.name, Component.COORDINATOR), coordinator["spec"]["template"]["spec"])
+        ],
+        Component.INFERENCE: [(names.inference_pod(owner.name, i), inference) for i in range(spec.inference.replicas)],
+        Component.TRAINER: [(p["metadata"]["name"], p["spec"]) for p in trainer_pods(owner, spec)],
+    }
+
+
+def pod_shapes(owner: Owner, spec: RLJobSpec, coordinator_image: str) -> dict[str, list[Shape]]:
+    """What each pod of the running job asks of a node, by component."""
+    return {
+        component: [Shape.of(name, pod) for name, pod in pods]
+        for component, pods in pod_specs(owner, spec, coordinator_image).items()
+    }
 
 
 def token_secret(owner: Owner) -> Obj:

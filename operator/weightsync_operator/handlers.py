@@ -9,11 +9,17 @@ from those indexes (no API call) and writes what differs. The indexes are filled
 from a LIST before any handler runs, and an event is indexed before its handler
 runs, so a reconcile always sees at least what woke it.
 
-A job left alone for ``resync_seconds`` gets one pass that reads the API itself:
-the safety net for what a watch cannot say (kopf re-lists after a watch expires
-but reports no deletion that happened in between). Secrets are not watched (the
-operator may only get and create them); the reconcile's ``Memory`` keeps which
-exist.
+A job left alone for about ``resync_seconds`` gets one pass that reads the API
+itself: the safety net for what a watch cannot say (kopf re-lists after a watch
+expires but reports no deletion that happened in between). Each wait is drawn
+from half to one and a half periods, so jobs created together (or all woken by
+an operator's start) spread their safety-net reads over a period instead of
+sending them in one burst. Secrets are not watched (the operator may only get
+and create them); the reconcile's ``Memory`` keeps which exist.
+
+With ``gang`` (the default) one ``admission.Gate`` admits jobs whole: a queued
+job asks again every ``admission.RECHECK_S`` or when a grant is released, and a
+grant made in another job's round wakes the job it admits.
 
 One daemon per job never runs two reconciles of that job at once; the blocking
 API calls run on a small thread pool (a pass's independent writes side by side,
@@ -31,6 +37,7 @@ import asyncio
 import copy
 import functools
 import logging
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,8 +47,8 @@ import kopf
 
 from weightsync.metrics import OperatorMetrics
 from weightsync.resources import GROUP, JOB_LABEL, VERSION, JobPhase
-from weightsync_operator import names
-from weightsync_operator.kubeapi import KINDS, Api, Kind, Obj
+from weightsync_operator import admission, names
+from weightsync_operator.kubeapi import KINDS, WORKLOAD, Api, Kind, Obj
 from weightsync_operator.reconciling import Memory, Outcome, Settings, reconcile
 
 log = logging.getLogger(__name__)
@@ -49,7 +56,8 @@ KIND = "RLJob"
 RESULTS = ("changed", "unchanged", "error")
 """``result`` label values of weightsync_operator_reconciles_total."""
 WATCHED = tuple(k for k in KINDS.values() if k.kind not in ("RLJob", "Secret"))
-"""Every kind a job owns or reads, but its Secrets: watched and indexed by job."""
+"""Every kind a job owns or reads, but its Secrets: watched and indexed by job (and its Kueue Workload, with the
+Kueue integration on)."""
 DEBOUNCE_S = 0.05
 """A wake-up waits this long before it reconciles, so a burst of events (a StatefulSet scaled: several pods)
 costs one pass."""
@@ -60,7 +68,10 @@ WORKERS = 8
 class Options:
     settings: Settings
     resync_seconds: float = 600.0
-    """A job with no event for this long gets one reconcile that reads the API itself (the safety net)."""
+    """A job with no event for about this long (0.5 to 1.5 times, drawn each time) gets one reconcile that reads the
+    API itself (the safety net)."""
+    gang: bool = True
+    """Admit jobs whole with the built-in gate (``admission``); False lets every job create its pods at once."""
 
 
 def _resource(kind: Kind) -> tuple[str, str, str]:
@@ -155,6 +166,13 @@ def build_registry(
     wakers = Wakers()
     memory = Memory()
     has_job = {JOB_LABEL: kopf.PRESENT}
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def wake_from_thread(key: tuple[str, str]) -> None:  # the gate decides in reconcile threads
+        loops[0].call_soon_threadsafe(wakers.wake, key)
+
+    gate = admission.Gate(api, wake_from_thread) if options.gang else None
+    watched = WATCHED + ((WORKLOAD,) if options.settings.kueue else ())
 
     @kopf.on.login(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -168,8 +186,12 @@ def build_registry(
         settings.posting.level = logging.WARNING  # our own events say what changed
         settings.watching.server_timeout = 1800
         settings.background.cancellation_polling = 1.0
-        for kind in WATCHED:
+        for kind in watched:
             settings.watching.label_selectors[_resource(kind)] = JOB_LABEL
+
+    @kopf.on.startup(registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
+    async def remember_loop(**_: Any) -> None:
+        loops.append(asyncio.get_running_loop())
 
     def index(body: kopf.Body, **_: Any) -> dict[tuple[str, str], Obj]:
         # managedFields left out before the copy: often most of a pod's bytes, and nothing reads them
@@ -180,7 +202,7 @@ def build_registry(
     async def poke(body: kopf.Body, **_: Any) -> None:
         wakers.wake((str(body.metadata.namespace), str(body.metadata.labels.get(JOB_LABEL, ""))))
 
-    for kind in WATCHED:
+    for kind in watched:
         group, version, plural = _resource(kind)
         kopf.index(group, version, plural, id=_index_id(kind), labels=has_job, registry=registry)(index)
         kopf.on.event(group, version, plural, id=f"wake_on_{plural}", labels=has_job, registry=registry)(poke)
@@ -219,26 +241,28 @@ def build_registry(
                 wake.clear()
                 reads = None
                 if not from_api:
-                    reads = IndexedReads(api, {k.kind: list(kwargs[_index_id(k)].get(key, ())) for k in WATCHED})
+                    reads = IndexedReads(api, {k.kind: list(kwargs[_index_id(k)].get(key, ())) for k in watched})
                 started = time.monotonic()
+                retry_after = None
                 try:
                     outcome = await loop.run_in_executor(
-                        pool, functools.partial(reconcile, api, _snapshot(body), options.settings, reads, memory)
+                        pool, functools.partial(reconcile, api, _snapshot(body), options.settings, reads, memory, gate)
                     )
                 except Exception as err:  # noqa: BLE001 - the daemon must live on (kopf would not restart it)
                     metrics.reconciles_total.labels(KIND, "error").inc()
                     backoff = min(max(backoff * 2, 1.0), 30.0)
                     log.warning("reconcile of %s/%s failed (retrying in %.0fs): %s", *key, backoff, err)
                 else:
-                    backoff = 0.0
+                    backoff, retry_after = 0.0, outcome.retry_after
                     record(body, key, outcome, started)
                 finally:
                     metrics.reconcile_seconds.labels(KIND).observe(time.monotonic() - started)
+                quiet = options.resync_seconds * random.uniform(0.5, 1.5)  # spreads load; not a secret
                 try:
-                    await asyncio.wait_for(wake.wait(), timeout=backoff or options.resync_seconds)
+                    await asyncio.wait_for(wake.wait(), timeout=backoff or retry_after or quiet)
                     from_api = False
                 except TimeoutError:
-                    from_api = not backoff  # a quiet period ended: the safety-net pass reads the API
+                    from_api = not (backoff or retry_after)  # a quiet period ended: the safety-net pass reads the API
                 await asyncio.sleep(DEBOUNCE_S)
         finally:
             wakers.drop(key, wake)
@@ -251,6 +275,8 @@ def build_registry(
             api.delete("WeightVersion", namespace, item["metadata"]["name"])
         phases.set((namespace, name), None)
         memory.forget(namespace, name)
+        if gate is not None:
+            gate.release((namespace, name))
 
     @kopf.on.probe(id="rljobs", registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def alive(**_: Any) -> str:

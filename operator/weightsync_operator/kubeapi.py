@@ -58,21 +58,31 @@ KINDS = {
 """The kinds a job owns or reads (every one but Secret and RLJob is watched, see ``handlers.WATCHED``)."""
 LEASE = Kind("coordination.k8s.io/v1", "Lease", "leases")
 """The leader election's lock (``leader``): the operator's own, never a job's."""
-_PATHS = {**KINDS, LEASE.kind: LEASE}
+EVENT = Kind("v1", "Event", "events")
+"""Read only where a controller reports what it could not create (a StatefulSet's pods): never watched."""
+NODE = Kind("v1", "Node", "nodes")
+"""Read by the built-in gang admission (``admission``), which also lists pods of every namespace."""
+WORKLOAD = Kind("kueue.x-k8s.io/v1beta2", "Workload", "workloads")
+"""Kueue's admission unit: a job's Workload (``kueue``), watched only with the Kueue integration on."""
+FLAVOR = Kind("kueue.x-k8s.io/v1beta2", "ResourceFlavor", "resourceflavors")
+"""Read for the node labels of the flavors Kueue assigned to a job."""
+_PATHS = {**KINDS, **{k.kind: k for k in (LEASE, EVENT, NODE, WORKLOAD, FLAVOR)}}
 TIMEOUT_S = 30.0
 """No API call blocks longer (a reconcile's retry backoff takes over)."""
 
 
 class ApiError(Exception):
-    """A non-2xx answer; ``status`` is the HTTP code, the message the API server's."""
+    """A non-2xx answer: ``status`` is the HTTP code, ``reason`` the API server's (``Invalid``, ``Forbidden``, ...)
+    and ``detail`` its message."""
 
     def __init__(self, status: int, method: str, path: str, body: str) -> None:
         try:
-            message = json.loads(body).get("message", body)
-        except ValueError:
-            message = body
+            answer = json.loads(body)
+            message, reason = str(answer.get("message", body)), str(answer.get("reason", ""))
+        except (ValueError, AttributeError):
+            message, reason = body, ""
         super().__init__(f"{method} {path}: HTTP {status}: {message}")
-        self.status = status
+        self.status, self.reason, self.detail = status, reason, message
 
 
 class Api:
@@ -112,8 +122,10 @@ class Api:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
-        out = self._call("GET", KINDS[kind].path(namespace), query={"labelSelector": label_selector}) or {}
+    def list(self, kind: str, namespace: str, label_selector: str, field_selector: str = "") -> list[Obj]:
+        """Objects of ``kind`` in ``namespace`` (every namespace, or a cluster-scoped kind, when empty)."""
+        query = {"labelSelector": label_selector} | ({"fieldSelector": field_selector} if field_selector else {})
+        out = self._call("GET", _PATHS[kind].path(namespace), query=query) or {}
         items: list[Obj] = out.get("items", [])
         return items
 
@@ -164,12 +176,14 @@ class Api:
 
     def patch_status(self, kind: str, namespace: str, name: str, status: Obj, resource_version: str | None) -> None:
         """Merge-patch the status subresource; with ``resource_version``, only if nobody wrote in between."""
-        body: Obj = {"status": status}
+        self.patch(kind, namespace, name, {"status": status}, resource_version, "/status")
+
+    def patch(
+        self, kind: str, namespace: str, name: str, body: Obj, resource_version: str | None = None, sub: str = ""
+    ) -> None:
+        """Merge-patch the object (``sub``: a subresource, e.g. ``/status``); with ``resource_version``, only if
+        nobody wrote in between."""
         if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        self._call(
-            "PATCH",
-            KINDS[kind].path(namespace, name) + "/status",
-            body=body,
-            content_type="application/merge-patch+json",
-        )
+            body = {**body, "metadata": {**body.get("metadata", {}), "resourceVersion": resource_version}}
+        path = _PATHS[kind].path(namespace, name) + sub
+        self._call("PATCH", path, body=body, content_type="application/merge-patch+json")

@@ -14,6 +14,9 @@ The rules are client-go's (the ones controller-runtime operators such as KubeRay
   without a change, which is longer than the deadline, so the two never reconcile together.
 - A leader that stops cleanly releases the Lease (empties the holder), so a standby takes over
   at its next try instead of after ``lease_s``.
+
+The chart makes the Lease, empty (so ``helm uninstall`` removes it and the operators need no
+right to create Leases); outside the chart the first candidate creates it, if it may.
 """
 
 from __future__ import annotations

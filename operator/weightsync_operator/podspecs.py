@@ -83,11 +83,14 @@ def resources(spec: Resources, gpus: int = 0, rdma: Rdma | None = None) -> Obj:
     return out
 
 
-def placement(job: str, spec: RLJobSpec, component: names.Component) -> Obj:
-    """nodeSelector, tolerations and affinity of a GPU pod (trainer or inference)."""
+def placement(job: str, spec: RLJobSpec, component: names.Component, node_labels: Obj | None = None) -> Obj:
+    """nodeSelector, tolerations and affinity of a GPU pod (trainer or inference); ``node_labels``: those of the
+    flavors Kueue admitted the pod's pod set on (they win over the job's nodeSelector: Kueue counted the quota
+    there)."""
     out: Obj = {}
-    if spec.placement.node_selector:
-        out["nodeSelector"] = dict(spec.placement.node_selector)
+    selector = {**spec.placement.node_selector, **(node_labels or {})}
+    if selector:
+        out["nodeSelector"] = selector
     if spec.placement.tolerations:
         out["tolerations"] = [t.to_wire() for t in spec.placement.tolerations]
     if spec.placement.mode == PlacementMode.COLOCATE:

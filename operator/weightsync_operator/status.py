@@ -20,6 +20,11 @@ API server:
 - The trainer's ranks are created only once every replica has a node: a job
   whose replicas cannot be placed holds no trainer GPUs while it waits (ranks
   that already run are left alone; a gang restart waits again).
+- A job the gang admission has not admitted (``Admitted`` False: the built-in
+  gate, or Kueue) has no pods and says why (``Running`` False, reason Queued).
+- A child the API server refused (``Applied`` False) says so in ``Running`` too.
+- ``Scheduled`` is True only when every pod the job should have exists and has a
+  node: a job without pods (suspended, queued, refused) is not "scheduled".
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Any
 from weightsync.resources.conditions import ConditionStatus, find, is_true, set_condition
 from weightsync.resources.rljob import ConditionType, RLJobSpec, RLJobStatus, derive_phase
 from weightsync_operator import names
+from weightsync_operator.admission import Decision
+from weightsync_operator.refusals import Refusal
 from weightsync_operator.versions import VersionSummary
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
@@ -82,6 +89,7 @@ class Verdict(enum.StrEnum):
 
     RUN = "Run"  # create missing ranks
     WAIT = "Wait"  # no rank yet and a replica without a node: hold no trainer GPUs until the replicas have theirs
+    QUEUE = "Queue"  # not admitted (gang admission): no pods at all until the whole job fits
     PARK = "Park"  # suspended or finished: no ranks
     RESTART = "Restart"  # a rank failed and budget is left: delete all, count one restart
     CLEAR = "Clear"  # only ranks of a gang whose failure is counted already failed: delete all, count nothing
@@ -117,6 +125,41 @@ class Observed:
     inference_ready: int = 0
     trainer: list[PodView] = field(default_factory=list)
     pods: list[PodView] = field(default_factory=list)  # every pod of the job
+    admission: Decision | None = None  # the gang admission's answer (None: no gate decides for this job)
+    refusal: Refusal | None = None  # a child the API server refused
+
+
+def expected_pods(spec: RLJobSpec) -> dict[str, int]:
+    """The pods a running job has, by component."""
+    return {
+        names.Component.COORDINATOR: 1,
+        names.Component.INFERENCE: spec.inference.replicas,
+        names.Component.TRAINER: spec.trainer.world_size,
+    }
+
+
+def _scheduled(spec: RLJobSpec, seen: Observed, verdict: Verdict, done: bool) -> tuple[ConditionStatus, str, str]:
+    """Status, reason and message of ``Scheduled``: True only when every pod the job should have has a node."""
+    if done:
+        return FALSE, "Finished", "the job has finished: it holds no nodes"
+    if spec.suspend:
+        return FALSE, "Suspended", "spec.suspend is true: the job has no pods"
+    if verdict == Verdict.QUEUE:
+        return FALSE, "Queued", "the job is not admitted yet: it has no pods"
+    stuck = sorted((p for p in seen.pods if p.unschedulable and not p.deleting), key=lambda p: p.name)
+    if stuck:
+        return FALSE, "Unschedulable", "; ".join(f"pod {p.name}: {p.unschedulable}" for p in stuck[:3])
+    expected = expected_pods(spec)
+    placed = {
+        component: min(count, sum(1 for p in seen.pods if p.component == component and p.placed and not p.deleting))
+        for component, count in expected.items()
+    }
+    # no counts in the messages: each pod placed would be one more status write (Running has the counts)
+    if sum(placed.values()) >= sum(expected.values()):
+        return TRUE, "AllScheduled", f"every pod has a node ({sum(expected.values())} pods)"
+    if seen.refusal is not None:
+        return FALSE, "Refused", f"not every pod has a node: {seen.refusal.text}"
+    return FALSE, "Waiting", "not every pod has a node yet (created, not placed yet, or not created yet)"
 
 
 def next_status(
@@ -173,14 +216,24 @@ def next_status(
         )
         if verdict == Verdict.WAIT:
             reason, message = "WaitingForReplicas", f"{message}; the trainer starts once every replica has a node"
+        if verdict == Verdict.QUEUE and seen.admission is not None:
+            reason, message = "Queued", seen.admission.message
+        if seen.refusal is not None and not done and not spec.suspend:
+            reason, message = "Refused", seen.refusal.text
         conds = set_condition(conds, ConditionType.RUNNING, FALSE, reason, message, gen)
 
-    stuck = [p for p in seen.pods if p.unschedulable and not p.deleting]
-    if stuck:
-        message = "; ".join(f"pod {p.name}: {p.unschedulable}" for p in sorted(stuck, key=lambda p: p.name)[:3])
-        conds = set_condition(conds, ConditionType.SCHEDULED, FALSE, "Unschedulable", message, gen)
-    elif not done and not spec.suspend:
-        conds = set_condition(conds, ConditionType.SCHEDULED, TRUE, "AllScheduled", "every pod has a node", gen)
+    conds = set_condition(conds, ConditionType.SCHEDULED, *_scheduled(spec, seen, verdict, done), gen)
+    if seen.refusal is not None:
+        conds = set_condition(conds, ConditionType.APPLIED, FALSE, "Refused", seen.refusal.text, gen)
+    else:
+        conds = set_condition(conds, ConditionType.APPLIED, TRUE, "AllApplied", "the API server took every child", gen)
+    if seen.admission is not None:
+        admitted = TRUE if seen.admission.admitted else FALSE
+        reason = "Admitted" if seen.admission.admitted else "Queued"
+        conds = set_condition(conds, ConditionType.ADMITTED, admitted, reason, seen.admission.message, gen)
+    elif find(conds, ConditionType.ADMITTED) is not None and (done or spec.suspend):
+        why = "Finished" if done else "Suspended"
+        conds = set_condition(conds, ConditionType.ADMITTED, FALSE, why, "the job holds no room", gen)
 
     if versions.newest is not None:
         synced = versions.newest_phase == "Ready"

@@ -42,9 +42,12 @@ from weightsync_operator.names import Component
 from weightsync_operator.podspecs import Obj
 
 
-def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: bool) -> Obj:
+def coordinator(
+    job: str, namespace: str, spec: RLJobSpec, image: str, parked: bool, node_labels: Obj | None = None
+) -> Obj:
     """The coordinator: one replica (it holds the version counter), recreated, never rolled; it writes the job's
-    WeightVersion objects in ``namespace`` with its ServiceAccount and recovers from them when restarted."""
+    WeightVersion objects in ``namespace`` with its ServiceAccount and recovers from them when restarted
+    (``node_labels``: those of the flavor Kueue admitted it on)."""
     container = {
         "name": "coordinator",
         "image": spec.coordinator.image or image,
@@ -94,6 +97,7 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
                 "metadata": {"labels": names.labels(job, Component.COORDINATOR)},
                 "spec": {
                     "serviceAccountName": names.coordinator_account(job),
+                    **({"nodeSelector": dict(node_labels)} if node_labels else {}),
                     "securityContext": podspecs.pod_security(),
                     "containers": [container],
                     "volumes": [
@@ -107,7 +111,7 @@ def coordinator(job: str, namespace: str, spec: RLJobSpec, image: str, parked: b
     }
 
 
-def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
+def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int, node_labels: Obj | None = None) -> Obj:
     """Rank ``rank`` of the trainer gang; rank 0 is the torch.distributed master."""
     service = names.child(job, Component.TRAINER)
     env = (
@@ -159,7 +163,7 @@ def trainer_pod(job: str, namespace: str, spec: RLJobSpec, rank: int) -> Obj:
                 podspecs.checkpoint_volume(job, spec),
                 podspecs.tmp_volume(),
             ],
-            **podspecs.placement(job, spec, Component.TRAINER),
+            **podspecs.placement(job, spec, Component.TRAINER, node_labels),
             **podspecs.channel_needs(spec),
         },
     }
@@ -183,7 +187,7 @@ def vllm_command(spec: RLJobSpec) -> list[str]:
     ]  # fmt: skip
 
 
-def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
+def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool, node_labels: Obj | None = None) -> Obj:
     """The vLLM replicas: vLLM (localhost only), the weightsync agent and the OpenAI proxy per pod."""
     inf = spec.inference
     upstream = f"http://127.0.0.1:{names.VLLM_PORT}"
@@ -260,7 +264,7 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
                         podspecs.checkpoint_volume(job, spec),
                         podspecs.tmp_volume(),
                     ],
-                    **podspecs.placement(job, spec, Component.INFERENCE),
+                    **podspecs.placement(job, spec, Component.INFERENCE, node_labels),
                     **podspecs.channel_needs(spec),
                 },
             },

@@ -53,12 +53,6 @@ class Operator:
                 [sys.executable, "-c", RUN_OPERATOR, *args], env=env, stdout=out, stderr=subprocess.STDOUT
             )
 
-    def check_uninstall(self, namespace: str) -> subprocess.CompletedProcess[str]:
-        """The chart's pre-delete hook command, scoped to ``namespace``."""
-        env = {"KUBECONFIG": str(self.kubeconfig), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-        argv = [sys.executable, "-c", RUN_OPERATOR, "--check-uninstall", f"--namespace={namespace}"]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
-
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
@@ -71,11 +65,13 @@ class Operator:
 
 
 @contextmanager
-def installed(kube: Kube, tmp: Path) -> Iterator[Operator]:
-    """helm install the chart into its own namespace and run the operator; uninstall afterwards."""
+def installed(kube: Kube, tmp: Path, *values: str, operator_args: tuple[str, ...] = ()) -> Iterator[Operator]:
+    """helm install the chart into its own namespace (``values``: more helm arguments, e.g. ``--set``) and run the
+    operator (with ``operator_args`` added); uninstall afterwards."""
     release = f"ws-{uuid.uuid4().hex[:5]}"
     system = f"{release}-system"
-    kube.helm("install", release, str(REPO / "helm" / "weightsync"), "-n", system, "--create-namespace", "--wait=false")
+    chart = str(REPO / "helm" / "weightsync")
+    kube.helm("install", release, chart, "-n", system, "--create-namespace", "--wait=false", *values)
     kube.wait_for(
         lambda: kube.core.read_namespaced_service_account(f"{release}-weightsync", system),
         Timeouts.NAMESPACE_READY,
@@ -83,7 +79,7 @@ def installed(kube: Kube, tmp: Path) -> Iterator[Operator]:
     )
     kubeconfig = kube.service_account_kubeconfig(system, f"{release}-weightsync", tmp / "kubeconfig")
     op = Operator(release, system, kubeconfig, tmp / "operator.log")
-    op.start()
+    op.start(*operator_args)
     try:
         yield op
     finally:

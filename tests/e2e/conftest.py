@@ -187,12 +187,17 @@ class Kube:
         self.coordination = client.CoordinationV1Api(self.api_client)
 
     # -- shared fixtures of the job tests
-    def service_account_kubeconfig(self, namespace: str, account: str, path: Path) -> Path:
-        """A kubeconfig that authenticates as ``account`` with a token from the TokenRequest API."""
+    def service_account_kubeconfig(self, namespace: str, account: str, path: Path, pod: str | None = None) -> Path:
+        """A kubeconfig that authenticates as ``account`` with a token from the TokenRequest API; with ``pod``, a
+        token bound to that pod (what the kubelet mounts in a pod of the ServiceAccount)."""
         import yaml
         from kubernetes import client
 
-        spec = client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+        bound = None
+        if pod is not None:
+            uid = self.core.read_namespaced_pod(pod, namespace).metadata.uid
+            bound = client.V1BoundObjectReference(api_version="v1", kind="Pod", name=pod, uid=uid)
+        spec = client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600, bound_object_ref=bound)
         request = client.AuthenticationV1TokenRequest(spec=spec)
         token = self.core.create_namespaced_service_account_token(account, namespace, request).status.token
         cluster = yaml.safe_load(self.cluster.kubeconfig.read_text())["clusters"][0]
@@ -206,6 +211,18 @@ class Kube:
         }
         path.write_text(yaml.safe_dump(config))
         return path
+
+    def coordinator_kubeconfig(self, namespace: str, job: str, path: Path) -> Path:
+        """What the job's coordinator authenticates with: its ServiceAccount's token bound to its pod (the chart's
+        admission policy refuses a WeightVersion written with any other)."""
+
+        def pod() -> str | None:
+            selector = f"weightsync.io/job={job},app.kubernetes.io/component=coordinator"
+            pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+            return next((p.metadata.name for p in pods if not p.metadata.deletion_timestamp), None)
+
+        name = self.wait_for(pod, Timeouts.POD_SCHEDULED, f"the coordinator pod of {job}")
+        return self.service_account_kubeconfig(namespace, f"{job}-coordinator", path, pod=name)
 
     def prebind_checkpoint_volume(self, namespace: str, job: str) -> None:
         """A static volume pre-bound to the job's checkpoint claim (no provisioner runs here)."""

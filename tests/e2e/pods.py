@@ -59,6 +59,8 @@ from typing import IO, Any
 
 from tests import netns
 
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+"""Where a pod's ServiceAccount token and the cluster's CA are mounted (the ``kube-api-access-*`` volume)."""
 IMAGE_COMMANDS: dict[str, list[str]] = {
     "weightsync": [sys.executable, "-m", "weightsync.cli.main"],
     "python": [sys.executable],
@@ -326,6 +328,34 @@ class Kubelet:
         assert local != path, f"{path} is under no mount of {pod}/{container}"
         return Path(local)
 
+    def in_cluster_kubeconfig(self, pod: str, container: str, path: Path, apiserver_port: int) -> Path:
+        """What in-cluster config reads, as a kubeconfig at ``path``: the token and CA of the pod's ServiceAccount
+        volume (a TokenRequest token bound to the pod), the API server by its in-cluster name. In-cluster config
+        itself reads fixed paths and a ClusterIP from the environment, which a process here cannot have; a
+        container started with ``extra_env={"KUBECONFIG": ...}`` of this file talks to the API server as the pod's
+        ServiceAccount (through a :class:`TcpForwarder` on the bridge address)."""
+        import yaml
+
+        account = self.local_path(pod, container, SERVICE_ACCOUNT_DIR)
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "in-cluster",
+                    "cluster": {
+                        "server": f"https://kubernetes.default.svc:{apiserver_port}",
+                        "certificate-authority": str(account / "ca.crt"),
+                    },
+                }
+            ],
+            "users": [{"name": "pod", "user": {"tokenFile": str(account / "token")}}],
+            "contexts": [{"name": "pod", "context": {"cluster": "in-cluster", "user": "pod"}}],
+            "current-context": "pod",
+        }
+        path.write_text(yaml.safe_dump(config))
+        return path
+
     def env(self, pod: str, container: Any) -> dict[str, str]:
         """The container's environment as the kubelet resolves it, mount paths rewritten."""
         p = self._pods[pod].pod
@@ -397,60 +427,19 @@ class Kubelet:
         return [p for p in self.procs if p.pod == pod and p.container == container][-1]
 
     def report_exit(self, pod: str) -> Any:
-        """Tell the API server that every container of ``pod`` exited, as a kubelet's status manager does.
-
-        A strategic-merge patch of the pod's ``status`` subresource with ``metadata.uid`` as a precondition (a pod
-        re-created under the name is never patched by mistake): phase ``Succeeded`` when every container exited 0,
-        else ``Failed`` (``restartPolicy: Never`` only: other policies restart the container instead); conditions
-        Ready and ContainersReady False with reason PodCompleted; each container's ``state.terminated`` with its exit
-        code (128 + the signal for a killed one) and reason ``Completed`` or ``Error``. Each container's newest process
-        for this pod must have exited. Returns the patched V1Pod.
-        """
+        """Tell the API server that every container of ``pod`` exited, as a kubelet's status manager does
+        (:func:`report_end` with each container's exit code; 128 + the signal for a killed one). Each container's
+        newest process for this pod must have exited. Returns the patched V1Pod."""
         state = self._pods[pod]
         spec, uid = state.pod.spec, state.pod.metadata.uid
-        assert spec.restart_policy == "Never", f"pod {pod}: restartPolicy {spec.restart_policy} is not played here"
-        now = _now()
-        statuses = []
+        ends = []
         for c in spec.containers:
             procs = [p for p in self.procs if p.pod == pod and p.container == c.name and p.uid == uid]
             assert procs, f"{pod}/{c.name} was never started"
             code = procs[-1].popen.poll()
             assert code is not None, f"{pod}/{c.name} still runs"
-            code = 128 - code if code < 0 else code
-            terminated = {
-                "exitCode": code,
-                "reason": "Completed" if code == 0 else "Error",
-                "startedAt": procs[-1].started_at,
-                "finishedAt": now,
-                "containerID": f"weightsync-e2e://{procs[-1].popen.pid}",
-            }
-            statuses.append(
-                {
-                    "name": c.name,
-                    "image": c.image,
-                    "imageID": "",
-                    "ready": False,
-                    "started": False,
-                    "restartCount": 0,
-                    "state": {"terminated": terminated},
-                }
-            )
-        failed = any(s["state"]["terminated"]["exitCode"] != 0 for s in statuses)
-        conditions = [
-            {"type": t, "status": "False", "reason": "PodCompleted", "lastTransitionTime": now}
-            for t in ("Ready", "ContainersReady")
-        ]
-        body = {
-            "metadata": {"uid": uid},
-            "status": {
-                "phase": "Failed" if failed else "Succeeded",
-                "conditions": conditions,
-                "containerStatuses": statuses,
-            },
-        }
-        return self.kube.core.patch_namespaced_pod_status(
-            pod, self.namespace, body, _content_type="application/strategic-merge-patch+json"
-        )
+            ends.append(End(c.name, 128 - code if code < 0 else code, procs[-1].started_at, procs[-1].popen.pid))
+        return report_end(self.kube, self.namespace, state.pod, ends)
 
     def terminate(self, pod: str, grace_s: float | None = None) -> list[Proc]:
         """What a kubelet does when pod ``pod`` is deleted: SIGTERM to every running container of it at once, SIGKILL
@@ -554,6 +543,64 @@ class Kubelet:
                 if p.name == target:
                     return int(p.container_port)
         return None
+
+
+@dataclass(frozen=True)
+class End:
+    """How one container of a pod ended."""
+
+    container: str
+    exit_code: int
+    started_at: str
+    pid: int = 0
+
+
+def report_end(kube: Any, namespace: str, pod: Any, ends: Sequence[End]) -> Any:
+    """Write the end of ``pod``'s containers to the API server as a kubelet's status manager does.
+
+    A strategic-merge patch of the pod's ``status`` subresource with ``metadata.uid`` as a precondition (a pod
+    re-created under the name is never patched by mistake): phase ``Succeeded`` when every container exited 0, else
+    ``Failed`` (``restartPolicy: Never`` only: other policies restart the container instead); conditions Ready and
+    ContainersReady False with reason PodCompleted; each container's ``state.terminated`` with its exit code and
+    reason ``Completed`` or ``Error``. Returns the patched V1Pod."""
+    assert pod.spec.restart_policy == "Never", f"pod {pod.metadata.name}: restartPolicy {pod.spec.restart_policy}"
+    now = _now()
+    images = {c.name: c.image for c in pod.spec.containers}
+    statuses = [
+        {
+            "name": end.container,
+            "image": images[end.container],
+            "imageID": "",
+            "ready": False,
+            "started": False,
+            "restartCount": 0,
+            "state": {
+                "terminated": {
+                    "exitCode": end.exit_code,
+                    "reason": "Completed" if end.exit_code == 0 else "Error",
+                    "startedAt": end.started_at,
+                    "finishedAt": now,
+                    "containerID": f"weightsync-e2e://{end.pid}",
+                }
+            },
+        }
+        for end in ends
+    ]
+    conditions = [
+        {"type": t, "status": "False", "reason": "PodCompleted", "lastTransitionTime": now}
+        for t in ("Ready", "ContainersReady")
+    ]
+    body = {
+        "metadata": {"uid": pod.metadata.uid},
+        "status": {
+            "phase": "Failed" if any(end.exit_code for end in ends) else "Succeeded",
+            "conditions": conditions,
+            "containerStatuses": statuses,
+        },
+    }
+    return kube.core.patch_namespaced_pod_status(
+        pod.metadata.name, namespace, body, _content_type="application/strategic-merge-patch+json"
+    )
 
 
 class TcpForwarder:

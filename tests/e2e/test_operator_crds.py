@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import Kube
+from weightsync.resources.naming import NAME_LIMIT
 
 pytestmark = pytest.mark.e2e
 
@@ -70,6 +71,28 @@ def test_the_trl_example_is_accepted(kube: Kube, namespace: str, crds_installed:
             {"spec.sync.joinTimeoutSeconds": 200},
             "spec.sync.joinTimeoutSeconds must be below spec.sync.transferTimeoutSeconds",
         ),
+        ({"metadata.name": "my.job"}, "metadata.name: Invalid value: must be a DNS-1035 label"),
+        ({"metadata.name": "1job"}, "metadata.name: Invalid value: must be a DNS-1035 label"),
+        ({"metadata.name": "a" * (NAME_LIMIT + 1)}, f"metadata.name: Invalid value: may have at most {NAME_LIMIT}"),
+        ({"spec.sync.checkpointVolume.size": "-5Gi"}, 'spec.sync.checkpointVolume.size: Invalid value: "-5Gi": must'),
+        ({"spec.trainer.resources.cpu": "-1"}, 'spec.trainer.resources.cpu: Invalid value: "-1": must be a positive'),
+        ({"spec.inference.resources.memory": "0"}, 'spec.inference.resources.memory: Invalid value: "0": must be'),
+        (
+            {
+                "spec.placement.tolerations": [
+                    {"key": "a", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 5}
+                ]
+            },
+            "spec.placement.tolerations[0].tolerationSeconds: Invalid value: tolerationSeconds needs effect NoExecute",
+        ),
+        (
+            {"spec.placement.tolerations": [{"operator": "Equal", "value": "x"}]},
+            "spec.placement.tolerations[0].operator: Invalid value: operator must be Exists when key is empty",
+        ),
+        ({"spec.placement.nodeSelector": {"not a key": "x"}}, "spec.placement.nodeSelector: Invalid value: keys must"),
+        ({"spec.inference.port": 9400}, "spec.inference.port: Invalid value: 9400: must not be 8001"),
+        ({"spec.inference.port": 8001}, "spec.inference.port: Invalid value: 8001: must not be 8001"),
+        ({"spec.inference.port": 8002}, "spec.inference.port: Invalid value: 8002: must not be 8001"),
     ],
     ids=[
         "zero-replicas",
@@ -81,6 +104,18 @@ def test_the_trl_example_is_accepted(kube: Kube, namespace: str, crds_installed:
         "atomic-in-place",
         "transfer-timeout",
         "join-timeout",
+        "name-dots",
+        "name-digit-first",
+        "name-one-over-the-limit",
+        "signed-size",
+        "signed-cpu",
+        "zero-memory",
+        "toleration-seconds-without-noexecute",
+        "toleration-without-key-not-exists",
+        "node-selector-key",
+        "port-of-the-agent-metrics",
+        "port-of-vllm",
+        "port-of-the-agent-served",
     ],
 )
 def test_invalid_specs_are_rejected_naming_the_field(

@@ -91,7 +91,7 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
         assert env["WEIGHTSYNC_OPENAI_URL"] == url, pod.metadata.name
 
     # versions written by the coordinator's ServiceAccount are reflected; old ones pruned (retention 3)
-    coordinator = kube.service_account_kubeconfig(namespace, f"{JOB}-coordinator", tmp_path / "coordinator")
+    coordinator = kube.coordinator_kubeconfig(namespace, JOB, tmp_path / "coordinator")
     for version in range(1, 6):
         _version(kube, coordinator, namespace, version, "Failed" if version == 5 else "Ready")
     kube.wait_for(
@@ -179,19 +179,44 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     kube.kubectl("delete", "pv", f"{namespace}-{JOB}", "--wait=false", check=False)
 
 
-def test_unschedulable_job_says_why(kube: Kube, namespace: str, operator: Operator) -> None:
+def _condition(kube: Kube, namespace: str, job: str, ctype: str) -> dict[str, Any] | None:
+    conds = rljob(kube, namespace, job).get("status", {}).get("conditions", [])
+    return next((c for c in conds if c["type"] == ctype), None)
+
+
+def test_a_job_bigger_than_any_node_waits_whole_saying_why(kube: Kube, namespace: str, operator: Operator) -> None:
+    """The built-in gang admission queues it: no pod of it is created (none could run without the others)."""
     body = example("too-big")
     body["spec"]["inference"]["gpusPerReplica"] = 16
     kube.prebind_checkpoint_volume(namespace, "too-big")
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
 
-    def scheduled_false() -> dict[str, Any] | None:
-        conds = rljob(kube, namespace, "too-big").get("status", {}).get("conditions", [])
-        return next((c for c in conds if c["type"] == "Scheduled" and c["status"] == "False"), None)
+    def queued() -> dict[str, Any] | None:
+        cond = _condition(kube, namespace, "too-big", "Admitted")
+        return cond if cond is not None and cond["status"] == "False" else None
 
-    cond = kube.wait_for(scheduled_false, Timeouts.POD_UNSCHEDULABLE, "Scheduled=False")
-    assert cond is not None
-    assert cond["reason"] == "Unschedulable" and "pod too-big-inference-" in cond["message"]
-    assert "Insufficient nvidia.com/gpu" in cond["message"], cond["message"]
-    assert rljob(kube, namespace, "too-big")["status"]["phase"] == "Pending"
+    cond = kube.wait_for(queued, Timeouts.POD_UNSCHEDULABLE, "Admitted=False")
+    assert cond["reason"] == "Queued", cond
+    assert "pod too-big-inference-0 asks for" in cond["message"] and "16 nvidia.com/gpu" in cond["message"], cond
+    assert "more than any node it may use has allocatable" in cond["message"], cond
+    status = rljob(kube, namespace, "too-big")["status"]
+    assert status["phase"] == "Pending"
+    scheduled = _condition(kube, namespace, "too-big", "Scheduled")
+    assert scheduled is not None and scheduled["status"] == "False" and scheduled["reason"] == "Queued", scheduled
+    assert not kube.core.list_namespaced_pod(namespace, label_selector="weightsync.io/job=too-big").items
     kube.kubectl("delete", "pv", f"{namespace}-too-big", "--wait=false", check=False)
+
+
+def test_a_pod_the_scheduler_cannot_place_says_why(kube: Kube, namespace: str, operator: Operator) -> None:
+    """What the admission's model of the nodes does not see (here: a checkpoint claim no volume binds) the scheduler
+    does, and its words fill ``Scheduled``."""
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example("unbound")))
+
+    def scheduled_false() -> dict[str, Any] | None:
+        cond = _condition(kube, namespace, "unbound", "Scheduled")
+        return cond if cond is not None and cond["reason"] == "Unschedulable" else None
+
+    cond = kube.wait_for(scheduled_false, Timeouts.POD_UNSCHEDULABLE, "Scheduled=False Unschedulable")
+    assert cond["status"] == "False" and "pod unbound-" in cond["message"], cond
+    assert "unbound immediate PersistentVolumeClaims" in cond["message"], cond
+    assert rljob(kube, namespace, "unbound")["status"]["phase"] == "Pending"

@@ -6,7 +6,9 @@ event): a child changed by hand is put back; a job deleted while it is being
 reconciled goes at once; one job's coordinator cannot write another job's
 WeightVersions (the chart's ValidatingAdmissionPolicy, enforced by the API server);
 a namespace user with the built-in ``edit`` role can run a job but not write versions
-or a job's status.
+or a job's status, and acting as a job's coordinator is refused the casual ways and
+not with a token bound to the coordinator's pod, as docs/kubernetes.md says ("Who can
+do what"). (The uninstall check: ``test_operator_uninstall.py``.)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e.chart import Operator, example, rljob, wait_phase
 from tests.e2e.conftest import Kube, Timeouts
@@ -83,8 +86,8 @@ def test_one_jobs_coordinator_cannot_write_another_jobs_versions(
         _apply(kube, namespace, job)
     wait_phase(kube, namespace, "alpha", "Running")
     wait_phase(kube, namespace, "beta", "Running")
-    alpha = kube.service_account_kubeconfig(namespace, "alpha-coordinator", tmp_path / "alpha")
-    beta = kube.service_account_kubeconfig(namespace, "beta-coordinator", tmp_path / "beta")
+    alpha = kube.coordinator_kubeconfig(namespace, "alpha", tmp_path / "alpha")
+    beta = kube.coordinator_kubeconfig(namespace, "beta", tmp_path / "beta")
 
     ok = _as(kube, alpha, namespace, "create", "-f", "-", body=_version("alpha-v1", "alpha", 1, "alpha"))
     assert ok.returncode == 0, ok.stderr
@@ -112,35 +115,20 @@ def test_one_jobs_coordinator_cannot_write_another_jobs_versions(
         kube.kubectl("delete", "rlj", job, "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s")
 
 
-def test_uninstall_is_refused_while_jobs_exist(kube: Kube, namespace: str, operator: Operator) -> None:
-    """The chart's pre-delete hook command, run as the operator's ServiceAccount (as the hook's Job runs it; KWOK
-    only marks a Job's pod complete, so this test runs its command): it names the live job and fails, and passes
-    once the job is gone."""
-    _apply(kube, namespace, "kept")
-    wait_phase(kube, namespace, "kept", "Running")
-    refused = operator.check_uninstall(namespace)
-    assert refused.returncode == 1 and f"{namespace}/kept" in refused.stderr, refused.stderr
-    assert "Delete them first" in refused.stderr
-    kube.kubectl("delete", "rlj", "kept", "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s")
-    passed = operator.check_uninstall(namespace)
-    assert passed.returncode == 0, passed.stderr
+def _editor(kube: Kube, namespace: str, tmp_path: Path) -> Path:
+    """A kubeconfig of ``alice``, bound to the built-in ``edit`` role in ``namespace``."""
+    kube.kubectl("create", "serviceaccount", "alice", "-n", namespace)
+    kube.kubectl(
+        "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--serviceaccount", f"{namespace}:alice",
+        "-n", namespace,
+    )  # fmt: skip
+    return kube.service_account_kubeconfig(namespace, "alice", tmp_path / "alice")
 
 
 def test_a_namespace_editor_runs_jobs_without_cluster_admin(
     kube: Kube, namespace: str, operator: Operator, tmp_path: Path
 ) -> None:
-    kube.kubectl("create", "serviceaccount", "alice", "-n", namespace)
-    kube.kubectl(
-        "create",
-        "rolebinding",
-        "alice-edit",
-        "--clusterrole=edit",
-        "--serviceaccount",
-        f"{namespace}:alice",
-        "-n",
-        namespace,
-    )
-    alice = kube.service_account_kubeconfig(namespace, "alice", tmp_path / "alice")
+    alice = _editor(kube, namespace, tmp_path)
 
     def can_apply() -> bool:  # the aggregation controller folds the chart's roles into edit
         return _as(kube, alice, namespace, "apply", "-f", "-", body=example("alices")).returncode == 0
@@ -157,3 +145,57 @@ def test_a_namespace_editor_runs_jobs_without_cluster_admin(
     )
     assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
     assert _as(kube, alice, namespace, "delete", "rlj", "alices", "--timeout", "120s").returncode == 0
+
+
+def _with_token(kube: Kube, kubeconfig: Path, token: str, path: Path) -> Path:
+    """``kubeconfig`` with its user's credentials replaced by ``token``."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    config["users"][0]["user"] = {"token": token}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_editor_acting_as_a_coordinator_is_refused_the_casual_ways_and_not_with_its_pods_token(
+    kube: Kube, namespace: str, operator: Operator, tmp_path: Path
+) -> None:
+    """docs/kubernetes.md, "Who can do what": a namespace editor may act as any ServiceAccount of the namespace. The
+    admission policy wants the token of the job's coordinator pod, so the two casual ways of acting as the
+    coordinator (impersonation, a token bound to no pod) are refused; a token the editor binds to the coordinator's
+    own pod is not (nor exec into that pod): the namespace is the trust boundary, as the docs say."""
+    alice = _editor(kube, namespace, tmp_path)
+    _apply(kube, namespace, "beta")
+    wait_phase(kube, namespace, "beta", "Running")
+    forged = _version("beta-v7", "beta", 7, "beta")
+    account = f"system:serviceaccount:{namespace}:beta-coordinator"
+
+    impersonated = _as(kube, alice, namespace, "--as", account, "create", "-f", "-", body=forged)
+    assert impersonated.returncode != 0 and "a token bound to no pod" in impersonated.stderr, impersonated.stderr
+
+    unbound = _as(kube, alice, namespace, "create", "token", "beta-coordinator")
+    assert unbound.returncode == 0, unbound.stderr  # edit may mint the ServiceAccount's tokens
+    as_unbound = _with_token(kube, alice, unbound.stdout.strip(), tmp_path / "unbound")
+    denied = _as(kube, as_unbound, namespace, "create", "-f", "-", body=forged)
+    assert denied.returncode != 0 and "a token bound to no pod" in denied.stderr, denied.stderr
+
+    pod = kube.core.list_namespaced_pod(
+        namespace, label_selector="weightsync.io/job=beta,app.kubernetes.io/component=coordinator"
+    ).items[0]
+    bound = _as(
+        kube, alice, namespace, "create", "token", "beta-coordinator", "--bound-object-kind", "Pod",
+        "--bound-object-name", pod.metadata.name, "--bound-object-uid", pod.metadata.uid,
+    )  # fmt: skip
+    assert bound.returncode == 0, bound.stderr
+    as_pod = _with_token(kube, alice, bound.stdout.strip(), tmp_path / "bound")
+    created = _as(kube, as_pod, namespace, "create", "-f", "-", body=forged)
+    assert created.returncode == 0, created.stderr  # not closed: the docs say so
+    ready = json.dumps({"status": {"phase": "Ready", "replicasLoaded": 2}})
+    patch = _as(
+        kube, as_pod, namespace, "patch", "wv", "beta-v7", "--subresource", "status", "--type", "merge", "-p", ready
+    )
+    assert patch.returncode == 0, patch.stderr
+    kube.wait_for(
+        lambda: rljob(kube, namespace, "beta")["status"].get("currentVersion") == 7,
+        Timeouts.POD_RUNNING,
+        "the version written with the pod's token reflected",
+    )
+    kube.kubectl("delete", "rlj", "beta", "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s")

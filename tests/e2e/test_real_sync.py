@@ -187,34 +187,6 @@ def _pods(kube: Kube, namespace: str, component: str) -> list[Any]:
                   key=lambda p: p.metadata.name)  # fmt: skip
 
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-
-
-def _in_cluster_kubeconfig(kubelet: Kubelet, pod: str, container: str, path: Path, apiserver_port: int) -> Path:
-    """What in-cluster config reads, as a kubeconfig: the token and CA of the pod's ServiceAccount volume (a
-    TokenRequest token bound to the pod), the API server by its in-cluster name. In-cluster config itself reads
-    fixed paths and a ClusterIP from the environment, which a process here cannot have."""
-    account = kubelet.local_path(pod, container, SERVICE_ACCOUNT_DIR)
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "in-cluster",
-                "cluster": {
-                    "server": f"https://kubernetes.default.svc:{apiserver_port}",
-                    "certificate-authority": str(account / "ca.crt"),
-                },
-            }
-        ],
-        "users": [{"name": "pod", "user": {"tokenFile": str(account / "token")}}],
-        "contexts": [{"name": "pod", "context": {"cluster": "in-cluster", "user": "pod"}}],
-        "current-context": "pod",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 # --------------------------------------------------------------------- what the test observes
 
 
@@ -335,8 +307,8 @@ class Fleet:
         """The coordinator container of the current coordinator pod: its kubeconfig stands in for the in-cluster
         credentials of that pod's ServiceAccount volume; -v for the test's log checks."""
         pod = self.coordinator
-        kubeconfig = _in_cluster_kubeconfig(
-            self.kubelet, pod, "coordinator", self.work / f"{pod}.kubeconfig", self.apiserver_port
+        kubeconfig = self.kubelet.in_cluster_kubeconfig(
+            pod, "coordinator", self.work / f"{pod}.kubeconfig", self.apiserver_port
         )
         self.kubelet.start(pod, "coordinator", extra_args=("-v",), extra_env={"KUBECONFIG": str(kubeconfig)})
 

@@ -77,11 +77,12 @@ def test_two_operator_replicas_elect_a_leader_on_the_charts_lease() -> None:
     )
     assert "--no-leader-elect" not in container["args"]
     assert container["env"] == [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    # the Lease rights: create any (RBAC cannot name what does not exist yet), read and renew only this one
+    # the chart makes the Lease (helm uninstall removes it), so the operators may only read and renew that one
+    lease = docs[("Lease", "ws-weightsync-leader")]
+    assert lease["metadata"]["namespace"] == "weightsync-system" and lease["spec"] == {}
     role = docs[("Role", "ws-weightsync-leader")]
     assert role["metadata"]["namespace"] == "weightsync-system"
     assert role["rules"] == [
-        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
         {
             "apiGroups": ["coordination.k8s.io"],
             "resources": ["leases"],
@@ -137,3 +138,33 @@ def test_every_value_is_documented_and_the_schema_covers_it() -> None:
 def test_chart_crds_are_the_generated_ones() -> None:
     for path in (REPO / "crds").glob("*.yaml"):
         assert (CHART / "crds" / path.name).read_text() == path.read_text()
+
+
+def test_kueue_integration_adds_its_flag_and_rights_only_when_enabled() -> None:
+    default = {(d["kind"], d["metadata"]["name"]): d for d in _template()}
+    container = default[("Deployment", "ws-weightsync")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--kueue" not in container["args"] and "--gang-admission=builtin" in container["args"]
+    assert not any(
+        "kueue.x-k8s.io" in r["apiGroups"] for r in default[("ClusterRole", "ws-weightsync-operator")]["rules"]
+    )
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _template("--set", "kueue.enabled=true")}
+    container = docs[("Deployment", "ws-weightsync")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--kueue" in container["args"]
+    rules = {
+        r["resources"][0]: r["verbs"]
+        for r in docs[("ClusterRole", "ws-weightsync-operator")]["rules"]
+        if "kueue.x-k8s.io" in r["apiGroups"]
+    }
+    assert rules == {
+        "workloads": ["get", "list", "watch", "create", "delete"],
+        "workloads/status": ["get", "patch"],
+        "resourceflavors": ["get"],
+    }
+
+
+def test_the_uninstall_check_runs_where_the_operator_does() -> None:
+    values = ["--set", "nodeSelector.pool=cpu", "--set-json", 'podAnnotations={"a":"b"}']
+    hook = next(d for d in _template(*values) if d["kind"] == "Job")
+    pod = hook["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "cpu"} and pod["metadata"]["annotations"] == {"a": "b"}
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "uninstall-check"

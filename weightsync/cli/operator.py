@@ -37,6 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="weightsync-coordinator",
         help="ClusterRole bound to each job's coordinator ServiceAccount",
     )
+    parser.add_argument(
+        "--gang-admission",
+        choices=["builtin", "off"],
+        default="builtin",
+        help="builtin: a job gets its pods only once all of them fit the nodes' free capacity (jobs never deadlock "
+        "on GPUs); off: every job creates its pods at once (jobs labelled for Kueue are admitted by Kueue either way)",
+    )
+    parser.add_argument(
+        "--kueue",
+        action="store_true",
+        help="Kueue admits jobs labelled kueue.x-k8s.io/queue-name: the operator makes each one's Workload and "
+        "suspends the job until Kueue admits it (needs Kueue, with RLJob.v1alpha1.weightsync.io in its "
+        "integrations.externalFrameworks)",
+    )
     parser.add_argument("--liveness-port", type=int, default=8080, help="port of /healthz")
     parser.add_argument("--metrics-port", type=int, default=9400, help="port of /metrics; 0 disables it")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
@@ -84,13 +98,15 @@ def run(args: argparse.Namespace) -> int:
     if args.check_uninstall:
         return _check_uninstall(args.namespace)
 
-    settings = Settings(coordinator_image=args.coordinator_image, coordinator_role=args.coordinator_role)
+    settings = Settings(
+        coordinator_image=args.coordinator_image, coordinator_role=args.coordinator_role, kueue=args.kueue
+    )
     try:
         election = _election(args) if not args.no_leader_elect else None
     except ValueError as err:
         raise SystemExit(f"weightsync operator: {err}") from None
     run_operator(
-        Options(settings=settings, resync_seconds=args.resync_seconds),
+        Options(settings=settings, resync_seconds=args.resync_seconds, gang=args.gang_admission == "builtin"),
         args.namespace,
         args.liveness_port,
         args.metrics_port,

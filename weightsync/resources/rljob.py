@@ -12,8 +12,11 @@ its own.
 from __future__ import annotations
 
 import enum
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, ConfigDict, Field
 
 from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S
 from weightsync.resources._base import (
@@ -28,9 +31,47 @@ from weightsync.resources._base import (
     rules,
 )
 from weightsync.resources.conditions import Condition, is_true
+from weightsync.resources.naming import DNS_1035, INFERENCE_POD_PORTS, MAX_REPLICAS, MAX_WORLD_SIZE, NAME_LIMIT
+from weightsync.resources.naming import NAME_LIMITED_BY as _LIMITED_BY
 from weightsync.vocabulary import Channel, PauseMode, SyncMode
 
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+QUANTITY = r"^([0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+"""A Kubernetes quantity without a sign (the CEL rule checks it exactly and that it is above zero)."""
+QUALIFIED_NAME = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"  # an optional DNS-subdomain prefix
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+"""A label or taint key: an optional DNS-subdomain prefix and a name of at most 63 characters."""
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+
+def _positive(value: str) -> str:
+    """The Python side of the CEL rule (the operator parses specs with these models too): the number before the
+    suffix is above zero; the pattern has checked the form."""
+    match = re.match(QUANTITY, value)
+    try:
+        positive = match is not None and Decimal(match.group(1)) > 0
+    except InvalidOperation:
+        positive = False
+    if not positive:
+        raise ValueError(f"{value!r} is not a positive quantity; write e.g. 8, 500m or 64Gi")
+    return value
+
+
+Quantity = Annotated[
+    str,
+    Field(
+        pattern=QUANTITY,
+        max_length=32,
+        json_schema_extra=rules(
+            (
+                "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                "must be a positive quantity, e.g. 8, 500m or 64Gi",
+            )
+        ),
+    ),
+    AfterValidator(_positive),
+]
 
 
 class EnvVar(Model):
@@ -41,10 +82,8 @@ class EnvVar(Model):
 class Resources(Model):
     """CPU and memory for one pod's main container; GPUs have their own fields."""
 
-    cpu: str | None = Field(default=None, description="CPU request and limit, e.g. 8.", pattern=QUANTITY, max_length=32)
-    memory: str | None = Field(
-        default=None, description="Memory request and limit, e.g. 64Gi.", pattern=QUANTITY, max_length=32
-    )
+    cpu: Quantity | None = Field(default=None, description="CPU request and limit, e.g. 8.")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit, e.g. 64Gi.")
 
 
 class Trainer(Model):
@@ -56,7 +95,7 @@ class Trainer(Model):
     command: list[Arg] = Field(
         description="Command each rank runs; it calls weightsync's publish().", min_length=1, max_length=MAX_ARGS
     )
-    world_size: int = immutable("Number of trainer ranks (pods); immutable.", default=1, ge=1, le=1024)
+    world_size: int = immutable("Number of trainer ranks (pods); immutable.", default=1, ge=1, le=MAX_WORLD_SIZE)
     gpus_per_worker: int = Field(default=1, ge=0, le=64, description="nvidia.com/gpu per rank; 0 runs on the CPU.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory per rank.")
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
@@ -73,11 +112,26 @@ class Inference(Model):
         min_length=1,
         max_length=ARG_LENGTH,
     )
-    replicas: int = Field(default=1, ge=1, le=1024, description="Number of vLLM replicas.")
+    replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Number of vLLM replicas.")
     gpus_per_replica: int = Field(default=1, ge=0, le=64, description="nvidia.com/gpu per replica; 0 for CPU vLLM.")
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="vLLM --tensor-parallel-size.")
     vllm_args: list[Arg] = Field(default_factory=list, max_length=MAX_ARGS, description="Extra vLLM server arguments.")
-    port: int = Field(default=8000, ge=1024, le=65535, description="Port of the OpenAI-facing proxy and Service.")
+    port: int = Field(
+        default=8000,
+        ge=1024,
+        le=65535,
+        description="Port of the OpenAI-facing proxy and Service; not one the pod's other containers take ("
+        + ", ".join(f"{port}: {what}" for port, what in INFERENCE_POD_PORTS.items())
+        + ").",
+        json_schema_extra=rules(
+            (
+                " && ".join(f"self != {port}" for port in INFERENCE_POD_PORTS),
+                "must not be "
+                + " or ".join(f"{port} ({what})" for port, what in INFERENCE_POD_PORTS.items())
+                + ": the proxy shares the pod with them",
+            )
+        ),
+    )
     resources: Resources = Field(default_factory=Resources, description="CPU and memory of the vLLM container.")
 
 
@@ -89,7 +143,7 @@ class AckPolicy(enum.StrEnum):
 class CheckpointVolume(Model):
     """The shared volume for checkpoints: the source for late joiners and recovery."""
 
-    size: str = Field(default="50Gi", pattern=QUANTITY, max_length=32, description="Requested size of the claim.")
+    size: Quantity = Field(default="50Gi", description="Requested size of the claim.")
     storage_class_name: str | None = Field(
         default=None, max_length=DNS_NAME, description="StorageClass of the claim; the cluster default when unset."
     )
@@ -186,12 +240,37 @@ class PlacementMode(enum.StrEnum):
     SPREAD = "Spread"
 
 
+_TOLERATION_RULES = rules(
+    (
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "tolerationSeconds needs effect NoExecute (only a NoExecute taint evicts, after that many seconds)",
+        ".tolerationSeconds",
+    ),
+    (
+        "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "operator must be Exists when key is empty (a toleration of every taint)",
+        ".operator",
+    ),
+    (
+        "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+        "value must be empty when operator is Exists",
+        ".value",
+    ),
+)
+
+
 class Toleration(Model):
-    key: str | None = Field(default=None, max_length=DNS_NAME, description="Taint key.")
+    """A pod toleration, with the API server's own rules for pods (a bad one would be refused only when a pod is)."""
+
+    model_config = ConfigDict(json_schema_extra=_TOLERATION_RULES)
+
+    key: str | None = Field(
+        default=None, max_length=316, pattern=QUALIFIED_NAME, description="Taint key; empty with Exists: every taint."
+    )
     operator: str | None = Field(
         default=None, description="Exists or Equal.", json_schema_extra={"enum": ["Exists", "Equal"]}
     )
-    value: str | None = Field(default=None, max_length=DNS_LABEL, description="Taint value.")
+    value: str | None = Field(default=None, max_length=DNS_LABEL, pattern=LABEL_VALUE, description="Taint value.")
     effect: str | None = Field(
         default=None,
         description="Taint effect.",
@@ -204,8 +283,19 @@ class Placement(Model):
     """Where GPU pods go: colocate trainer and replicas on one node (IPC/NVLink) or spread the replicas."""
 
     mode: PlacementMode = immutable("Colocate or Spread; immutable.", default=PlacementMode.SPREAD)
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Node labels GPU pods require.", json_schema_extra={"maxProperties": 32}
+    node_selector: dict[str, Annotated[str, Field(max_length=DNS_LABEL, pattern=LABEL_VALUE)]] = Field(
+        default_factory=dict,
+        description="Node labels GPU pods require.",
+        json_schema_extra={
+            "maxProperties": 32,
+            **rules(
+                (
+                    f"self.all(k, k.size() <= 316 && k.matches(r'{QUALIFIED_NAME}'))",
+                    "keys must be label keys: an optional DNS-subdomain prefix and '/', then a name of at most 63 "
+                    "letters, digits, '-', '_' and '.'",
+                )
+            ),
+        },
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Tolerations of GPU pods (e.g. the GPU pool's taint)."
@@ -270,6 +360,24 @@ RLJOB_SPEC_RULES = rules(
 )
 
 
+RLJOB_NAME_RULES = rules(
+    (
+        f"self.metadata.name.matches(r'{DNS_1035}')",
+        "must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter and ending with a "
+        "letter or digit (it names the job's Services)",
+        ".metadata.name",
+    ),
+    (
+        f"self.metadata.name.size() <= {NAME_LIMIT}",
+        f"may have at most {NAME_LIMIT} characters: every name made from it must fit 63, and the longest is "
+        f"{_LIMITED_BY}",
+        ".metadata.name",
+    ),
+)
+"""Rules on the object's name (CEL sees ``metadata.name`` at the root): a job whose children could not be named would
+be accepted and never run."""
+
+
 class JobPhase(enum.StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
@@ -282,7 +390,9 @@ class ConditionType(enum.StrEnum):
     """RLJob condition types; the phase is derived from them (see ``derive_phase``)."""
 
     RUNNING = "Running"  # every child up: trainer ranks and replicas ready
-    SCHEDULED = "Scheduled"  # False when a pod cannot be placed, saying why
+    SCHEDULED = "Scheduled"  # True when every pod the job should have has a node; else False, saying why
+    ADMITTED = "Admitted"  # the gang admission (built-in, or Kueue) let the whole job have its pods at once
+    APPLIED = "Applied"  # False when the API server refused a child (or a controller its pods), quoting it
     SUSPENDED = "Suspended"
     SYNCED = "Synced"  # the newest version is Ready on the fleet
     SUCCEEDED = "Succeeded"  # terminal: every trainer rank exited 0
