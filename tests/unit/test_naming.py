@@ -89,7 +89,7 @@ def test_the_proxy_port_may_not_take_a_port_of_its_pod() -> None:
     port = crds.crd(crds.RLJOB)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
         "inference"
     ]["properties"]["port"]
-    assert port["x-kubernetes-validations"][0]["rule"] == "self != 8001 && self != 9400"
+    assert port["x-kubernetes-validations"][0]["rule"] == "self != 8001 && self != 9400 && self != 8002"
 
 
 @pytest.mark.parametrize("value", ["0", "0.0Gi", "-1", "+1", "-5Gi", "1.2.3", ""])
