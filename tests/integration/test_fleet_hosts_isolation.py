@@ -16,8 +16,8 @@ The faults:
 
 - ``join-dropped``: one NCCL replica must join a new group (its agent restarted) while every packet between
   it and the trainer is dropped: the roster leaves it out at the join deadline, its peer forms the group;
-- ``join-refused``: the same for the CPU replica, its route to the trainer refusing at once: it falls back at
-  once and nobody waits;
+- ``join-refused``: the same for the CPU replica, its route to the trainer refusing at once: it falls back,
+  the others wait at most the join deadline for it;
 - ``frozen-mid-transfer``: every process on one NCCL replica's host stopped (SIGSTOP) mid-version: its
   heartbeats stop, and its peer finishes the version in a group formed without it;
 - ``killed-mid-transfer``: one NCCL replica's host killed mid-version: the collective fails, its peer
