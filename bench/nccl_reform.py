@@ -1,6 +1,6 @@
 """What it costs to form an NCCL communicator again without a member, and what the alternatives cost.
 
-    bash tools/gpu-host.sh python3 bench/nccl_reform.py --gpus 4 --json /tmp/out.json   # on the GPU host
+    bash tools/gpu-host.sh python3 bench/nccl_reform.py --gpus 2 --json /tmp/out.json  # GPU host (4: shrink, split)
     .venv/bin/python bench/nccl_reform.py --backend gloo --gpus 3 --mib 64               # the CPU smoke run
 
 One process per GPU (rank 0 is the trainer, the others replicas' workers), on one TCPStore, as the NCCL
