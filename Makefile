@@ -27,8 +27,9 @@ format: venv  ## apply ruff's formatting and fixes
 models: venv  ## generate and cache the tiny test models
 	.venv/bin/weightsync models tiny-qwen2 tiny-llama
 
-e2e-tools: ## build (once, cached under ~/.cache/weightsync) the control plane binaries, kubectl and helm
+e2e-tools: containers  ## build (once, cached under ~/.cache/weightsync) the control plane and node binaries, kubectl, helm
 	@bash e2e/cluster.sh tools >/dev/null
+	@bash e2e/node.sh tools >/dev/null
 
 crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resources
 	.venv/bin/weightsync crds
@@ -36,10 +37,10 @@ crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resourc
 proto: venv  ## regenerate the gRPC code in weightsync/coordinator/_proto from proto/
 	$(PY) -m weightsync.coordinator.codegen
 
-test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
+test: venv lint models e2e-tools images  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
 	.venv/bin/weightsync crds --check
 	$(PY) -m weightsync.coordinator.codegen --check
-	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests
+	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=1 $(PY) -m pytest tests
 
 e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
 	$(PY) -m pytest tests -m e2e
@@ -57,8 +58,10 @@ faults: venv models  ## the full fault suite on the multi-host fleet (CI runs a 
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py
 
-images:  ## build the four container images with docker or podman (none on the development machines)
-	@engine=$$(command -v docker || command -v podman) || { echo "no docker or podman here: see images/README.md for how the images are checked without one"; exit 1; }; \
-	for c in operator coordinator trainer inference; do $$engine build -f images/$$c/Dockerfile -t weightsync-$$c:dev . || exit 1; done
+containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, iptables, socat (apt, once; root)
+	@bash tools/setup-containers.sh
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults extras images
+images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
+	@bash images/build.sh cpu
+
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults extras containers images

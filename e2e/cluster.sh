@@ -63,13 +63,24 @@ build_k8s() {
   if [[ -x "$bin/kube-apiserver" && -x "$bin/kube-scheduler" && -x "$bin/kube-controller-manager" ]]; then
     return 0
   fi
+  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold: about 4-6 min on 2 cores)"
+  local t0=$SECONDS
+  go_build_k8s k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager
+  log "built Kubernetes $K8S_VERSION in $((SECONDS - t0)) s -> $bin"
+  echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
+}
+
+# go_build_k8s PACKAGE...: builds commands of k8s.io/kubernetes $K8S_VERSION into $K8S_BIN (one go build,
+# shared compilation), from a throwaway module that pins the staging modules.
+go_build_k8s() {
   [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
-  local src="$CACHE/k8s-$K8S_VERSION/src"
+  local bin="$K8S_BIN" src="$CACHE/k8s-$K8S_VERSION/src"
   local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
   local staging_ver="v0.${K8S_VERSION#v1.}"
   mkdir -p "$src" "$bin" "$GOMODCACHE" "$GOCACHE"
-  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold: about 4-6 min on 2 cores)"
-  local t0=$SECONDS
+  # One build at a time in the module (e2e/node.sh builds the node's commands from it too).
+  local lock; exec {lock}>"$src.lock"; flock "$lock"
   # k8s.io/kubernetes replaces its staging modules with ./staging/...; a
   # dependent module must pin them itself (go install ...@v is refused).
   # The list is the `=> ./staging/` replace lines of that tag's go.mod.
@@ -104,13 +115,9 @@ EOF
   done
   (
     cd "$src"
-    CGO_ENABLED=0 "$GO" build -p "$(nproc)" -trimpath -ldflags "$ld" -o "$bin/" \
-      k8s.io/kubernetes/cmd/kube-apiserver \
-      k8s.io/kubernetes/cmd/kube-scheduler \
-      k8s.io/kubernetes/cmd/kube-controller-manager
-  ) || die "building Kubernetes $K8S_VERSION failed"
-  log "built Kubernetes $K8S_VERSION in $((SECONDS - t0)) s -> $bin"
-  echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
+    CGO_ENABLED=0 "$GO" build -p "$(nproc)" -trimpath -ldflags "$ld" -o "$bin/" "$@"
+  ) || die "building $* ($K8S_VERSION) failed"
+  exec {lock}>&-
 }
 
 build_kine() {
@@ -281,6 +288,8 @@ EOF
   sign_cert scheduler "/CN=system:kube-scheduler" "$d/client.ext"
   sign_cert controller-manager "/CN=system:kube-controller-manager" "$d/client.ext"
   sign_cert kwok "/O=system:masters/CN=kwok-controller" "$d/client.ext"
+  # the apiserver's own identity towards kubelets (kubectl logs/exec on e2e/node.sh's real node)
+  sign_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$d/client.ext"
   # service-account token signing key pair
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
@@ -445,6 +454,9 @@ up_inner() {
     --authorization-mode Node,RBAC \
     --allow-privileged=true \
     --endpoint-reconciler-type none \
+    --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP,Hostname \
     --profiling=false \
     --v=1
   wait_for "kube-apiserver /readyz" 120 kube-apiserver apiserver_ready
@@ -523,10 +535,11 @@ cluster_healthy() {
   done
   [[ -f "$KUBECONFIG_PATH" ]] || return 1
   apiserver_ready || return 1
+  # the KWOK nodes (e2e/node.sh's real node has a health of its own)
   local notready
-  notready="$(kubectl_ get nodes --no-headers 2>/dev/null | awk '$2!="Ready"' | wc -l)"
+  notready="$(kubectl_ get nodes -l type=kwok --no-headers 2>/dev/null | awk '$2!="Ready"' | wc -l)"
   [[ "$notready" == 0 ]] || return 1
-  [[ "$(kubectl_ get nodes --no-headers 2>/dev/null | wc -l)" -ge 3 ]] || return 1
+  [[ "$(kubectl_ get nodes -l type=kwok --no-headers 2>/dev/null | wc -l)" -ge 3 ]] || return 1
 }
 
 cmd_status() {
@@ -613,4 +626,5 @@ main() {
     *) die "usage: $0 tools|paths|up|down|status|env|logs" ;;
   esac
 }
-main "$@"
+# Sourced (e2e/node.sh reads the settings and helpers), it runs nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then main "$@"; fi

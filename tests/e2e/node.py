@@ -1,0 +1,75 @@
+"""The e2e cluster's real node (``e2e/node.sh``) for the tests that run pods as containers.
+
+``real_node`` brings the node up on the session's cluster (kubelet, containerd, runc, CNI,
+kube-proxy and CoreDNS in a network namespace of their own), loads the CPU images ``make images``
+built into its containerd, and takes it down afterwards, pods, mounts and namespaces included. Pods
+land on it only when they ask for it: it carries the GPU pool's taint and labels plus a taint and
+label of its own (:data:`TOLERATIONS`, :data:`SELECTOR`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NODE_SH = REPO / "e2e" / "node.sh"
+CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
+IMAGES_ENV = CACHE / "images" / "cpu.env"
+SELECTOR = {"weightsync.io/node": "real"}
+TOLERATIONS = [
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "weightsync.io/node", "operator": "Equal", "value": "real", "effect": "NoSchedule"},
+]
+UP_TIMEOUT = 900  # the first `up` builds kubelet, kube-proxy and CoreDNS when `make e2e-tools` did not
+LOAD_TIMEOUT = 1800  # the trainer and inference images are gigabytes each
+
+
+@dataclass(frozen=True)
+class RealNode:
+    name: str
+    netns: str
+    images: dict[str, str]
+
+    def run(
+        self, argv: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """``argv`` inside the node's network namespace (a ClusterIP or a pod IP is reachable from there only)."""
+        return subprocess.run(
+            ["nsenter", f"--net=/run/netns/{self.netns}", *argv],
+            capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        )  # fmt: skip
+
+
+def _node_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(NODE_SH), *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def built_images() -> dict[str, str]:
+    if not IMAGES_ENV.exists():
+        pytest.fail(f"no {IMAGES_ENV}: the real node runs the images `make images` builds; run it first")
+    return dict(line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines() if "=" in line)
+
+
+@contextmanager
+def real_node() -> Iterator[RealNode]:
+    if os.geteuid() != 0:
+        pytest.skip("the real node needs root (a network namespace, mounts, cgroups)")
+    images = built_images()
+    up = _node_sh("up", timeout=UP_TIMEOUT)
+    try:
+        assert up.returncode == 0, f"e2e/node.sh up failed:\n{up.stderr[-6000:]}"
+        load = _node_sh("load", *images.values(), timeout=LOAD_TIMEOUT)
+        assert load.returncode == 0, f"e2e/node.sh load failed:\n{load.stderr[-4000:]}"
+        settings = dict(line.split("=", 1) for line in _node_sh("env", timeout=30).stdout.split() if "=" in line)
+        yield RealNode(settings["NODE_NAME"], settings["NODE_NETNS"], images)
+    finally:
+        if os.environ.get("WEIGHTSYNC_E2E_KEEP") != "1":
+            down = _node_sh("down", timeout=300)
+            assert down.returncode == 0, f"e2e/node.sh down failed:\n{down.stderr[-4000:]}"
