@@ -38,7 +38,7 @@ ENGINE=$(engine)
 BUILD=("$ENGINE" build)
 if [[ "$ENGINE" == podman ]]; then
   mkdir -p "$UV_CACHE"
-  BUILD+=(--runtime runc --network host
+  BUILD+=(--runtime runc --network host --format docker
           --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" --ulimit nproc=8192:8192
           --volume "$UV_CACHE:/uv-cache" --build-arg UV_CACHE_DIR=/uv-cache)
 fi
@@ -64,6 +64,9 @@ build() {
     "${BUILD[@]}" -f "$dockerfile" -t "$image" "$@" . >"$OUT/$name.log" 2>&1 \
       || { tail -30 "$OUT/$name.log" >&2; die "building $name failed (log: $OUT/$name.log)"; }
     log "built $name in $((SECONDS - t0)) s"
+    # older builds of this image go (one that another image still starts from stays)
+    "$ENGINE" images --format '{{.Repository}}:{{.Tag}}' "localhost/weightsync-$name" | grep -vxF "$image" \
+      | xargs -r "$ENGINE" rmi >/dev/null 2>&1 || true
   fi
   echo "$image"
 }
@@ -114,6 +117,7 @@ main() {
     env+="$c=$(build "$c" "images/$c/Dockerfile" "${CONTEXT[*]}" "${args[@]}")"$'\n'
   done
   [[ -n "$PAUSE" ]] && env+="pause=$PAUSE"$'\n'
+  "$ENGINE" image prune -f >/dev/null  # layers no tag uses any more
   printf '%s' "$env" > "$OUT/$VARIANT.env"
   printf '%s' "$env"
 }
