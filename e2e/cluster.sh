@@ -456,6 +456,7 @@ up_inner() {
     --service-account-signing-key-file "$PKI/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 \
     --authorization-mode Node,RBAC \
+    --enable-admission-plugins PodNodeSelector,PodTolerationRestriction \
     --allow-privileged=true \
     --endpoint-reconciler-type none \
     --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \

@@ -221,6 +221,8 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool) -> Obj:
         "command": ["weightsync", "proxy", "--listen", f"0.0.0.0:{inf.port}", "--upstream", upstream],
         "ports": [{"name": "openai", "containerPort": inf.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 5},
+        # a read-only root: Python's tempfile (torch's import asks it) needs a writable /tmp
+        "volumeMounts": [podspecs.tmp_mount()],
         "securityContext": podspecs.container_security(),
     }
     return {

@@ -4,11 +4,12 @@
 kube-proxy and CoreDNS in a network namespace of their own), loads the CPU images ``make images``
 built into its containerd, and takes it down afterwards, pods, mounts and namespaces included. Pods
 land on it only when they ask for it: it carries the GPU pool's taint and labels plus a taint and
-label of its own (:data:`TOLERATIONS`, :data:`SELECTOR`).
+label of its own; a namespace annotated with :data:`NAMESPACE_ANNOTATIONS` sends all its pods there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Iterator
@@ -27,6 +28,13 @@ TOLERATIONS = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
     {"key": "weightsync.io/node", "operator": "Equal", "value": "real", "effect": "NoSchedule"},
 ]
+NAMESPACE_ANNOTATIONS = {
+    "scheduler.alpha.kubernetes.io/node-selector": ",".join(f"{k}={v}" for k, v in SELECTOR.items()),
+    "scheduler.alpha.kubernetes.io/defaultTolerations": json.dumps(TOLERATIONS),
+}
+"""Every pod of a namespace so annotated runs on the real node, whatever its spec says (the API server's
+PodNodeSelector and PodTolerationRestriction admission plugins, which e2e/cluster.sh enables): the operator,
+the coordinator and the uninstall hook included, which have no GPU placement of their own."""
 UP_TIMEOUT = 900  # the first `up` builds kubelet, kube-proxy and CoreDNS when `make e2e-tools` did not
 LOAD_TIMEOUT = 1800  # the trainer and inference images are gigabytes each
 

@@ -2,7 +2,8 @@
 
 Nothing here plays a pod: ``helm install`` of the chart with the images ``make images`` built (the operator runs
 as a container from its image), ``kubectl apply`` of examples/rljob.yaml changed only where a CPU machine must
-(the CPU images, the tiny model, resources a 2-core machine has, the real node's toleration and label). The
+(the CPU images, the tiny model, resources a 2-core machine has); the test's namespaces send their pods to the
+real node (tests/e2e/node.py). The
 operator makes the coordinator, trainer and replica pods; the real node's kubelet runs them in containerd from
 those images; they find each other by cluster DNS (CoreDNS) and Services (kube-proxy). The one stand-in is the
 GPU: the node advertises ``nvidia.com/gpu`` as an extended resource and the images are the CPU variant
@@ -82,8 +83,6 @@ def _job(images: dict[str, str]) -> dict[str, Any]:
     # every version kept, so the test can read each one's per-replica state at the end
     spec["sync"].update(everySteps=1, channels=["cpu", "volume"], timeoutSeconds=180, transferTimeoutSeconds=60,
                         retention=STEPS)  # fmt: skip
-    spec["placement"]["nodeSelector"] = {**spec["placement"]["nodeSelector"], **node.SELECTOR}
-    spec["placement"]["tolerations"] = node.TOLERATIONS
     return body
 
 
@@ -92,8 +91,6 @@ def _values(images: dict[str, str]) -> dict[str, Any]:
     return {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "operator": {"coordinatorImage": images["coordinator"]},
-        "nodeSelector": node.SELECTOR,
-        "tolerations": node.TOLERATIONS,
     }
 
 
@@ -146,8 +143,10 @@ def test_rljob_runs_as_containers_from_the_chart(
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(_values(images)))
     chart = str(REPO / "helm" / "weightsync")
-    kube.helm("install", release, chart, "-n", system, "--create-namespace", "-f", str(values), "--wait",
-              "--timeout", "5m")  # fmt: skip
+    # both namespaces' pods go to the real node (node.NAMESPACE_ANNOTATIONS), the job's as the example places them
+    kube.core.create_namespace({"metadata": {"name": system, "annotations": node.NAMESPACE_ANNOTATIONS}})
+    kube.core.patch_namespace(namespace, {"metadata": {"annotations": node.NAMESPACE_ANNOTATIONS}})
+    kube.helm("install", release, chart, "-n", system, "-f", str(values), "--wait", "--timeout", "5m")
     uninstalled = False
     volume = Path(f"/tmp/{namespace}-{JOB}")
     try:

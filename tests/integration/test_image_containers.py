@@ -146,7 +146,7 @@ def test_coordinator_names_a_missing_tls_mount(images: dict[str, str]) -> None:
     proc = _run(images["coordinator"], "--tls-cert", "/etc/weightsync/tls/tls.crt", "--tls-key",
                 "/etc/weightsync/tls/tls.key", env={"WEIGHTSYNC_TOKEN": "t"})  # fmt: skip
     assert proc.returncode != 0
-    assert "/etc/weightsync/tls/tls.crt" in proc.stderr, proc.stderr
+    assert "/etc/weightsync/tls/tls.key' cannot be read" in proc.stderr and "check the path" in proc.stderr, proc.stderr
 
 
 def test_operator_names_missing_cluster_credentials(images: dict[str, str]) -> None:
