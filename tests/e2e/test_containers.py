@@ -53,22 +53,31 @@ FAULT_AT = 2  # the replica pod is deleted when this version is Ready
 MODEL = "/checkpoints/model"  # the tiny model on the checkpoint volume (no model hub here)
 RELEASE = "/checkpoints/release"  # the trainer exits once this exists
 FINAL = "/checkpoints/final"  # the trainer's final weights
-# test_real_sync's trainer (the README's loop), then it waits to be released: the replicas serve until then
-TRAINER = (
-    real_sync.TRAINER
-    + """
+# test_real_sync's trainer (the README's loop). It starts once both replicas registered (a real trainer's first step
+# samples from them; published before, a version is planned for no replica and fails), and after its last step it
+# waits to be released: the replicas serve until then.
+_ANCHOR = "publisher = Publisher.from_env(ModuleSource(model))\n"
+_FLEET = """
+replicas = {f"{os.environ['WEIGHTSYNC_JOB']}-inference-{i}" for i in range(int(os.environ["REPLICAS"]))}
+deadline = time.monotonic() + 900
+while not replicas <= {m.member_id for m in publisher.client.get_job().members} and time.monotonic() < deadline:
+    time.sleep(2)
+"""
+_HOLD = """
 deadline = time.monotonic() + 900
 while not Path(os.environ["RELEASE"]).exists() and time.monotonic() < deadline:
     time.sleep(1)
 """
-)
+assert _ANCHOR in real_sync.TRAINER
+TRAINER = real_sync.TRAINER.replace(_ANCHOR, _ANCHOR + _FLEET) + _HOLD
 
 
 def _job(images: dict[str, str]) -> dict[str, Any]:
     body: dict[str, Any] = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     spec = body["spec"]
     assert body["metadata"]["name"] == JOB and spec["inference"]["replicas"] == REPLICAS, body
-    env = {"STEPS": str(STEPS), "STEP_SECONDS": str(STEP_SECONDS), "RELEASE": RELEASE, "FINAL_WEIGHTS": FINAL}
+    env = {"STEPS": str(STEPS), "STEP_SECONDS": str(STEP_SECONDS), "RELEASE": RELEASE, "FINAL_WEIGHTS": FINAL,
+           "REPLICAS": str(REPLICAS)}  # fmt: skip
     # no requests: the pods share a 2-core machine with everything else; a GPU each, as on the GPU pool
     spec["trainer"].update(
         image=images["trainer"], command=["python", "-c", TRAINER], worldSize=1, resources={},
