@@ -58,10 +58,14 @@ faults: venv models  ## the full fault suite on the multi-host fleet (CI runs a 
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py
 
+container-tests: venv e2e-tools images  ## the container tests alone: each image run as a container, the chart + examples/rljob.yaml on the real node (20 steps; make test runs 6)
+	WEIGHTSYNC_IMAGES=1 WEIGHTSYNC_E2E_CONTAINER_STEPS=20 $(PY) -m pytest -m "e2e or integration" \
+		tests/integration/test_image_containers.py tests/e2e/test_containers.py
+
 containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, iptables, socat (apt, once; root)
 	@bash tools/setup-containers.sh
 
 images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
 	@bash images/build.sh cpu
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults extras containers images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e unit integration faults extras containers container-tests images

@@ -275,6 +275,9 @@ cmd_load() {  # load IMAGE...: into the node's containerd, unless it has that im
     podman save --format docker-archive "$image" | ctr_ images import - >/dev/null \
       || die "loading $image failed"
     log "loaded $image in $((SECONDS - t0)) s"
+    # older builds of the same image go: their layers would otherwise fill the disk (containerd's garbage
+    # collector removes what no image refers to any more)
+    ctr_ images ls -q | grep "^${image%:*}:" | grep -vxF "$image" | xargs -r ctr_ images rm >/dev/null || true
   done
 }
 

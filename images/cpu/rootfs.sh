@@ -10,7 +10,7 @@
 set -euo pipefail
 out=${1:?usage: rootfs.sh OUT.tar}
 SUITE=bookworm
-PACKAGES=python3,python3-venv,ca-certificates
+PACKAGES=python3,python3-venv,ca-certificates,libnuma1
 need() { command -v "$1" >/dev/null || { echo "rootfs.sh: $1 not found: run tools/setup-containers.sh" >&2; exit 1; }; }
 need debootstrap
 mirror=$(sed -n 's/^URIs: *\([^ ]*\/debian\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)

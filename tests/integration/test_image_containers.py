@@ -181,10 +181,13 @@ def test_trainer_publisher_names_missing_job_config(images: dict[str, str]) -> N
     assert "WEIGHTSYNC_CONFIG" in proc.stderr and "names no job config" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_vllm_server_entrypoint_loads_the_plugin(images: dict[str, str]) -> None:
-    """The `vllm` container's interpreter finds vLLM's CPU build and weightsync's plugin entry point."""
+def test_vllm_server_entrypoint_loads_the_plugin_and_the_cpu_kernels(images: dict[str, str]) -> None:
+    """The `vllm` container's interpreter finds vLLM's CPU build, its compiled CPU kernels (they need libnuma from
+    the base: without it the engine failed only once its worker started, on the e2e node) and weightsync's plugin."""
     code = (
-        "from importlib.metadata import entry_points; import vllm; "
+        "from importlib.metadata import entry_points; import torch, vllm; "
+        "from vllm.platforms import current_platform; current_platform.import_kernels(); "
+        "assert hasattr(torch.ops._C, 'init_cpu_memory_env'), 'vLLM CPU kernels not loaded'; "
         "(p,) = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'weightsync']; "
         "p.load(); print(vllm.__version__)"
     )
