@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
+
 REPO = Path(__file__).resolve().parents[2]
 NODE_SH = REPO / "e2e" / "node.sh"
-CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
-IMAGES_ENV = CACHE / "images" / "cpu.env"
 SELECTOR = {"weightsync.io/node": "real"}
 TOLERATIONS = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -59,17 +59,11 @@ def _node_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(NODE_SH), *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def built_images() -> dict[str, str]:
-    if not IMAGES_ENV.exists():
-        pytest.fail(f"no {IMAGES_ENV}: the real node runs the images `make images` builds; run it first")
-    return dict(line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines() if "=" in line)
-
-
 @contextmanager
 def real_node() -> Iterator[RealNode]:
     if os.geteuid() != 0:
         pytest.skip("the real node needs root (a network namespace, mounts, cgroups)")
-    images = built_images()
+    images = support.built_images()
     up = _node_sh("up", timeout=UP_TIMEOUT)
     try:
         assert up.returncode == 0, f"e2e/node.sh up failed:\n{up.stderr[-6000:]}"

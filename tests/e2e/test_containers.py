@@ -41,7 +41,7 @@ from tests.e2e import node
 from tests.e2e import test_real_sync as real_sync
 from tests.e2e.conftest import Kube, Timeouts
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400), support.needs_images]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "grpo-qwen"  # examples/rljob.yaml's name

@@ -4,40 +4,30 @@ answers its probe, and fails with a clear message when a mount or variable it ne
 The images are the CPU variant `make images` builds (``images/build.sh``; their names in
 ``$WEIGHTSYNC_CACHE/images/cpu.env``), run by podman with runc, no network but the container's own loopback
 (the probes are asked from inside, ``podman exec``), a read-only root and only the writable paths the chart
-mounts (``/tmp``), as the pods of an RLJob run them. Skipped where podman or the images are missing, unless
-``WEIGHTSYNC_IMAGES=1`` (``make test`` sets it after building them), which turns that into a failure.
+mounts (``/tmp``), as the pods of an RLJob run them. Skipped unless ``WEIGHTSYNC_IMAGES=1`` (``make
+container-tests`` sets it after building them); with it, missing podman or images is a failure.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+from tests import support
 
-CACHE = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
-IMAGES_ENV = CACHE / "images" / "cpu.env"
-REQUIRED = os.environ.get("WEIGHTSYNC_IMAGES") == "1"
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), support.needs_images]
 
 
 def _images() -> dict[str, str]:
-    missing = "podman is not installed" if shutil.which("podman") is None else ""
-    if not missing and not IMAGES_ENV.exists():
-        missing = f"no {IMAGES_ENV}: run make images"
-    if missing:
-        if REQUIRED:
-            pytest.fail(f"WEIGHTSYNC_IMAGES=1 but {missing}")
-        pytest.skip(missing)
-    pairs = (line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines() if "=" in line)
-    return dict(pairs)
+    if shutil.which("podman") is None:
+        pytest.fail("WEIGHTSYNC_IMAGES=1 but podman is not installed: run tools/setup-containers.sh")
+    return support.built_images()
 
 
 def _run_args(*extra: str) -> list[str]:
