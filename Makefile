@@ -64,7 +64,7 @@ container-tests: venv models node-tools images  ## build the images, run each as
 	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=1 $(PY) -m pytest -m "e2e or integration" \
 		tests/integration/test_image_containers.py tests/e2e/test_containers.py
 
-containers: ## install podman, runc, containerd, the CNI plugins, mmdebstrap, iptables, socat (apt, once; root)
+containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, iptables, socat (apt, once; root)
 	@bash tools/setup-containers.sh
 
 images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
