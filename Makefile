@@ -30,6 +30,9 @@ models: venv  ## generate and cache the tiny test models
 e2e-tools: ## build (once, cached under ~/.cache/weightsync) the control plane binaries, kubectl and helm
 	@bash e2e/cluster.sh tools >/dev/null
 
+node-tools: containers e2e-tools  ## build (once, cached) the real node's kubelet, kube-proxy and CoreDNS
+	@bash e2e/node.sh tools >/dev/null
+
 crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resources
 	.venv/bin/weightsync crds
 
@@ -69,8 +72,14 @@ frameworks: venv models  ## the framework integrations' longer runs (TRL, Atropo
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py
 
-images:  ## build the four container images with docker or podman (none on the development machines)
-	@engine=$$(command -v docker || command -v podman) || { echo "no docker or podman here: see images/README.md for how the images are checked without one"; exit 1; }; \
-	for c in operator coordinator trainer inference; do $$engine build -f images/$$c/Dockerfile -t weightsync-$$c:dev . || exit 1; done
+container-tests: venv models node-tools images  ## build the images, run each as a container and the chart + examples/rljob.yaml on a real node (not in make test: ~40 min cold)
+	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=1 $(PY) -m pytest -m "e2e or integration" \
+		tests/integration/test_image_containers.py tests/e2e/test_containers.py
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults layouts frameworks extras images
+containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, iptables, socat (apt, once; root)
+	@bash tools/setup-containers.sh
+
+images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
+	@bash images/build.sh cpu
+
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults layouts frameworks extras containers node-tools container-tests images

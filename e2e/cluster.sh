@@ -70,13 +70,24 @@ build_k8s() {
   if [[ -x "$bin/kube-apiserver" && -x "$bin/kube-scheduler" && -x "$bin/kube-controller-manager" ]]; then
     return 0
   fi
+  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold: about 4-6 min on 2 cores)"
+  local t0=$SECONDS
+  go_build_k8s k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager
+  log "built Kubernetes $K8S_VERSION in $((SECONDS - t0)) s -> $bin"
+  echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
+}
+
+# go_build_k8s PACKAGE...: builds commands of k8s.io/kubernetes $K8S_VERSION into $K8S_BIN (one go build,
+# shared compilation), from a throwaway module that pins the staging modules.
+go_build_k8s() {
   [[ -x "$GO" ]] || die "Go not found (set GO=/path/to/go)"
-  local src="$CACHE/k8s-$K8S_VERSION/src"
+  local bin="$K8S_BIN" src="$CACHE/k8s-$K8S_VERSION/src"
   local minor="${K8S_VERSION#v1.}"; minor="${minor%%.*}"
   local staging_ver="v0.${K8S_VERSION#v1.}"
   mkdir -p "$src" "$bin" "$GOMODCACHE" "$GOCACHE"
-  log "building kube-apiserver, kube-scheduler, kube-controller-manager $K8S_VERSION (cold: about 4-6 min on 2 cores)"
-  local t0=$SECONDS
+  # One build at a time in the module (e2e/node.sh builds the node's commands from it too).
+  local lock; exec {lock}>"$src.lock"; flock "$lock"
   # k8s.io/kubernetes replaces its staging modules with ./staging/...; a
   # dependent module must pin them itself (go install ...@v is refused).
   # The list is the `=> ./staging/` replace lines of that tag's go.mod.
@@ -111,13 +122,9 @@ EOF
   done
   (
     cd "$src"
-    CGO_ENABLED=0 "$GO" build -p "$(nproc)" -trimpath -ldflags "$ld" -o "$bin/" \
-      k8s.io/kubernetes/cmd/kube-apiserver \
-      k8s.io/kubernetes/cmd/kube-scheduler \
-      k8s.io/kubernetes/cmd/kube-controller-manager
-  ) || die "building Kubernetes $K8S_VERSION failed"
-  log "built Kubernetes $K8S_VERSION in $((SECONDS - t0)) s -> $bin"
-  echo "$((SECONDS - t0))" > "$CACHE/k8s-$K8S_VERSION/build-seconds"
+    CGO_ENABLED=0 "$GO" build -p "$(nproc)" -trimpath -ldflags "$ld" -o "$bin/" "$@"
+  ) || die "building $* ($K8S_VERSION) failed"
+  exec {lock}>&-
 }
 
 # go_install NAME VERSION BINDIR CGO LDFLAGS PACKAGE@VERSION: `go install` into BINDIR, timed; the build time
@@ -359,6 +366,8 @@ EOF
   sign_cert scheduler "/CN=system:kube-scheduler" "$d/client.ext"
   sign_cert controller-manager "/CN=system:kube-controller-manager" "$d/client.ext"
   sign_cert kwok "/O=system:masters/CN=kwok-controller" "$d/client.ext"
+  # the apiserver's own identity towards kubelets (kubectl logs/exec on e2e/node.sh's real node)
+  sign_cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$d/client.ext"
   # service-account token signing key pair
   openssl genrsa -out "$d/sa.key" 2048 2>/dev/null
   openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
@@ -470,19 +479,23 @@ ports_free() {
   [[ -z "$busy" ]] || die "ports already in use on $HOST:$busy (another cluster? run '$0 down', or set WEIGHTSYNC_E2E_*_PORT)"
 }
 
-cmd_up() {
-  # On failure stop what was started (logs stay in $LOGS for the post-mortem).
-  # (Not `if ! (...)`: errexit is ignored in a condition, even in a subshell.)
+# or_undo FUNC UNDO: FUNC with errexit in a subshell; when it fails, UNDO and exit 1. Never call it in a
+# condition (`if`, `||`): errexit is ignored there, even in a subshell that sets it.
+or_undo() {
   local rc
   set +e; trap - ERR
-  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; up_inner)
+  (set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR; "$1")
   rc=$?
   set -e; trap 'on_err $? $LINENO "$BASH_COMMAND"' ERR
-  if (( rc != 0 )); then
-    stop_components
-    [[ -d "$LOGS" ]] && echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
-    exit 1
-  fi
+  if (( rc != 0 )); then "$2"; exit 1; fi
+}
+
+cmd_up() { or_undo up_inner up_failed; }
+
+# Stop what was started; the logs stay in $LOGS for the post-mortem.
+up_failed() {
+  stop_components
+  [[ -d "$LOGS" ]] && echo "[cluster.sh] cluster failed to come up; logs kept in $LOGS (\`$0 logs\` shows them; \`$0 down\` removes them)" >&2
 }
 
 up_inner() {
@@ -521,8 +534,12 @@ up_inner() {
     --service-account-signing-key-file "$PKI/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 \
     --authorization-mode Node,RBAC \
+    --enable-admission-plugins PodNodeSelector,PodTolerationRestriction \
     --allow-privileged=true \
     --endpoint-reconciler-type none \
+    --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+    --kubelet-preferred-address-types InternalIP,Hostname \
     --profiling=false \
     --v=1
   wait_for "kube-apiserver /readyz" 120 kube-apiserver apiserver_ready
@@ -610,10 +627,11 @@ cluster_healthy() {
   done
   [[ -f "$KUBECONFIG_PATH" ]] || return 1
   apiserver_ready || return 1
+  # the KWOK nodes (e2e/node.sh's real node has a health of its own)
   local notready
-  notready="$(kubectl_ get nodes --no-headers 2>/dev/null | awk '$2!="Ready"' | wc -l)"
+  notready="$(kubectl_ get nodes -l type=kwok --no-headers 2>/dev/null | awk '$2!="Ready"' | wc -l)"
   [[ "$notready" == 0 ]] || return 1
-  [[ "$(kubectl_ get nodes --no-headers 2>/dev/null | wc -l)" -ge 3 ]] || return 1
+  [[ "$(kubectl_ get nodes -l type=kwok --no-headers 2>/dev/null | wc -l)" -ge 3 ]] || return 1
 }
 
 cmd_status() {
@@ -702,4 +720,5 @@ main() {
     *) die "usage: $0 tools|paths|up|down|status|env|logs|kueue-tools|kueue-up" ;;
   esac
 }
-main "$@"
+# Sourced (e2e/node.sh reads the settings and helpers), it runs nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then main "$@"; fi

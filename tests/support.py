@@ -6,11 +6,28 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 PROMPTS = [[1, 5, 7, 9], [1, 42, 17, 300, 12]]
 TOKENS = 6
 LOGPROB_TOLERANCE = 0.1
+
+IMAGES_ENV = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync")) / "images" / "cpu.env"
+needs_images = pytest.mark.skipif(
+    os.environ.get("WEIGHTSYNC_IMAGES") != "1",
+    reason="container test: set WEIGHTSYNC_IMAGES=1 (`make container-tests` builds the images, then runs these); "
+    "not part of `make test`",
+)
+"""The container tests (each image as a container, the chart on the real node) run only when asked for: building
+the images and the node takes ~40 minutes cold, more than CI's budget."""
+
+
+def built_images() -> dict[str, str]:
+    """The CPU images `make images` built (images/build.sh writes their names to ``IMAGES_ENV``)."""
+    if not IMAGES_ENV.exists():
+        pytest.fail(f"WEIGHTSYNC_IMAGES=1 but there is no {IMAGES_ENV}: run `make images` first")
+    return dict(line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines() if "=" in line)
 
 
 def tiny_model(preset: str = "tiny-qwen2") -> Path:

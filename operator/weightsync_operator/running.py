@@ -32,8 +32,14 @@ def api_client() -> client.ApiClient:
     """In-cluster credentials when running in a pod, else $KUBECONFIG / ~/.kube/config."""
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call,unused-ignore]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call,unused-ignore]
+    except config.ConfigException as in_pod:
+        try:
+            config.load_kube_config()  # type: ignore[no-untyped-call,unused-ignore]
+        except config.ConfigException as outside:
+            raise SystemExit(
+                f"weightsync operator: no cluster credentials: not in a pod ({in_pod}) and no kubeconfig ({outside}); "
+                "run it from the chart (in-cluster ServiceAccount) or set KUBECONFIG"
+            ) from outside
     configuration = client.Configuration.get_default_copy()
     # a connection for every reconcile thread and every concurrent write (handlers.WORKERS, reconciling._WRITES)
     configuration.connection_pool_maxsize = 64

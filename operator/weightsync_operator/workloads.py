@@ -242,6 +242,8 @@ def inference(job: str, namespace: str, spec: RLJobSpec, parked: bool, node_labe
         ],
         "ports": [{"name": "openai", "containerPort": inf.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "openai"}, "periodSeconds": 5},
+        # a read-only root: Python's tempfile (torch's import asks it) needs a writable /tmp
+        "volumeMounts": [podspecs.tmp_mount()],
         "securityContext": podspecs.container_security(),
     }
     return {

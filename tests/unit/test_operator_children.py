@@ -286,3 +286,15 @@ def test_covers_compares_quantities_by_value_and_ignores_what_is_not_set() -> No
     assert not children.covers([1, 2, 3], [1, 2])
     assert not children.covers({"enabled": True}, {"enabled": "true"})
     assert children.covers({}, {"readOnly": False, "args": []}) and not children.covers({}, {"readOnly": True})
+
+
+def test_every_container_with_a_read_only_root_has_a_writable_tmp() -> None:
+    """A read-only root leaves Python's tempfile nowhere to write (importing torch asks it): the e2e node's proxy
+    container crashed on that until its pod spec mounted /tmp."""
+    for obj in _by_kind().values():
+        if obj["kind"] not in ("Deployment", "StatefulSet", "Pod"):
+            continue
+        for name, container in _containers(obj).items():
+            if container["securityContext"]["readOnlyRootFilesystem"]:
+                mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+                assert "/tmp" in mounts, f"{obj['metadata']['name']}/{name} has a read-only root and no /tmp"
