@@ -16,7 +16,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +57,7 @@ def main() -> None:
             gradient_accumulation_steps=1,
             seq_len=64,
             device="cuda" if torch.cuda.is_available() else "cpu",
-            save_path=tempfile.mkdtemp(prefix="atropos-"),
+            save_path=task.scratch_dir("atropos-"),
             atropos_url=args.atropos_url,
             weight_bridge_mode="none",
             use_wandb=False,

@@ -15,10 +15,13 @@ Each example writes a JSON report (``--report``) and the trainer's final weights
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,13 @@ def arguments(description: str) -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="save the trainer's final weights here (a transformers folder)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def scratch_dir(prefix: str) -> str:
+    """A folder for the framework's own output (these runs save nothing there), removed when the example exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def write_report(path: str | None, report: dict[str, Any]) -> None:

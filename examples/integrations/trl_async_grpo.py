@@ -14,7 +14,6 @@ same name (``weightsync run`` serves ``$WEIGHTSYNC_MODEL``; in a cluster, ``--se
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
 import task
@@ -74,7 +73,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = qwen3_chat_template  # the tiny tokenizer has none; TRL parses replies by this one
     config = AsyncGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-async-grpo-"),
+        output_dir=task.scratch_dir("trl-async-grpo-"),
         vllm_server_base_url=weightsync_trl.endpoint(),
         max_steps=args.steps,
         num_generations=8,

@@ -11,7 +11,6 @@ which weights generated each completion.
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
 import task
@@ -40,7 +39,7 @@ def main() -> None:
         return [task.reward_of(ids) for ids in completion_ids]
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-grpo-"),
+        output_dir=task.scratch_dir("trl-grpo-"),
         max_steps=args.steps,
         per_device_train_batch_size=32,  # 4 prompts x 8 completions per step
         num_generations=8,
