@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -427,3 +429,22 @@ def test_listen_flag() -> None:
     for bad in ["8000", "host:", "host:99999"]:
         with pytest.raises(SystemExit, match="expected HOST:PORT"):
             proxy_cli.parse_listen(bad)
+
+
+LIGHT = """
+import sys
+from weightsync.cli import main
+parser = main.build_parser()
+args = parser.parse_args(["proxy", "--upstream", "http://127.0.0.1:9", "--agent", "http://127.0.0.1:9"])
+from weightsync_inference import proxy
+app = proxy.ProxyApp(proxy.ProxyConfig(upstream=args.upstream, agent=args.agent))
+proxy.uvicorn_config(app, "127.0.0.1", 0)
+print(sorted(m for m in ("torch", "vllm", "transformers", "grpc", "numpy", "safetensors") if m in sys.modules))
+"""
+
+
+def test_the_proxy_loads_no_torch_vllm_or_grpc() -> None:
+    # The proxy runs in a container of its own beside vLLM: its command's whole import path
+    # (the CLI parser with every subcommand's flags, the app, uvicorn's config) stays light.
+    out = subprocess.run([sys.executable, "-c", LIGHT], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", f"the proxy's import path loaded {out.stdout.strip()}: {out.stderr[-2000:]}"
