@@ -42,7 +42,7 @@ proto: venv  ## regenerate the gRPC code in weightsync/coordinator/_proto from p
 test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
 	.venv/bin/weightsync crds --check
 	$(PY) -m weightsync.coordinator.codegen --check
-	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests
+	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests --durations=40
 
 e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
 	$(PY) -m pytest tests -m e2e
