@@ -63,6 +63,9 @@ faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a
 		$(PY) -m pytest tests/integration/test_fleet_hosts_faults.py tests/integration/test_fleet_hosts_isolation.py \
 		tests/integration/test_nccl_exclusion.py
 
+serving: venv models  ## the longer serving runs (Mixtral served and in the sandbox, a folder without tokenizer files); CI runs a representative set
+	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py
+
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py
 
@@ -82,4 +85,4 @@ containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, i
 images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
 	@bash images/build.sh cpu
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults layouts frameworks extras containers node-tools container-tests images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults serving layouts frameworks extras containers node-tools container-tests images

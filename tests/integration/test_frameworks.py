@@ -7,7 +7,7 @@ checks what the issue asks of it: every step publishes a version, every sample s
 generated it, every replica serves the trainer's final weights (its greedy tokens through its own
 proxy equal transformers' on the saved final state), and the reward rises only with syncing on.
 
-``make test`` runs a representative short set (TRL's GRPOTrainer, Atropos, vLLM's factory);
+``make test`` runs a representative short set (TRL's GRPOTrainer and Atropos);
 ``make frameworks`` (``WEIGHTSYNC_FRAMEWORKS=all``) adds the longer runs: the rise-vs-flat
 comparison, AsyncGRPOTrainer, and verl, which lives in a virtualenv of its own (verl 0.9.1 pins
 transformers below what vLLM 0.32 needs), where also a framework outside its range is refused.
@@ -116,6 +116,7 @@ def test_atropos_trainer_publishes_instead_of_restarting_and_batches_carry_versi
 # ---- vLLM's trainer-side API -----------------------------------------------------------------------------------------
 
 
+@FULL
 def test_vllms_trainer_factory_builds_weightsync_by_name_and_its_versions_reach_the_replicas(
     fleet: FrameworkFleet,
 ) -> None:
