@@ -78,6 +78,11 @@ def _assert_covered(table: TensorTable, layouts: list[WorkerLayout], experts_spr
             assert kept in ({1}, {len(layouts)}) or (len(layouts) > 1 and kept == {1, len(layouts)}), (spec.name, kept)
 
 
+@pytest.mark.skipif(
+    not ALL,
+    reason="a TP=2 MoE engine: make layouts (WEIGHTSYNC_LAYOUTS=all); make test records the "
+    "MoE layout on meta models (test_recorded_fills_are_what_vllms_loaders_write)",
+)
 def test_a_mixture_of_experts_engine_records_each_workers_experts(tmp_path: Path) -> None:
     """A tiny Qwen2-MoE served at tensor-parallel size 2 with expert parallelism: each worker keeps half the
     experts whole, and says so."""
