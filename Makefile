@@ -63,8 +63,9 @@ faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a
 		$(PY) -m pytest tests/integration/test_fleet_hosts_faults.py tests/integration/test_fleet_hosts_isolation.py \
 		tests/integration/test_nccl_exclusion.py
 
-serving: venv models  ## the longer serving runs (Mixtral served and in the sandbox, a folder without tokenizer files); CI runs a representative set
-	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py
+serving: venv models  ## the longer serving runs (MoE models served and in the sandbox, no tokenizer files, the by-hand command); CI runs a representative set
+	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py \
+		tests/integration/test_by_hand.py
 
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py

@@ -144,6 +144,13 @@ def engines() -> Iterator[Engines]:
     live.close()
 
 
+LIVE = pytest.mark.skipif(
+    not ALL,
+    reason="two live engines (TP 1 and 2): make layouts (WEIGHTSYNC_LAYOUTS=all); make test records on meta models",
+)
+
+
+@LIVE
 @pytest.mark.parametrize("tp", [1, 2])
 def test_each_worker_records_its_layout_inside_the_engine(engines: Engines, tp: int, tmp_path: Path) -> None:
     engine, table = engines.engines[tp], engines.table
@@ -173,6 +180,7 @@ def test_each_worker_records_its_layout_inside_the_engine(engines: Engines, tp: 
     assert all(not w["mismatches"] for w in offline[str(tp)])  # type: ignore[union-attr]
 
 
+@LIVE
 def test_an_engine_takes_an_update_after_recording(engines: Engines) -> None:
     from weightsync.channels.base import UpdateTicket, direct_rendezvous
     from weightsync.channels.cpu import CpuSender

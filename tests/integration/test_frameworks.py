@@ -7,8 +7,9 @@ checks what the issue asks of it: every step publishes a version, every sample s
 generated it, every replica serves the trainer's final weights (its greedy tokens through its own
 proxy equal transformers' on the saved final state), and the reward rises only with syncing on.
 
-``make test`` runs a representative short set (TRL's GRPOTrainer and Atropos);
-``make frameworks`` (``WEIGHTSYNC_FRAMEWORKS=all``) adds the longer runs: the rise-vs-flat
+Every run here is by ``make frameworks`` (``WEIGHTSYNC_FRAMEWORKS=all``): its fleet alone costs CI more than it
+has (``make test`` runs the integrations' unit tests and the proxy's routes for them). It runs TRL's
+GRPOTrainer, Atropos, vLLM's factory, the rise-vs-flat
 comparison, AsyncGRPOTrainer, and verl, which lives in a virtualenv of its own (verl 0.9.1 pins
 transformers below what vLLM 0.32 needs), where also a framework outside its range is refused.
 """
@@ -54,6 +55,7 @@ def _quarters(rewards: list[float]) -> tuple[float, float]:
 # ---- TRL -------------------------------------------------------------------------------------------------------------
 
 
+@FULL
 def test_trl_grpo_trainer_publishes_every_step_and_its_samples_carry_the_version(fleet: FrameworkFleet) -> None:
     report, final = fleet.example("trl_grpo.py", "--steps", "3")
     steps = report["steps"]
@@ -100,6 +102,7 @@ def test_trl_async_grpo_trainer_publishes_every_sync_and_logs_served_versions(fl
 # ---- Atropos ---------------------------------------------------------------------------------------------------------
 
 
+@FULL
 def test_atropos_trainer_publishes_instead_of_restarting_and_batches_carry_versions(fleet: FrameworkFleet) -> None:
     steps = 3
     with fleet.atropos(steps) as url:
