@@ -67,8 +67,8 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py \
 		tests/integration/test_by_hand.py
 
-layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
-	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py
+layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders, trainer layouts on 4 ranks (CI runs a representative set)
+	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py tests/integration/test_trainer_layouts.py
 
 frameworks: venv models  ## the framework integrations on a multi-host fleet (TRL, Atropos, vLLM's factory, verl); not in make test (CI time)
 	WEIGHTSYNC_FRAMEWORKS=all $(PY) -m pytest tests/integration/test_frameworks.py

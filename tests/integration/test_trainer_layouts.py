@@ -7,6 +7,7 @@ must be the ones those trainers use.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -46,7 +47,19 @@ def _run(mode: str, world: int, out: Path) -> list[dict[str, object]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    "world",
+    [
+        2,
+        pytest.param(
+            4,
+            marks=pytest.mark.skipif(
+                os.environ.get("WEIGHTSYNC_LAYOUTS") != "all",
+                reason="4 ranks, an empty chunk: make layouts (WEIGHTSYNC_LAYOUTS=all); make test: 2 ranks, a 2x2 mesh",
+            ),
+        ),
+    ],
+)
 def test_fsdp2_ranks_read_one_layout_that_is_their_shards(world: int, tmp_path: Path) -> None:
     reports = _run("fsdp", world, tmp_path / "out")
     assert len({r["digest"] for r in reports}) == 1  # every rank computed the same layout, with no collective
