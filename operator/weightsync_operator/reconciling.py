@@ -51,6 +51,24 @@ class Reads(Protocol):
     def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]: ...
 
 
+class _ReadOnce:
+    """The API as one pass's ``Reads``, each object read once: a pass reads its workloads twice (for the status,
+    then to compare with the spec), which the indexes answer for free but the safety-net pass paid in GETs."""
+
+    def __init__(self, api: Api) -> None:
+        self._api = api
+        self._got: dict[tuple[str, str, str], Obj | None] = {}
+
+    def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        key = (kind, namespace, name)
+        if key not in self._got:
+            self._got[key] = self._api.get(kind, namespace, name)
+        return self._got[key]
+
+    def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        return self._api.list(kind, namespace, label_selector)
+
+
 @dataclass
 class Memory:
     secrets: set[tuple[str, str, str]] = field(default_factory=set)
@@ -110,7 +128,7 @@ def reconcile(
 ) -> Outcome:
     """One pass over ``body`` (the RLJob as last seen); ``reads`` defaults to the API itself; ``gate`` admits jobs
     whole (None: every job may have its pods at once)."""
-    reads = reads if reads is not None else api
+    reads = reads if reads is not None else _ReadOnce(api)
     memory = memory if memory is not None else Memory()
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
