@@ -302,16 +302,17 @@ def test_every_container_with_a_read_only_root_has_a_writable_tmp() -> None:
 
 
 class _CountingApi:
-    """An empty API server that takes every write and counts the reads."""
+    """An API server that holds ``pods`` alone (it never shows a deletion), takes every write and counts the reads
+    and the deletes."""
 
-    def __init__(self) -> None:
-        self.gets: list[tuple[str, str]] = []
+    def __init__(self, pods: list[dict[str, Any]] | None = None) -> None:
+        self.pods, self.gets, self.deletes = pods or [], list[tuple[str, str]](), list[str]()
 
     def get(self, kind: str, namespace: str, name: str) -> None:
         self.gets.append((kind, name))
 
     def list(self, kind: str, namespace: str, label_selector: str, field_selector: str = "") -> list[Any]:
-        return []
+        return self.pods if kind == "Pod" else []
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         return obj
@@ -320,6 +321,7 @@ class _CountingApi:
         return True
 
     def delete(self, kind: str, namespace: str, name: str, propagation: str = "Background") -> bool:
+        self.deletes.append(name)
         return True
 
     def patch_status(self, kind: str, namespace: str, name: str, body: dict[str, Any], rv: str | None) -> None:
@@ -334,3 +336,23 @@ def test_a_pass_that_reads_the_api_reads_each_child_once() -> None:
     reconciling.reconcile(api, body, reconciling.Settings())  # type: ignore[arg-type]
     assert ("Deployment", "grpo-coordinator") in api.gets and ("StatefulSet", "grpo-inference") in api.gets
     assert len(api.gets) == len(set(api.gets)), sorted(api.gets)
+
+
+def test_a_suspended_jobs_ranks_are_deleted_once_though_the_next_pass_still_sees_them() -> None:
+    """The pass after a suspend's may be woken by another child's event before the watch brings the ranks'
+    deletion: it does not delete them again; a rank re-created under the same name (a new uid) is deleted anew."""
+    ranks = children.trainer_pods(OWNER, SPEC)
+    for rank, uid in zip(ranks, ("a", "b"), strict=True):
+        rank["metadata"]["uid"] = uid
+    api, memory = _CountingApi(ranks), reconciling.Memory()
+    body = {
+        "metadata": {"name": "grpo", "namespace": "ml", "uid": "uid-1", "generation": 2},
+        "spec": {**BODY_SPEC, "suspend": True},
+    }
+    for _ in range(2):
+        reconciling.reconcile(api, body, reconciling.Settings(), memory=memory)  # type: ignore[arg-type]
+    assert sorted(api.deletes) == ["grpo-trainer-0", "grpo-trainer-1"]
+    ranks[1]["metadata"]["uid"] = "c"
+    reconciling.reconcile(api, body, reconciling.Settings(), memory=memory)  # type: ignore[arg-type]
+    assert sorted(api.deletes) == ["grpo-trainer-0", "grpo-trainer-1", "grpo-trainer-1"]
+    assert memory.deleted[("ml", "grpo")] == {"a", "c"}
