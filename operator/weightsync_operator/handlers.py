@@ -9,13 +9,20 @@ from those indexes (no API call) and writes what differs. The indexes are filled
 from a LIST before any handler runs, and an event is indexed before its handler
 runs, so a reconcile always sees at least what woke it.
 
+A job's first pass after the operator starts reads the indexes too: kopf runs no
+handler (no daemon) before every watched kind has been listed and every listed
+object indexed, so they hold what a LIST has just said. (The first passes used to
+read the API, about 15 GETs per job: a restart with 30 jobs sent some 500 reads
+in a burst, and a change made in the seconds after it waited behind them.)
+
 A job left alone for about ``resync_seconds`` gets one pass that reads the API
 itself: the safety net for what a watch cannot say (kopf re-lists after a watch
 expires but reports no deletion that happened in between). Each wait is drawn
 from half to one and a half periods, so jobs created together (or all woken by
 an operator's start) spread their safety-net reads over a period instead of
 sending them in one burst. Secrets are not watched (the operator may only get
-and create them); the reconcile's ``Memory`` keeps which exist.
+and create them): each is read once per job and start, and the reconcile's
+``Memory`` keeps which exist.
 
 With ``gang`` (the default) one ``admission.Gate`` admits jobs whole: a queued
 job asks again every ``admission.RECHECK_S`` or when a grant is released, and a
@@ -235,7 +242,7 @@ def build_registry(
         key = (str(body.metadata.namespace), str(body.metadata.name))
         loop = asyncio.get_running_loop()
         wake = wakers.register(key)
-        from_api, backoff = True, 0.0  # the first pass after a start reads the API: it also learns the Secrets
+        from_api, backoff = False, 0.0  # the indexes are complete before any daemon starts (module docstring)
         try:
             while not body.metadata.deletion_timestamp:
                 wake.clear()

@@ -8,10 +8,12 @@ resync, so every reaction a test waits for comes from an event.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,66 @@ def children(kube: Kube, namespace: str, job: str) -> dict[str, list[str]]:
     for item in json.loads(out)["items"]:
         kinds.setdefault(item["kind"], []).append(item["metadata"]["name"])
     return {k: sorted(v) for k, v in kinds.items()}
+
+
+def request_counts(kube: Kube) -> Counter[str]:
+    """What the API server answered so far: ``apiserver_request_total`` by verb and resource (``"PATCH
+    rljobs/status"``), and API Priority and Fairness's dispatched requests by flow schema (``"flow
+    service-accounts"``)."""
+    counts: Counter[str] = Counter()
+    for line in kube.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        if line.startswith(("apiserver_request_total{", "apiserver_flowcontrol_dispatched_requests_total{")):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            if "flow_schema" in labels:
+                key = f"flow {labels['flow_schema']}"
+            else:
+                sub = "/" + labels["subresource"] if labels.get("subresource") else ""
+                key = f"{labels.get('verb', '')} {labels.get('resource', '')}{sub}"
+            counts[key] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@contextmanager
+def operator_requests(
+    kube: Kube, operator: Operator, verbs: list[str], resources: list[str]
+) -> Iterator[Callable[[], float]]:
+    """Count the operator's requests of ``verbs`` on ``resources`` from now on, exactly: a FlowSchema files them
+    (by its ServiceAccount) under a flow schema of their own, whose dispatched requests the API server counts."""
+    name = f"{operator.release}-counted-{uuid.uuid4().hex[:5]}"
+    schema = {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": name},
+        "spec": {
+            "matchingPrecedence": 1000,  # before the built-in "service-accounts" (9000)
+            "priorityLevelConfiguration": {"name": "workload-low"},
+            "rules": [
+                {
+                    "subjects": [
+                        {
+                            "kind": "ServiceAccount",
+                            "serviceAccount": {"name": f"{operator.release}-weightsync", "namespace": operator.system},
+                        }
+                    ],
+                    "resourceRules": [
+                        {"verbs": verbs, "apiGroups": ["*"], "resources": resources, "namespaces": ["*"]}
+                    ],
+                }
+            ],
+        },
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps(schema))
+    kube.wait_for(  # the API server's flow control has taken it once it set its status
+        lambda: kube.kubectl("get", "flowschema", name, "-o", "jsonpath={.status.conditions}").stdout,
+        Timeouts.NAMESPACE_READY,
+        f"FlowSchema {name} in effect",
+    )
+    key = f"flow {name}"
+    start = request_counts(kube)[key]
+    try:
+        yield lambda: request_counts(kube)[key] - start
+    finally:
+        kube.kubectl("delete", "flowschema", name, "--wait=false", check=False)
 
 
 def example(name: str) -> dict[str, Any]:

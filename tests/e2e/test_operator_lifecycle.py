@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.chart import EXAMPLE_JOB, REPO, Operator, children, example, rljob, wait_phase
+from tests.e2e.chart import EXAMPLE_JOB, REPO, Operator, children, example, operator_requests, rljob, wait_phase
 from tests.e2e.conftest import Kube, Timeouts
+from weightsync_operator.kubeapi import KINDS
 
 pytestmark = pytest.mark.e2e
 
@@ -152,17 +153,21 @@ def test_rljob_lifecycle(kube: Kube, namespace: str, operator: Operator, tmp_pat
     ).items[0]
     assert "--tls-cert" in coordinator_pod.spec.containers[0].command
 
-    # an operator restarted mid-reconcile converges without duplicates, and keeps the TLS material
+    # an operator restarted mid-reconcile converges without duplicates, and keeps the TLS material; its start reads
+    # the children from its watches (kopf lists every kind before any pass), not with a GET of each per job
     kube.kubectl("delete", "deploy", f"{JOB}-coordinator", "-n", namespace, "--wait=false")
-    operator.stop()
-    operator.start()
-    time.sleep(3)
-    kube.wait_for(
-        lambda: _children(kube, namespace).keys() == before.keys() and len(_children(kube, namespace)["Pod"]) == 5,
-        Timeouts.POD_RUNNING,
-        "children back",
-    )
-    wait_phase(kube, namespace, JOB, "Running")
+    watched = [k.plural for k in KINDS.values() if k.kind not in ("Secret", "RLJob")]
+    with operator_requests(kube, operator, ["get"], watched) as child_gets:
+        operator.stop()
+        operator.start()
+        time.sleep(3)
+        kube.wait_for(
+            lambda: _children(kube, namespace).keys() == before.keys() and len(_children(kube, namespace)["Pod"]) == 5,
+            Timeouts.POD_RUNNING,
+            "children back",
+        )
+        wait_phase(kube, namespace, JOB, "Running")
+        assert child_gets() == 0
     after = _children(kube, namespace)
     assert {k: v for k, v in after.items() if k != "Pod"} == {k: v for k, v in before.items() if k != "Pod"}
     kept = kube.core.read_namespaced_secret(f"{JOB}-tls", namespace)

@@ -16,12 +16,13 @@ from weightsync.coordinator.models import JobPolicy
 from weightsync.errors import PermanentError
 from weightsync.resources.rljob import PlacementMode, RLJobSpec
 from weightsync.vocabulary import PauseMode, SyncMode
-from weightsync_operator import children, names
+from weightsync_operator import children, names, reconciling
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC = RLJobSpec.model_validate(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())["spec"])
+BODY_SPEC = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())["spec"]
+SPEC = RLJobSpec.model_validate(BODY_SPEC)
 OWNER = children.Owner("grpo", "ml", "uid-1")
 
 
@@ -298,3 +299,60 @@ def test_every_container_with_a_read_only_root_has_a_writable_tmp() -> None:
             if container["securityContext"]["readOnlyRootFilesystem"]:
                 mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
                 assert "/tmp" in mounts, f"{obj['metadata']['name']}/{name} has a read-only root and no /tmp"
+
+
+class _CountingApi:
+    """An API server that holds ``pods`` alone (it never shows a deletion), takes every write and counts the reads
+    and the deletes."""
+
+    def __init__(self, pods: list[dict[str, Any]] | None = None) -> None:
+        self.pods, self.gets, self.deletes = pods or [], list[tuple[str, str]](), list[str]()
+
+    def get(self, kind: str, namespace: str, name: str) -> None:
+        self.gets.append((kind, name))
+
+    def list(self, kind: str, namespace: str, label_selector: str, field_selector: str = "") -> list[Any]:
+        return self.pods if kind == "Pod" else []
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        return obj
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        return True
+
+    def delete(self, kind: str, namespace: str, name: str, propagation: str = "Background") -> bool:
+        self.deletes.append(name)
+        return True
+
+    def patch_status(self, kind: str, namespace: str, name: str, body: dict[str, Any], rv: str | None) -> None:
+        pass
+
+
+def test_a_pass_that_reads_the_api_reads_each_child_once() -> None:
+    """The safety-net pass (no indexes) reads the workloads for the status and again to compare them with the spec:
+    one GET each, not two."""
+    api = _CountingApi()
+    body = {"metadata": {"name": "grpo", "namespace": "ml", "uid": "uid-1", "generation": 1}, "spec": BODY_SPEC}
+    reconciling.reconcile(api, body, reconciling.Settings())  # type: ignore[arg-type]
+    assert ("Deployment", "grpo-coordinator") in api.gets and ("StatefulSet", "grpo-inference") in api.gets
+    assert len(api.gets) == len(set(api.gets)), sorted(api.gets)
+
+
+def test_a_suspended_jobs_ranks_are_deleted_once_though_the_next_pass_still_sees_them() -> None:
+    """The pass after a suspend's may be woken by another child's event before the watch brings the ranks'
+    deletion: it does not delete them again; a rank re-created under the same name (a new uid) is deleted anew."""
+    ranks = children.trainer_pods(OWNER, SPEC)
+    for rank, uid in zip(ranks, ("a", "b"), strict=True):
+        rank["metadata"]["uid"] = uid
+    api, memory = _CountingApi(ranks), reconciling.Memory()
+    body = {
+        "metadata": {"name": "grpo", "namespace": "ml", "uid": "uid-1", "generation": 2},
+        "spec": {**BODY_SPEC, "suspend": True},
+    }
+    for _ in range(2):
+        reconciling.reconcile(api, body, reconciling.Settings(), memory=memory)  # type: ignore[arg-type]
+    assert sorted(api.deletes) == ["grpo-trainer-0", "grpo-trainer-1"]
+    ranks[1]["metadata"]["uid"] = "c"
+    reconciling.reconcile(api, body, reconciling.Settings(), memory=memory)  # type: ignore[arg-type]
+    assert sorted(api.deletes) == ["grpo-trainer-0", "grpo-trainer-1", "grpo-trainer-1"]
+    assert memory.deleted[("ml", "grpo")] == {"a", "c"}
