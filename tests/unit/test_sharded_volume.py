@@ -25,6 +25,7 @@ from weightsync.channels.volume import VolumeReceiver, VolumeSender, verify_vers
 from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.sharding.boxes import Box
+from weightsync.sharding.fills import Fill
 from weightsync.sharding.shards import REPLICATE, Mesh, Placement, TrainerLayout
 from weightsync.tensors import ITEMSIZE, TensorTable, content_digest, manifest_checksum
 from weightsync.vocabulary import Channel
@@ -272,3 +273,20 @@ def test_a_manifest_of_an_unknown_format_or_with_pieces_missing_is_refused(tmp_p
     with pytest.raises(IntegrityError, match="3 tile digests, expected 4"):
         Manifest.parse(json.dumps({**raw, "pieces": [few, *raw["pieces"][1:]]}).encode(), tmp_path)
     assert math.prod(TABLE.tensors[0].shape) * ITEMSIZE["bfloat16"] == 256
+
+
+def test_damage_is_found_before_a_byte_is_handed_over_by_either_reader(tmp_path: Path) -> None:
+    layout, full = _fsdp(TABLE, 2), _full(TABLE)
+    manifest = _write(tmp_path, layout, full)
+    directory = manifests.version_dir(tmp_path, 1)
+    norm = next(p for p in manifest.pieces if p.tensor == 2)  # the last tensor read: everything before it is fine
+    _flip(directory / norm.file, norm.offset)
+    fills = [Fill(t, Box.whole(spec.shape), 0, Box.whole(spec.shape)) for t, spec in enumerate(TABLE)]
+    reader = sharded_volume.RegionReader(directory, manifest)
+    with pytest.raises(IntegrityError, match=r"rank 0\), tile \[0:4\] of tensor 'norm.weight'"):
+        reader.check(fills)  # a worker checks every tile it will read, then lands
+    assert reader.bytes_read == 0 and reader.bytes_checked > 0
+    checksum = manifest_checksum(manifests.manifest_path(tmp_path, 1).read_bytes())
+    groups = VolumeReceiver(tmp_path).receive(UpdateTicket(1, Channel.VOLUME, manifest_checksum=checksum))
+    with pytest.raises(IntegrityError, match=r"rank-00000.safetensors of version 1: sha256"):
+        next(groups)  # the gathered reader: every rank file's sha256 before the first group

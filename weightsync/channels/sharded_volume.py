@@ -214,10 +214,29 @@ class ShardedVolumeWriter:
         if layout.world_size != self.world:
             raise PermanentError(f"the layout is for {layout.world_size} ranks, this trainer has {self.world}")
         nonce = secrets.randbits(62) if self.rank == 0 else 0
-        version, step, nonce = self._broadcast_ints([version, step, nonce])
-        if version <= 0:
-            return None
-        tmp = self.root / f"{TEMPORARY_PREFIX}v{version:08d}-{nonce:016x}"
+        tmp: Path | None = None
+        try:
+            version, step, nonce = self._broadcast_ints([version, step, nonce])
+            if version <= 0:
+                return None
+            tmp = self.root / f"{TEMPORARY_PREFIX}v{version:08d}-{nonce:016x}"
+            manifest = self._write(tmp, version, step, layout, shards)
+        except RuntimeError as e:  # gloo: a rank died, or did not arrive within the group's timeout
+            if self.rank == 0 and tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise PermanentError(
+                f"version {version} was not written to the sharded volume: not every trainer rank took part within "
+                f"{self.timeout_s:.0f}s ({e}); a rank that died or hangs fails the copy at every rank"
+            ) from None
+        if isinstance(manifest, str):
+            raise PermanentError(f"version {version} was not written to the sharded volume: {manifest}")
+        return manifest if manifest is not None else Manifest.load(version_dir(self.root, version))
+
+    def _write(
+        self, tmp: Path, version: int, step: int, layout: TrainerLayout, shards: Mapping[int, torch.Tensor]
+    ) -> Manifest | str | None:
+        """Every rank's file, the reports to rank 0, rank 0's landing, its outcome to all: the manifest (rank 0),
+        None (the others, on success) or why it failed (every rank)."""
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             report = write_rank(tmp, self.rank, layout.table, writes(layout, self.rank), shards, self.tile)
@@ -225,8 +244,7 @@ class ShardedVolumeWriter:
             log.error("rank %d: writing version %d to the volume failed: %s", self.rank, version, e)
             report = RankReport(self.rank, error=f"{type(e).__name__}: {e}")
         reports = [RankReport.from_json(b) for b in self._all_gather_bytes(report.to_json())]
-        error = ""
-        manifest: Manifest | None = None
+        error, manifest = "", None
         if self.rank == 0:
             try:
                 manifest = land(self.root, tmp, version, step, layout.table, reports, self.tile)
@@ -234,9 +252,7 @@ class ShardedVolumeWriter:
                 error = str(e)
                 shutil.rmtree(tmp, ignore_errors=True)
         error = self._broadcast_bytes(error.encode()).decode()
-        if error:
-            raise PermanentError(f"version {version} was not written to the sharded volume: {error}")
-        return manifest if self.rank == 0 else Manifest.load(version_dir(self.root, version))
+        return error or manifest
 
     def _broadcast_ints(self, values: list[int]) -> list[int]:
         import torch.distributed as dist
@@ -336,6 +352,7 @@ class RegionReader:
             raise PermanentError(f"{directory}: version {manifest.version} is not sharded (format v1)")
         self.directory, self.manifest = directory, manifest
         self.bytes_read = 0
+        self.bytes_checked = 0
         self._pieces: dict[int, list[Piece]] = {}
         for p in manifest.pieces:
             self._pieces.setdefault(p.tensor, []).append(p)
@@ -350,34 +367,53 @@ class RegionReader:
             raise PermanentError(f"box {box} lies outside tensor {spec.name!r} of shape {list(spec.shape)}")
         if self._tiles and next(iter(self._tiles))[0] != tensor:
             self._tiles.clear()
-        dtype, item = TORCH_DTYPES[spec.dtype], ITEMSIZE[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         out = torch.empty(box.lengths, dtype=dtype)
+        for piece, index, cell, common, at in self._touching(tensor, box):
+            data = self._tile(piece, index, cell, at, keep=common != cell)
+            values = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(cell.lengths)
+            out[_slices(common, box.offsets)] = values[_slices(common, cell.offsets)]
+        return out
+
+    def check(self, fills: Iterable[Fill]) -> None:
+        """Read and verify every tile ``fills`` touch, keeping nothing: a worker checks all it will read before
+        its first byte lands in a parameter (fail-stop: a damaged version is refused with the weights untouched),
+        then reads again to land (from the page cache, mostly). Counted in ``bytes_checked``."""
+        counted = self.bytes_read
+        try:
+            for f in fills:
+                for piece, index, cell, _, at in self._touching(f.tensor, f.source):
+                    self._tile(piece, index, cell, at, keep=False)
+        finally:
+            self.bytes_checked += self.bytes_read - counted
+            self.bytes_read = counted
+
+    def _touching(self, tensor: int, box: Box) -> Iterator[tuple[Piece, int, Box, Box, int]]:
+        """(piece, tile index, tile, its part inside ``box``, byte offset) of every tile ``box`` touches."""
+        item = ITEMSIZE[self.manifest.table.tensors[tensor].dtype]
         for piece in self._pieces.get(tensor, []):
             if piece.box.intersect(box) is None:
                 continue
             at = piece.offset
-            for i, cell in enumerate(tiles(piece.box, self.manifest.tile)):
-                nbytes = cell.numel * item
+            for index, cell in enumerate(tiles(piece.box, self.manifest.tile)):
                 common = cell.intersect(box)
                 if common is not None:
-                    data = self._tile(piece, i, cell, at, nbytes, keep=common != cell)
-                    values = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(cell.lengths)
-                    out[_slices(common, box.offsets)] = values[_slices(common, cell.offsets)]
-                at += nbytes
-        return out
+                    yield piece, index, cell, common, at
+                at += cell.numel * item
 
     def fills(self, fills: Iterable[Fill]) -> Iterator[tuple[Fill, torch.Tensor]]:
         """Each fill with its source box, read (a worker's layout: ``WorkerLayout.fills``)."""
         for f in fills:
             yield f, self.region(f.tensor, f.source)
 
-    def _tile(self, piece: Piece, index: int, cell: Box, at: int, nbytes: int, keep: bool) -> bytearray:
+    def _tile(self, piece: Piece, index: int, cell: Box, at: int, keep: bool) -> bytearray:
         """The tile's bytes, verified; ``keep``: the region uses part of it, the next fill may use the rest."""
         key = (piece.tensor, piece.rank, index)
         cached = self._tiles.get(key)
         if cached is not None:
             return cached
-        name = self.manifest.table.tensors[piece.tensor].name
+        spec = self.manifest.table.tensors[piece.tensor]
+        name, nbytes = spec.name, cell.numel * ITEMSIZE[spec.dtype]
         path = self.directory / piece.file
         what = (
             f"{path}: {piece.file} of version {self.manifest.version} (written by trainer rank {piece.rank}), "

@@ -260,10 +260,10 @@ class VolumeReceiver(Receiver):
         directory = self.version_directory(ticket)
         manifest = self.manifest(ticket)
         self.table = ticket.resolve_table(manifest.table, f"{directory}")
+        verify_version(directory, manifest)  # every file, before a byte reaches the engine
         if manifest.sharded:
             yield from self._receive_sharded(ticket, directory, manifest)
             return
-        verify_version(directory, manifest)
         expected = manifest.table.digests()
         if ticket.verify and len(expected) != len(manifest.table):
             raise IntegrityError(
@@ -289,8 +289,9 @@ class VolumeReceiver(Receiver):
 
     def _receive_sharded(self, ticket: UpdateTicket, directory: Path, manifest: Manifest) -> Iterator[Group]:
         """A sharded version (format v2) read whole, the gathered way (a replica without a recorded layout): each
-        tensor assembled from every rank's pieces, every tile checked against its digest as it is read; the
-        digests acked are those of the assembled tensors, what the trainer's live stream would have sent."""
+        tensor assembled from every rank's pieces, every tile checked against its digest as it is read (the rank
+        files' sha256 were checked before: nothing is loaded from a damaged version); the digests acked are those
+        of the assembled tensors, what the trainer's live stream would have sent."""
         from weightsync.channels.sharded_volume import RegionReader
         from weightsync.sharding.boxes import Box
 
