@@ -8,7 +8,9 @@ what the readers are compared with. It writes what happened as JSON to ``--out/r
 
 Modes: ``write`` (version 1 with ``--tile``, version 2 with the default tile), ``dies`` (rank 1 exits before the
 write: rank 0 must fail the version after the writer's timeout), ``own-disk`` (rank 1's root is a directory
-of its own, not the shared volume: every rank must fail the version naming rank 1).
+of its own, not the shared volume: every rank must fail the version naming rank 1), ``publish`` (the user's
+path: a ``Publisher`` on every rank, rank 0 talking to the coordinator at ``--coordinator``, publishes two
+steps; the volume copies are the sharded ones, written in the background).
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from tests import support
+    from tests.integration import layout_ranks
     from weightsync.channels.sharded_volume import ShardedVolumeWriter
     from weightsync.errors import PermanentError
     from weightsync_trainer import reference
     from weightsync_trainer.layouts import trainer_layout
-    from weightsync_trainer.shard_copies import write_version
+    from weightsync_trainer.shard_copies import local_shards
     from weightsync_trainer.sources import ModuleSource
 
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["write", "dies", "own-disk"], required=True)
+    p.add_argument("--mode", choices=["write", "dies", "own-disk", "publish"], required=True)
+    p.add_argument("--coordinator", default="")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--root", required=True)
@@ -50,10 +52,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = support.hf_trainer(Path(args.model), seed=0, steps=0)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    layout_ranks._shard(model, "fsdp", world)  # FSDP2 per layer and at the root, as the layout test shards
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference.train_step(model, opt, model.config.vocab_size, seed=7)  # the shards of a trained model
 
@@ -72,6 +71,11 @@ def main() -> None:
     if args.mode == "own-disk" and rank == 1:
         root = Path(args.out, "rank1-own-disk")
     report: dict[str, object] = {"rank": rank, "writes": []}
+    if args.mode == "publish":
+        report["published"] = publish(args, source, root, rank)
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+        return
     writers = [ShardedVolumeWriter(root, timeout_s=args.timeout, tile=args.tile)]
     if args.mode == "write":
         writers.append(ShardedVolumeWriter(root, timeout_s=args.timeout))  # the default tile
@@ -81,7 +85,7 @@ def main() -> None:
     for version, writer in enumerate(writers, start=1):
         t0 = time.perf_counter()
         try:
-            manifest = write_version(writer, source, layout, version, step=10 * version)
+            manifest = writer.write(version, 10 * version, layout, local_shards(source, layout, rank))
             assert manifest is not None
             entry: dict[str, object] = {"version": version, "files": sorted(manifest.shards), "tile": manifest.tile}
         except PermanentError as e:
@@ -91,6 +95,39 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(report))
     if args.mode != "dies":
         dist.destroy_process_group()
+
+
+def publish(args: argparse.Namespace, source: object, root: Path, rank: int) -> list[dict[str, object]]:
+    from weightsync import jobconfig
+    from weightsync.coordinator.client import CoordinatorClient
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.sources import ModuleSource
+
+    assert isinstance(source, ModuleSource)
+    client = CoordinatorClient(args.coordinator, insecure=True, timeout_s=30) if rank == 0 else None
+    # no replica here: the job's policy lets a version planned for none be READY (its copy is what late joiners load)
+    config = jobconfig.JobConfig("job", (Channel.VOLUME,), transfer_timeout_s=args.timeout, ready_without_acks=True)
+    publisher = Publisher(
+        source,
+        client,
+        job="job",
+        rank=rank,
+        channels_=(Channel.VOLUME,),
+        checkpoint_dir=root,
+        config=config,
+        timeout_s=args.timeout,
+        version_timeout_s=args.timeout,
+    )
+    assert publisher.sharded is not None, "a 2-rank FSDP2 trainer writes the sharded volume"
+    out = []
+    for step in (5, 6):
+        report = publisher.publish(step)
+        publisher.wait_durable(args.timeout)
+        out.append({"version": report.version, "state": report.state.value} if report else {})
+    out.append({"errors": publisher.durable_errors})
+    publisher.close()
+    return out
 
 
 if __name__ == "__main__":

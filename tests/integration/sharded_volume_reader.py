@@ -53,7 +53,7 @@ def load(
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from weightsync.channels.sharded_volume import RegionReader
+    from weightsync.channels.volume_regions import RegionReader
     from weightsync_inference import offline_layouts, recording
     from weightsync_inference.landing import Landing
 

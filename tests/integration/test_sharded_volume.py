@@ -43,7 +43,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ranks(mode: str, tmp: Path, timeout_s: float = 60.0) -> tuple[Path, list[dict[str, object]]]:
+def _ranks(mode: str, tmp: Path, timeout_s: float = 60.0, *extra: str) -> tuple[Path, list[dict[str, object]]]:
     """Run 2 trainer ranks in ``mode``; the shared volume and what each rank reported."""
     volume, out = tmp / "volume", tmp / "out"
     volume.mkdir()
@@ -52,7 +52,7 @@ def _ranks(mode: str, tmp: Path, timeout_s: float = 60.0) -> tuple[Path, list[di
         (tmp / f"mnt-rank{rank}").symlink_to(volume)  # each rank's own mount point of the one volume
     args = ["--mode", mode, "--model", str(support.tiny_model()), "--port", str(_free_port())]
     args += ["--root", str(tmp / "mnt-rank{rank}"), "--reference", str(tmp / "reference"), "--out", str(out)]
-    args += ["--timeout", str(timeout_s)]
+    args += ["--timeout", str(timeout_s), *extra]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.integration.sharded_volume_ranks", *args],
@@ -155,6 +155,36 @@ def test_a_tp2_engine_loads_the_sharded_version_and_refuses_a_damaged_one(
         support.assert_generates_like(engine, trained)  # still version 1, whole
     finally:
         engine.close()
+
+
+def test_the_publisher_of_an_fsdp2_trainer_writes_the_sharded_copy_from_every_rank(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from weightsync.coordinator import server
+    from weightsync.coordinator.client import CoordinatorClient
+
+    config = server.ServerConfig(insecure=True, port=0, metrics_port=0)
+    coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
+    try:
+        volume, reports = _ranks("publish", tmp_path, 60.0, "--coordinator", coordinator.target)
+        client = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+        infos = [client.version_info(v, job="job") for v in (1, 2)]
+        client.close()
+    finally:
+        coordinator.stop(0.5)
+    assert reports[0]["published"] == [
+        {"version": 1, "state": "READY"},
+        {"version": 2, "state": "READY"},
+        {"errors": []},
+    ]
+    assert reports[1]["published"] == [{}, {}, {"errors": []}]  # rank 1 wrote its shards; rank 0 reports
+    assert manifests.list_versions(volume) == [1, 2]
+    for info in infos:
+        assert info.durable and info.step in (5, 6)
+        path = manifests.manifest_path(volume, info.version)
+        assert info.manifest_checksum == manifest_checksum(path.read_bytes())
+        manifest = manifests.Manifest.load(path.parent)
+        assert manifest.sharded and sorted(manifest.shards) == ["rank-00000.safetensors", "rank-00001.safetensors"]
 
 
 @faults

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tests.unit import sharding_cases as cases
-from weightsync.channels import manifests, sharded_volume
+from weightsync.channels import manifests, sharded_volume, volume_regions
 from weightsync.channels.base import UpdateTicket
 from weightsync.channels.manifests import Manifest
 from weightsync.channels.pieces import tiles
@@ -124,7 +124,7 @@ def test_random_trainers_and_replicas_read_back_exactly_their_regions(seed: int,
     directory = manifests.version_dir(tmp_path, 1)
     replica = cases.random_replica(rng, table, rng.choice([1, 2, 3]))
     for worker in replica.workers:
-        reader = sharded_volume.RegionReader(directory, manifest)
+        reader = volume_regions.RegionReader(directory, manifest)
         for fill, got in reader.fills(worker.fills):
             assert torch.equal(got, full[fill.tensor][cases.slices(fill.source)]), (seed, worker.rank, fill)
         needed = worker.bytes_needed(table)
@@ -133,7 +133,7 @@ def test_random_trainers_and_replicas_read_back_exactly_their_regions(seed: int,
         else:
             assert reader.bytes_read >= needed
         reader.close()
-    whole = sharded_volume.RegionReader(directory, manifest)
+    whole = volume_regions.RegionReader(directory, manifest)
     for t, spec in enumerate(table):
         assert torch.equal(whole.region(t, Box.whole(spec.shape)), full[t])
     assert whole.bytes_read == table.total_bytes
@@ -142,7 +142,7 @@ def test_random_trainers_and_replicas_read_back_exactly_their_regions(seed: int,
 def test_a_tensor_parallel_workers_regions_on_the_grid_read_only_their_bytes(tmp_path: Path) -> None:
     layout, full = _fsdp(TABLE, 2), _full(TABLE)
     manifest = _write(tmp_path, layout, full)
-    reader = sharded_volume.RegionReader(manifests.version_dir(tmp_path, 1), manifest)
+    reader = volume_regions.RegionReader(manifests.version_dir(tmp_path, 1), manifest)
     rows = reader.region(0, Box((4, 0), (8, 8)))  # column-parallel rows across both ranks' pieces
     cols = reader.region(1, Box((0, 8), (8, 8)))  # row-parallel columns: a block of every row
     assert torch.equal(rows, full[0][4:12]) and torch.equal(cols, full[1][:, 8:16])
@@ -163,7 +163,7 @@ def test_a_corrupted_or_truncated_rank_file_fails_naming_file_tensor_and_rank(tm
     directory = manifests.version_dir(tmp_path, 1)
     o_rank1 = next(p for p in manifest.pieces if p.tensor == 1 and p.rank == 1)
     _flip(directory / "rank-00001.safetensors", o_rank1.offset + 3)
-    reader = sharded_volume.RegionReader(directory, manifest)
+    reader = volume_regions.RegionReader(directory, manifest)
     assert torch.equal(reader.region(1, Box((0, 0), (4, 16))), full[1][:4])  # rank 0's piece is whole
     with pytest.raises(
         IntegrityError,
@@ -182,14 +182,14 @@ def test_a_corrupted_or_truncated_rank_file_fails_naming_file_tensor_and_rank(tm
         match=r"written by trainer rank 0\), tile \[\d+:\d+, \d+:\d+\] of tensor "
         r"'o.weight': the file is truncated",
     ):
-        sharded_volume.RegionReader(directory, manifest).region(1, Box.whole((8, 16)))
+        volume_regions.RegionReader(directory, manifest).region(1, Box.whole((8, 16)))
     (directory / "rank-00001.safetensors").unlink()
     with pytest.raises(
         IntegrityError,
         match=r"written by trainer rank 1\), tile .* of tensor 'q.weight': the file "
         r"is missing",
     ):
-        sharded_volume.RegionReader(directory, manifest).region(0, Box((8, 0), (8, 8)))
+        volume_regions.RegionReader(directory, manifest).region(0, Box((8, 0), (8, 8)))
 
 
 def test_the_gathered_reader_loads_a_sharded_version_whole_and_acks_the_trainers_digests(tmp_path: Path) -> None:
@@ -282,7 +282,7 @@ def test_damage_is_found_before_a_byte_is_handed_over_by_either_reader(tmp_path:
     norm = next(p for p in manifest.pieces if p.tensor == 2)  # the last tensor read: everything before it is fine
     _flip(directory / norm.file, norm.offset)
     fills = [Fill(t, Box.whole(spec.shape), 0, Box.whole(spec.shape)) for t, spec in enumerate(TABLE)]
-    reader = sharded_volume.RegionReader(directory, manifest)
+    reader = volume_regions.RegionReader(directory, manifest)
     with pytest.raises(IntegrityError, match=r"rank 0\), tile \[0:4\] of tensor 'norm.weight'"):
         reader.check(fills)  # a worker checks every tile it will read, then lands
     assert reader.bytes_read == 0 and reader.bytes_checked > 0

@@ -49,6 +49,11 @@ def tiles(box: Box, tile: int) -> Iterator[Box]:
         yield Box(tuple(a for a, _ in cell), tuple(b - a for a, b in cell))
 
 
+def slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
+    """``box`` as slices of a block whose first element is at ``origin`` (a piece, a tile, a region)."""
+    return tuple(slice(o - z, o - z + n) for o, z, n in zip(box.offsets, origin, box.lengths, strict=True))
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
     """Rank ``rank``'s box of table tensor ``tensor``, stored in ``file`` from byte ``offset`` on as its tiles (in

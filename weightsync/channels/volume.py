@@ -51,7 +51,7 @@ DEFAULT_SHARD_BYTES = 512 << 20
 _HASH_BLOCK = 16 << 20
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """Flush a file's or a directory's entries to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -61,7 +61,7 @@ def _fsync(path: Path) -> None:
 
 
 def _fsync_and_hash(path: Path) -> str:
-    _fsync(path)
+    fsync(path)
     return _sha256_file(path)
 
 
@@ -168,9 +168,9 @@ class VolumeSender(Sender):
                 f.write(manifest.to_json())
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync(tmp)
+            fsync(tmp)
             os.rename(tmp, final)
-            _fsync(self.root)
+            fsync(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -292,7 +292,7 @@ class VolumeReceiver(Receiver):
         tensor assembled from every rank's pieces, every tile checked against its digest as it is read (the rank
         files' sha256 were checked before: nothing is loaded from a damaged version); the digests acked are those
         of the assembled tensors, what the trainer's live stream would have sent."""
-        from weightsync.channels.sharded_volume import RegionReader
+        from weightsync.channels.volume_regions import RegionReader
         from weightsync.sharding.boxes import Box
 
         reader = RegionReader(directory, manifest)
