@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--coordinator", default="")
     p.add_argument("--model", required=True)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--master", default="127.0.0.1", help="rank 0's address (its host's, on separate hosts)")
     p.add_argument("--root", required=True)
     p.add_argument("--reference", required=True)
     p.add_argument("--tile", type=int, default=64)
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = support.hf_trainer(Path(args.model), seed=0, steps=0)
     layout_ranks._shard(model, "fsdp", world)  # FSDP2 per layer and at the root, as the layout test shards

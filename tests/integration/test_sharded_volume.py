@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests import support
+from tests import netns, support
 from weightsync.channels import manifests
 from weightsync.channels.base import UpdateTicket
 from weightsync.channels.volume import VolumeReceiver
@@ -43,8 +43,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ranks(mode: str, tmp: Path, timeout_s: float = 60.0, *extra: str) -> tuple[Path, list[dict[str, object]]]:
-    """Run 2 trainer ranks in ``mode``; the shared volume and what each rank reported."""
+def _ranks(
+    mode: str, tmp: Path, timeout_s: float = 60.0, *extra: str, hosts: netns.Hosts | None = None
+) -> tuple[Path, list[dict[str, object]]]:
+    """Run 2 trainer ranks in ``mode`` (on hosts ``rank-0`` and ``rank-1`` of ``hosts`` when given); the shared
+    volume and what each rank reported."""
     volume, out = tmp / "volume", tmp / "out"
     volume.mkdir()
     out.mkdir()
@@ -53,14 +56,16 @@ def _ranks(mode: str, tmp: Path, timeout_s: float = 60.0, *extra: str) -> tuple[
     args = ["--mode", mode, "--model", str(support.tiny_model()), "--port", str(_free_port())]
     args += ["--root", str(tmp / "mnt-rank{rank}"), "--reference", str(tmp / "reference"), "--out", str(out)]
     args += ["--timeout", str(timeout_s), *extra]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.integration.sharded_volume_ranks", *args],
-            cwd=ROOT,
-            env={**support.env_without_proxies(), "RANK": str(rank), "WORLD_SIZE": "2"},
-        )
-        for rank in (0, 1)
-    ]
+    if hosts is not None:
+        args += ["--master", hosts.address("rank-0")]
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "tests.integration.sharded_volume_ranks", *args]
+        env = {**support.env_without_proxies(), "RANK": str(rank), "WORLD_SIZE": "2"}
+        if hosts is None:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
+        else:
+            procs.append(hosts.popen(f"rank-{rank}", cmd, cwd=ROOT, env=env))
     try:
         assert [p.wait(timeout=400) for p in procs] == [0, 0]
     finally:
@@ -158,20 +163,24 @@ def test_a_tp2_engine_loads_the_sharded_version_and_refuses_a_damaged_one(
 
 
 def test_the_publisher_of_an_fsdp2_trainer_writes_the_sharded_copy_from_every_rank(tmp_path: Path) -> None:
+    """The user's path across hosts: each rank in a network namespace of its own (gloo between them over the
+    bridge), the coordinator on the test's host network, each rank with its own mount point of the volume."""
     from prometheus_client import CollectorRegistry
 
     from weightsync.coordinator import server
     from weightsync.coordinator.client import CoordinatorClient
 
-    config = server.ServerConfig(insecure=True, port=0, metrics_port=0)
-    coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
-    try:
-        volume, reports = _ranks("publish", tmp_path, 60.0, "--coordinator", coordinator.target)
-        client = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
-        infos = [client.version_info(v, job="job") for v in (1, 2)]
-        client.close()
-    finally:
-        coordinator.stop(0.5)
+    netns.require()
+    with netns.Hosts(["rank-0", "rank-1"]) as hosts:
+        config = server.ServerConfig(host=hosts.bridge_address, insecure=True, port=0, metrics_port=0)
+        coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
+        try:
+            volume, reports = _ranks("publish", tmp_path, 60.0, "--coordinator", coordinator.target, hosts=hosts)
+            client = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+            infos = [client.version_info(v, job="job") for v in (1, 2)]
+            client.close()
+        finally:
+            coordinator.stop(0.5)
     assert reports[0]["published"] == [
         {"version": 1, "state": "READY"},
         {"version": 2, "state": "READY"},
