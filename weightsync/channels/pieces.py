@@ -18,7 +18,7 @@ the manifest lists its digest (the first 128 bits of the sha256 of its bytes). S
   straddles two ranks' pieces, and a piece's tiles are its cells of the one grid.
 
 The tile size trades the manifest's size (one digest per tile: Qwen3-8B at 256 has
-about 113 k tiles, ~4 MB of manifest) against how much a reader reads beyond its region.
+about 126 k tiles, ~4.4 MB of manifest) against how much a reader reads beyond its region.
 """
 
 from __future__ import annotations
