@@ -67,7 +67,7 @@ from weightsync.errors import PermanentError
 from weightsync.metrics import PublisherMetrics
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, VersionState
-from weightsync_trainer import phases
+from weightsync_trainer import phases, shard_copies
 from weightsync_trainer.durable import VolumeCopies
 from weightsync_trainer.sources import LoraAdapterSource, WeightSource
 
@@ -178,6 +178,8 @@ class Publisher:
         self.senders: dict[Channel, Sender] = {}
         self.volume: VolumeSender | None = None
         self.copies: VolumeCopies | None = None
+        # every rank writes its own shards when the layout allows (a collective: decided alike on every rank)
+        self.sharded = shard_copies.sharded_copies(source, checkpoint_dir, client, verify, timeout_s)
         if rank != 0:
             return
         if client is None:
@@ -197,7 +199,7 @@ class Publisher:
                 self.senders[ch] = sender
         if not self.senders and self.volume is None:
             raise PermanentError(f"this trainer can send none of the job's channels {[c.value for c in channels_]}")
-        self.copies = VolumeCopies(self.volume, client, self.table, verify, source.groups)
+        self.copies = self.sharded or VolumeCopies(self.volume, client, self.table, verify, source.groups)
         from weightsync.channels import batched
 
         batched.warm(dev)  # the digest kernel compiles now, not inside the first version's stream
@@ -280,6 +282,12 @@ class Publisher:
         """Publish the source's current weights as a new version (on every rank); rank 0 returns the report.
 
         The phases (``phases``) each return what they did; the report is made of their results."""
+        if self.sharded is not None:
+            with self.sharded.round():  # every rank takes part in this publish's volume copy, once
+                return self._publish(step)
+        return self._publish(step)
+
+    def _publish(self, step: int) -> PublishReport | None:
         if self.rank != 0:
             phases.take_part(self.source)
             return None
@@ -296,7 +304,8 @@ class Publisher:
         joined = phases.join(self.client, self.senders, plan, lost)
         receivers = {ch: sorted(plan.receivers(ch)) for ch in self.senders}
         tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
-        streamed = phases.stream(self.source, joined.live, tickets, receivers, self.volume is not None, lost)
+        keep = self.volume is not None and self.sharded is None  # a sharded copy snapshots each rank's own shards
+        streamed = phases.stream(self.source, joined.live, tickets, receivers, keep, lost)
         failed = {**streamed.failed, **joined.lost}
         digest = streamed.content_digest
         verdict = phases.settle(
@@ -363,11 +372,14 @@ class Publisher:
 
     def wait_durable(self, timeout_s: float | None = None) -> None:
         """Block until the last version's background volume copy has landed (or failed)."""
-        if self.copies is not None:
-            self.copies.wait(timeout_s)
+        copies = self.copies or self.sharded  # a rank other than 0 writes its own shards of a sharded copy
+        if copies is not None:
+            copies.wait(timeout_s)
 
     def close(self) -> None:
         self.wait_durable()
+        if self.sharded is not None:
+            self.sharded.close()
         for sender in self._all_senders().values():
             sender.close()
         if self.client is not None:

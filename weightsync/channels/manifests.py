@@ -5,6 +5,12 @@ Layout under the volume root::
     v00000007/manifest.json           version, step, tensors (shard, dtype, shape, digest), shards (sha256)
     v00000007/shard-00000.safetensors
 
+That is format ``weightsync.volume/v1``, written by one process holding every tensor whole.
+A sharded trainer writes ``weightsync.volume/v2`` (``SHARDED``): each rank writes the boxes
+it holds into ``rank-NNNNN.safetensors`` and the manifest lists every rank's *pieces* and
+their tiles' digests (``pieces``) instead of a shard per tensor. Readers take both
+formats: versions written before the sharded writer stay loadable (catch-up).
+
 A version directory appears whole or not at all (written under a temporary name,
 fsync'ed, renamed; ``weightsync.channels.volume``). Its manifest is trusted only when
 its bytes match the manifest checksum the coordinator recorded when the version became
@@ -22,10 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightsync.channels.pieces import Piece, check_pieces
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorTable, manifest_checksum
 
 FORMAT = "weightsync.volume/v1"
+SHARDED = "weightsync.volume/v2"
+FORMATS = (FORMAT, SHARDED)
 MANIFEST = "manifest.json"
 TEMPORARY_PREFIX = ".tmp-"
 STALE_TEMPORARY_S = 3600.0
@@ -47,20 +56,35 @@ class Manifest:
     shard_of: dict[str, str]
     shards: dict[str, tuple[int, str]]  # file -> (bytes, sha256 hex)
     created: float
+    pieces: tuple[Piece, ...] = ()
+    """A sharded version's pieces (format v2; ``shard_of`` is empty then), in table order, then rank order."""
+    tile: int = 0
+    """A sharded version's tile size (``pieces``)."""
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.pieces)
 
     def to_json(self) -> str:
+        if self.sharded:
+            tensors = [s.to_dict() for s in self.table]
+            extra: dict[str, Any] = {"tile": self.tile, "pieces": [p.to_dict() for p in self.pieces]}
+        else:
+            tensors = [dict(s.to_dict(), shard=self.shard_of[s.name]) for s in self.table]
+            extra = {}
         return json.dumps(
             {
-                "format": FORMAT,
+                "format": SHARDED if self.sharded else FORMAT,
                 "version": self.version,
                 "step": self.step,
                 "created": self.created,
                 "total_bytes": self.table.total_bytes,
                 "group_starts": list(self.table.group_starts),
-                "tensors": [dict(s.to_dict(), shard=self.shard_of[s.name]) for s in self.table],
+                "tensors": tensors,
                 "shards": [{"file": f, "bytes": b, "sha256": h} for f, (b, h) in self.shards.items()],
+                **extra,
             },
-            indent=1,
+            indent=None if self.sharded else 1,  # a sharded manifest lists a digest per tile: keep it compact
         )
 
     @classmethod
@@ -69,20 +93,36 @@ class Manifest:
             raw: dict[str, Any] = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise IntegrityError(f"{where}: manifest is not valid JSON ({e})") from None
-        if raw.get("format") != FORMAT:
-            raise PermanentError(f"{where}: format {raw.get('format')!r}, expected {FORMAT!r}")
+        form = raw.get("format")
+        if form not in FORMATS:
+            raise PermanentError(
+                f"{where}: format {form!r}, expected one of {list(FORMATS)}; a newer weightsync wrote it: "
+                "upgrade the reader"
+            )
         try:
             table = TensorTable.from_dict({"tensors": raw["tensors"], "group_starts": raw.get("group_starts", [0])})
-            return cls(
+            sharded = form == SHARDED
+            manifest = cls(
                 version=int(raw["version"]),
                 step=int(raw["step"]),
                 table=table,
-                shard_of={t["name"]: t["shard"] for t in raw["tensors"]},
+                shard_of={} if sharded else {t["name"]: t["shard"] for t in raw["tensors"]},
                 shards={s["file"]: (int(s["bytes"]), s["sha256"]) for s in raw["shards"]},
                 created=float(raw.get("created", 0.0)),
+                pieces=tuple(Piece.from_dict(p) for p in raw["pieces"]) if sharded else (),
+                tile=int(raw["tile"]) if sharded else 0,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, PermanentError) as e:
             raise IntegrityError(f"{where}: manifest is malformed ({type(e).__name__}: {e})") from None
+        if sharded:
+            if manifest.tile <= 0:
+                raise IntegrityError(f"{where}: tile {manifest.tile} must be positive")
+            names = [s.name for s in table]
+            check_pieces(manifest.pieces, [s.shape for s in table], names, manifest.tile)
+            unlisted = sorted({p.file for p in manifest.pieces} - manifest.shards.keys())
+            if unlisted:
+                raise IntegrityError(f"{where}: pieces lie in files {unlisted[:3]!r} that the manifest does not list")
+        return manifest
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
