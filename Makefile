@@ -70,7 +70,7 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py
 
-frameworks: venv models  ## the framework integrations on a multi-host fleet (TRL, Atropos, vLLM's factory, verl); not in make test (CI time)
+frameworks: venv models  ## every framework integration on a two-replica multi-host fleet (TRL, Atropos, vLLM's factory, verl; make test runs TRL and Atropos on one replica)
 	WEIGHTSYNC_FRAMEWORKS=all $(PY) -m pytest tests/integration/test_frameworks.py
 
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
