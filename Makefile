@@ -73,7 +73,7 @@ layouts: venv models  ## every architecture's recorded engine layout against vLL
 sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads and engine)
 	WEIGHTSYNC_SHARDED_VOLUME=all $(PY) -m pytest tests/integration/test_sharded_volume.py
 
-frameworks: venv models  ## the framework integrations on a multi-host fleet (TRL, Atropos, vLLM's factory, verl); not in make test (CI time)
+frameworks: venv models  ## every framework integration on a two-replica multi-host fleet (TRL, Atropos, vLLM's factory, verl; make test runs TRL and Atropos on one replica)
 	WEIGHTSYNC_FRAMEWORKS=all $(PY) -m pytest tests/integration/test_frameworks.py
 
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)

@@ -1,10 +1,12 @@
 """A fleet for the framework integrations: every process on its own host, the replicas behind one OpenAI URL.
 
-The hosts are ``tests.hostfleet``'s kind (one network namespace each): the coordinator, two
+The hosts are ``tests.hostfleet``'s kind (one network namespace each): the coordinator, the
 vLLM CPU replicas (``replica-nccl`` takes the NCCL channel over gloo, ``replica-cpu`` the CPU
 stream; each with its agent and its proxy), ``openai`` playing the job's OpenAI Service (one
 URL, each connection to the next replica's proxy: ``weightsync.cli._endpoint``), the trainer,
-and Atropos's trajectory API and environment. The trainer runs the examples under
+and Atropos's trajectory API and environment. ``REPLICAS`` is the full fleet (``make
+frameworks``); ``SMALL`` is the smallest that still crosses hosts (one replica: what ``make
+test`` starts, since each vLLM CPU server costs CI minutes on 2 cores). The trainer runs the examples under
 ``examples/integrations/`` as a user would, with the environment the operator gives a trainer
 pod (``WEIGHTSYNC_OPENAI_URL`` names the Service by its DNS name).
 """
@@ -28,15 +30,17 @@ from tests import hostfleet, netns, support
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "integrations"
 REPLICAS = ("replica-nccl", "replica-cpu")
+SMALL = ("replica-cpu",)
 OPENAI, OPENAI_NAME, OPENAI_PORT = "openai", "fleet-openai.test.svc", 8000
 ATROPOS_API, ATROPOS_API_NAME, ATROPOS_PORT = "atropos-api", "atropos-api.test.svc", 8000
 ATROPOS_ENV = "atropos-env"
-HOSTS = ("coordinator", "trainer", OPENAI, *REPLICAS, ATROPOS_API, ATROPOS_ENV)
+OTHER_HOSTS = ("coordinator", "trainer", OPENAI, ATROPOS_API, ATROPOS_ENV)
 
 
 @dataclass
 class FrameworkFleet:
     fleet: hostfleet.Fleet
+    replicas: tuple[str, ...]
 
     @property
     def work(self) -> Path:
@@ -91,7 +95,7 @@ class FrameworkFleet:
         from weightsync_trainer import reference
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        for host in REPLICAS:
+        for host in self.replicas:
             assert self.fleet.engine(host) == (version, False), host
             with self.fleet.proxy(host) as client:
                 got = greedy(client, support.PROMPTS, support.TOKENS)
@@ -155,24 +159,24 @@ def _wait_http(url: str, proc: subprocess.Popen[Any], timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running(work: Path) -> Iterator[FrameworkFleet]:
-    """The fleet up: coordinator, both replicas serving through the OpenAI Service; all removed after."""
+def running(work: Path, replicas: tuple[str, ...] = REPLICAS) -> Iterator[FrameworkFleet]:
+    """The fleet up: coordinator, the replicas serving through the OpenAI Service; all removed after."""
     netns.require()
-    with netns.Hosts(HOSTS) as hosts:
+    with netns.Hosts((*OTHER_HOSTS, *replicas)) as hosts:
         hosts.resolve({hostfleet.COORDINATOR: "coordinator", OPENAI_NAME: OPENAI, ATROPOS_API_NAME: ATROPOS_API})
         fleet = hostfleet.Fleet(hosts, work, support.tiny_model())
         try:
             fleet.make_volume()
             fleet.start_coordinator()
-            for host in REPLICAS:
+            for host in replicas:
                 fleet.start_replica(host)
-            fleet.wait_serving(REPLICAS)
-            upstreams = [f"{hosts.address(r)}:{hostfleet.PROXY_PORT}" for r in REPLICAS]
+            fleet.wait_serving(replicas)
+            upstreams = [f"{hosts.address(r)}:{hostfleet.PROXY_PORT}" for r in replicas]
             endpoint = [sys.executable, "-m", "weightsync.cli._endpoint", f"{hosts.address(OPENAI)}:{OPENAI_PORT}"]
             fleet.spawn(OPENAI, [*endpoint, *upstreams], "openai")
-            yield FrameworkFleet(fleet)
+            yield FrameworkFleet(fleet, replicas)
         finally:
-            for name in ("coordinator", *(f"{r}-agent" for r in REPLICAS)):
+            for name in ("coordinator", *(f"{r}-agent" for r in replicas)):
                 print(f"----- {name}.log\n{fleet.tail(name)}")
             hosts.close()
             fleet.release_volume()

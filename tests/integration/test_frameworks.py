@@ -1,17 +1,18 @@
 """The framework integrations as their users run them: TRL, Atropos, vLLM's trainer-side API, verl.
 
 Each test runs an example of ``examples/integrations/`` on the trainer host of a multi-host fleet
-(``frameworks_fleet``: coordinator, two vLLM CPU replicas on two channels behind one OpenAI URL,
-each process in its own network namespace) with real frameworks at their pinned versions, and
-checks what the issue asks of it: every step publishes a version, every sample says which version
-generated it, every replica serves the trainer's final weights (its greedy tokens through its own
-proxy equal transformers' on the saved final state), and the reward rises only with syncing on.
+(``frameworks_fleet``: coordinator, vLLM CPU replicas behind one OpenAI URL, each process in its
+own network namespace) with real frameworks at their pinned versions, and checks what the issue
+asks of it: every step publishes a version, every sample says which version generated it, every
+replica serves the trainer's final weights (its greedy tokens through its own proxy equal
+transformers' on the saved final state), and the reward rises only with syncing on.
 
-Every run here is by ``make frameworks`` (``WEIGHTSYNC_FRAMEWORKS=all``): its fleet alone costs CI more than it
-has (``make test`` runs the integrations' unit tests and the proxy's routes for them). It runs TRL's
-GRPOTrainer, Atropos, vLLM's factory, the rise-vs-flat
-comparison, AsyncGRPOTrainer, and verl, which lives in a virtualenv of its own (verl 0.9.1 pins
-transformers below what vLLM 0.32 needs), where also a framework outside its range is refused.
+``make test`` runs the representative set, TRL's GRPOTrainer and Atropos, on the smallest fleet
+that crosses hosts (one replica; CI's 2 cores pay for every vLLM server). ``make frameworks``
+(``WEIGHTSYNC_FRAMEWORKS=all``) runs every test on two replicas on two channels: those two, vLLM's
+factory, the rise-vs-flat comparison, AsyncGRPOTrainer, and verl, which lives in a virtualenv of
+its own (verl 0.9.1 pins transformers below what vLLM 0.32 needs), where also a framework outside
+its range is refused.
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ from tests.integration.frameworks_fleet import EXAMPLES, ROOT, FrameworkFleet
 from tests.integration.test_extras import CACHE, COMPLETE, _locked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
-FULL = pytest.mark.skipif(
-    os.environ.get("WEIGHTSYNC_FRAMEWORKS") != "all",
-    reason="a longer framework run: make frameworks (WEIGHTSYNC_FRAMEWORKS=all)",
-)
+ALL = os.environ.get("WEIGHTSYNC_FRAMEWORKS") == "all"
+FULL = pytest.mark.skipif(not ALL, reason="a longer framework run: make frameworks (WEIGHTSYNC_FRAMEWORKS=all)")
 VERL_PINS = ("torch==2.13.0", "trl==0.27.0")
 """The verl virtualenv's torch is the test environment's (uv links it from its cache); trl 0.27.0 (verl's own pin)
 is a TRL outside the integration's range, for the refusal test."""
@@ -43,7 +42,9 @@ is a TRL outside the integration's range, for the refusal test."""
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrameworkFleet]:
-    with frameworks_fleet.running(tmp_path_factory.mktemp("frameworks")) as f:
+    """One fleet for the module: two replicas on two channels for ``make frameworks``, else the smallest."""
+    replicas = frameworks_fleet.REPLICAS if ALL else frameworks_fleet.SMALL
+    with frameworks_fleet.running(tmp_path_factory.mktemp("frameworks"), replicas) as f:
         yield f
 
 
@@ -55,7 +56,6 @@ def _quarters(rewards: list[float]) -> tuple[float, float]:
 # ---- TRL -------------------------------------------------------------------------------------------------------------
 
 
-@FULL
 def test_trl_grpo_trainer_publishes_every_step_and_its_samples_carry_the_version(fleet: FrameworkFleet) -> None:
     report, final = fleet.example("trl_grpo.py", "--steps", "3")
     steps = report["steps"]
@@ -102,7 +102,6 @@ def test_trl_async_grpo_trainer_publishes_every_sync_and_logs_served_versions(fl
 # ---- Atropos ---------------------------------------------------------------------------------------------------------
 
 
-@FULL
 def test_atropos_trainer_publishes_instead_of_restarting_and_batches_carry_versions(fleet: FrameworkFleet) -> None:
     steps = 3
     with fleet.atropos(steps) as url:

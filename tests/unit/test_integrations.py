@@ -6,8 +6,10 @@ tests/integration/test_frameworks.py; these pin the rules those runs rely on.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -296,13 +298,31 @@ class _Replica:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
 
+def _complete(blocking: bool, url: str, prompt_ids: list[int], n: int, sampling: completions.Sampling) -> Any:
+    """``complete`` through the blocking client (TRL's ``RolloutFunc``) or the asyncio one (Atropos's server)."""
+    if blocking:
+        return completions.Client(url, timeout_s=5).complete(prompt_ids, n, sampling)
+
+    async def run() -> list[completions.Completion]:
+        client = completions.AsyncClient(url, timeout_s=5)
+        try:
+            return await client.complete(prompt_ids, n, sampling)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+BOTH_CLIENTS = pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "asyncio"])
+
+
+@BOTH_CLIENTS
 def test_the_client_retries_a_gateway_error_and_sends_token_prompts_asking_for_ids_and_logprobs(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, blocking: bool
 ) -> None:
     monkeypatch.setattr(completions, "BACKOFF_S", 0.01)
     replica = _Replica([502, 503])
-    client = completions.Client(replica.url + "/v1", timeout_s=5)
-    out = client.complete([1, 2, 3], 2, completions.Sampling(max_tokens=2, seed=7))
+    out = _complete(blocking, replica.url + "/v1", [1, 2, 3], 2, completions.Sampling(max_tokens=2, seed=7))
     assert [c.served for c in out] == [Served(4, 4)] * 2 and len(replica.requests) == 3
     assert replica.requests[-1] == {
         "prompt": [1, 2, 3], "n": 2, "max_tokens": 2, "temperature": 1.0, "top_p": 1.0, "logprobs": 0,
@@ -311,8 +331,9 @@ def test_the_client_retries_a_gateway_error_and_sends_token_prompts_asking_for_i
     replica.server.shutdown()
 
 
+@BOTH_CLIENTS
 def test_the_client_gives_up_at_once_on_a_refusal_and_after_its_attempts_on_a_dead_endpoint(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, blocking: bool
 ) -> None:
     from weightsync.cli._localfleet import free_port
     from weightsync.errors import RetryableError
@@ -320,8 +341,49 @@ def test_the_client_gives_up_at_once_on_a_refusal_and_after_its_attempts_on_a_de
     monkeypatch.setattr(completions, "BACKOFF_S", 0.01)
     replica = _Replica([400])
     with pytest.raises(PermanentError, match="refused the request: HTTP 400"):
-        completions.Client(replica.url, timeout_s=5).complete([1], 2, completions.Sampling())
+        _complete(blocking, replica.url, [1], 2, completions.Sampling())
     assert len(replica.requests) == 1
     replica.server.shutdown()
     with pytest.raises(RetryableError, match=f"failed {completions.ATTEMPTS} times, last: ConnectError"):
-        completions.Client(f"http://127.0.0.1:{free_port()}", timeout_s=5).complete([1], 2, completions.Sampling())
+        _complete(blocking, f"http://127.0.0.1:{free_port()}", [1], 2, completions.Sampling())
+    gateway = _Replica([503] * completions.ATTEMPTS)
+    with pytest.raises(RetryableError, match=f"failed {completions.ATTEMPTS} times, last: HTTP 503"):
+        _complete(blocking, gateway.url, [1], 2, completions.Sampling())
+    assert len(gateway.requests) == completions.ATTEMPTS
+    gateway.server.shutdown()
+
+
+def test_the_atropos_server_answers_completions_and_chat_as_openai_objects_and_records_versions() -> None:
+    """``WeightsyncServer``'s text and chat wrappers (Atropos calls them under its semaphore and retries): token-id
+    requests to /v1/completions, the tokens decoded into OpenAI objects, each completion's versions recorded."""
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+
+    from tests import support
+    from weightsync_trainer.integrations import atropos
+
+    replica = _Replica([])
+    model = str(support.tiny_model())
+    server = atropos.WeightsyncServer(APIServerConfig(base_url=replica.url, model_name=model, timeout=5))
+    server.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    text = server.tokenizer.decode([5, 6])
+
+    async def run() -> tuple[Any, Any, list[Served | None]]:
+        with atropos.served_versions() as versions:
+            completion = await server._completion_wrapper(prompt="hello world", n=2, max_new_tokens=2)
+            chat = await server._chat_completion_wrapper(messages=[{"role": "user", "content": "hello"}], n=2)
+        await server.client.aclose()
+        return completion, chat, versions
+
+    completion, chat, versions = asyncio.run(run())
+    replica.server.shutdown()
+    assert [(c.index, c.text, c.finish_reason) for c in completion.choices] == [
+        (0, text, "length"),
+        (1, text, "length"),
+    ]
+    assert completion.object == "text_completion" and completion.id.startswith("cmpl-") and completion.model == model
+    assert [(c.message.content, c.finish_reason) for c in chat.choices] == [(text, "length")] * 2
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    assert versions == [Served(4, 4)] * 4
+    hello = server.tokenizer.encode("hello world", add_special_tokens=False)
+    assert replica.requests[0]["prompt"] == hello and replica.requests[0]["max_tokens"] == 2
+    assert replica.requests[1]["prompt"] == server.tokenizer.encode("hello", add_special_tokens=False)

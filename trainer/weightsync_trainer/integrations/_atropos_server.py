@@ -79,41 +79,37 @@ class WeightsyncServer(APIServer):  # type: ignore[misc]
             [c.finish_reason for c in out],
         )
 
-    async def _completion_wrapper(self, **kwargs: Any) -> Completion:
-        out = await self._generate(kwargs)
-        choices = [
-            CompletionChoice(index=i, text=self.tokenizer.decode(c.token_ids), finish_reason=_reason(c))
+    def _texts(self, out: list[completions.Completion]) -> list[tuple[int, str, Any]]:
+        """Each completion's index, decoded text and an OpenAI finish reason."""
+        reasons = ("stop", "length")
+        return [
+            (i, self.tokenizer.decode(c.token_ids), c.finish_reason if c.finish_reason in reasons else "stop")
             for i, c in enumerate(out)
         ]
-        return Completion(
-            id=f"cmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model or "default",
-            object="text_completion",
-            choices=choices,
-        )
+
+    def _envelope(self, prefix: str, kind: str) -> dict[str, Any]:
+        """The fields an OpenAI answer carries besides its choices."""
+        return {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": self.model or "default",
+            "object": kind,
+        }
+
+    async def _completion_wrapper(self, **kwargs: Any) -> Completion:
+        out = await self._generate(kwargs)
+        choices = [CompletionChoice(index=i, text=text, finish_reason=why) for i, text, why in self._texts(out)]
+        return Completion(**self._envelope("cmpl", "text_completion"), choices=choices)
 
     async def _chat_completion_wrapper(self, **kwargs: Any) -> ChatCompletion:
         """Chat through the tokenizer's chat template and ``/v1/completions``: the same tokens a trainer scores."""
         messages = kwargs.pop("messages")
-        kwargs["input_ids"] = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # rendered, then encoded: with tokenize=True transformers 5 returns a BatchEncoding, not the ids
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs["input_ids"] = self.tokenizer.encode(text, add_special_tokens=False)
         out = await self._generate(kwargs)
         choices = [
-            Choice(
-                index=i,
-                message=ChatCompletionMessage(role="assistant", content=self.tokenizer.decode(c.token_ids)),
-                finish_reason=_reason(c),
-            )
-            for i, c in enumerate(out)
+            Choice(index=i, message=ChatCompletionMessage(role="assistant", content=text), finish_reason=why)
+            for i, text, why in self._texts(out)
         ]
-        return ChatCompletion(
-            id=f"chatcmpl-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=self.model or "default",
-            object="chat.completion",
-            choices=choices,
-        )
-
-
-def _reason(c: completions.Completion) -> Any:
-    return c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
+        return ChatCompletion(**self._envelope("chatcmpl", "chat.completion"), choices=choices)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -103,21 +104,62 @@ def parse(url: str, body: Any, headers: Mapping[str, str], prompt_ids: Sequence[
     return out
 
 
-def _failure(url: str, error: str) -> RetryableError:
-    return RetryableError(f"{url}/v1/completions failed {ATTEMPTS} times, last: {error}; is the job's inference up?")
-
-
 def _error(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}: {response.text[:300]}"
 
 
-def _settle(url: str, r: httpx.Response, prompt_ids: Sequence[int], n: int) -> list[Completion] | str:
-    """An answer's completions, or why the request is worth retrying; raises when retrying cannot help."""
-    if r.status_code in RETRY_STATUSES:
-        return _error(r)
-    if r.status_code != 200:
-        raise PermanentError(f"{url}/v1/completions refused the request: {_error(r)}")
-    return parse(url, r.json(), r.headers, prompt_ids, n)
+class _Retry(Exception):
+    """An answer worth retrying (502/503/504): the proxy refused or lost a replica."""
+
+
+class _Attempts:
+    """One request's retry loop, written once for the blocking and the asyncio client (their I/O differs by
+    ``await`` only). Iterating waits before each attempt after the first; each attempt runs inside ``with`` (a
+    connection error or a retryable status is kept as the reason and the loop goes on) and returns
+    ``settle(answer)``; after the last, ``failure()`` is the error to raise::
+
+        attempts = _Attempts(url, prompt_ids, n)
+        for _ in attempts:
+            with attempts:
+                return attempts.settle(http.post(...))
+        raise attempts.failure()
+    """
+
+    def __init__(self, url: str, prompt_ids: Sequence[int], n: int) -> None:
+        self.url, self.prompt_ids, self.n = url, prompt_ids, n
+        self.error = ""
+
+    def __iter__(self) -> Iterator[int]:
+        for attempt in range(ATTEMPTS):
+            time.sleep(BACKOFF_S * attempt)
+            yield attempt
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        for attempt in range(ATTEMPTS):
+            await asyncio.sleep(BACKOFF_S * attempt)
+            yield attempt
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> bool:
+        if isinstance(e, (httpx.TransportError, _Retry)):
+            self.error = str(e) if isinstance(e, _Retry) else f"{type(e).__name__}: {e}"
+            return True
+        return False
+
+    def settle(self, r: httpx.Response) -> list[Completion]:
+        """An answer's completions; raises ``_Retry`` when retrying may help, ``PermanentError`` when it cannot."""
+        if r.status_code in RETRY_STATUSES:
+            raise _Retry(_error(r))
+        if r.status_code != 200:
+            raise PermanentError(f"{self.url}/v1/completions refused the request: {_error(r)}")
+        return parse(self.url, r.json(), r.headers, self.prompt_ids, self.n)
+
+    def failure(self) -> RetryableError:
+        return RetryableError(
+            f"{self.url}/v1/completions failed {ATTEMPTS} times, last: {self.error}; is the job's inference up?"
+        )
 
 
 class Client:
@@ -128,20 +170,11 @@ class Client:
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, trust_env=False)
 
     def complete(self, prompt_ids: Sequence[int], n: int, sampling: Sampling) -> list[Completion]:
-        error = ""
-        for attempt in range(ATTEMPTS):
-            if attempt:
-                time.sleep(BACKOFF_S * attempt)
-            try:
-                r = self._http.post("/v1/completions", json=sampling.body(prompt_ids, n))
-            except httpx.TransportError as e:
-                error = f"{type(e).__name__}: {e}"
-                continue
-            result = _settle(self.url, r, prompt_ids, n)
-            if not isinstance(result, str):
-                return result
-            error = result
-        raise _failure(self.url, error)
+        attempts = _Attempts(self.url, prompt_ids, n)
+        for _ in attempts:
+            with attempts:
+                return attempts.settle(self._http.post("/v1/completions", json=sampling.body(prompt_ids, n)))
+        raise attempts.failure()
 
     def close(self) -> None:
         self._http.close()
@@ -155,20 +188,11 @@ class AsyncClient:
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, trust_env=False)
 
     async def complete(self, prompt_ids: Sequence[int], n: int, sampling: Sampling) -> list[Completion]:
-        error = ""
-        for attempt in range(ATTEMPTS):
-            if attempt:
-                await asyncio.sleep(BACKOFF_S * attempt)
-            try:
-                r = await self._http.post("/v1/completions", json=sampling.body(prompt_ids, n))
-            except httpx.TransportError as e:
-                error = f"{type(e).__name__}: {e}"
-                continue
-            result = _settle(self.url, r, prompt_ids, n)
-            if not isinstance(result, str):
-                return result
-            error = result
-        raise _failure(self.url, error)
+        attempts = _Attempts(self.url, prompt_ids, n)
+        async for _ in attempts:
+            with attempts:
+                return attempts.settle(await self._http.post("/v1/completions", json=sampling.body(prompt_ids, n)))
+        raise attempts.failure()
 
     async def healthy(self) -> bool:
         """The endpoint's ``/health`` answers 200 (the proxy: vLLM up and not paused)."""
