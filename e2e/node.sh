@@ -285,27 +285,36 @@ built_image() {  # built_image NAME: the image images/build.sh built under NAME
 }
 pause_image() { built_image pause; }
 
-cmd_load() {  # load IMAGE...: into the node's containerd, unless it has that image already
-  local image t0
-  for image in "$@"; do
-    if ctr_ images ls -q | grep -qxF "$image"; then continue; fi
-    log "loading $image into the node's containerd"
-    t0=$SECONDS
-    podman save --format docker-archive "$image" | ctr_ images import - >/dev/null \
-      || die "loading $image failed"
-    log "loaded $image in $((SECONDS - t0)) s"
-    # older builds of the same image go: their layers would otherwise fill the disk (containerd's garbage
-    # collector removes what no image refers to any more)
+# load IMAGE...: into the node's containerd, those it does not have yet, in one archive: images that
+# share layers (trainer and inference share torch's gigabytes) carry them once.
+cmd_load() {
+  local image missing=() t0=$SECONDS
+  for image in "$@"; do ctr_ images ls -q | grep -qxF "$image" || missing+=("$image"); done
+  (( ${#missing[@]} )) || return 0
+  log "loading ${missing[*]} into the node's containerd"
+  podman save --multi-image-archive --format docker-archive "${missing[@]}" | ctr_ images import - >/dev/null \
+    || die "loading ${missing[*]} failed"
+  log "loaded them in $((SECONDS - t0)) s"
+  # older builds of the same images go: their layers would otherwise fill the disk (containerd's
+  # garbage collector removes what no image refers to any more)
+  for image in "${missing[@]}"; do
     ctr_ images ls -q | grep "^${image%:*}:" | grep -vxF "$image" | xargs -r ctr_ images rm >/dev/null || true
   done
 }
 
 # ================================================================ lifecycle
+# The node's pods share the cores with every other process on the machine. With cgroup v1 a cgroup
+# weighs as much as one process in the root cgroup (cpu.shares 1024), and the kubelet nests all pods
+# inside ours: two vLLM servers, their agents and proxies, a trainer and a coordinator would get one
+# process's share (vLLM took 7 minutes to start on a busy machine). NODE_CPU_SHARES weighs the node
+# as the dozen processes the same job runs as on the host (tests/e2e/test_real_sync.py).
+NODE_CPU_SHARES="${WEIGHTSYNC_E2E_NODE_CPU_SHARES:-12288}"
 cgroups_up() {
   local c
   for c in /sys/fs/cgroup/*/; do
     [[ -f "$c/cgroup.procs" ]] || continue
     mkdir -p "$c${CGROUP_ROOT#/}"
+    if [[ -f "$c${CGROUP_ROOT#/}/cpu.shares" ]]; then echo "$NODE_CPU_SHARES" > "$c${CGROUP_ROOT#/}/cpu.shares"; fi
   done
 }
 

@@ -350,6 +350,7 @@ class Kube:
                 namespace,
                 "--sort-by=.lastTimestamp",
             )
+            self._dump_container_logs(namespace, parts)
         section(
             "events (all namespaces, warnings)",
             "get",
@@ -370,6 +371,22 @@ class Kube:
                 lines = path.read_text(errors="replace").splitlines()[-60:]
                 parts.append(f"===== {path} (last {len(lines)} lines)\n" + "\n".join(lines))
         return "\n".join(parts)
+
+    def _dump_container_logs(self, namespace: str, parts: list[str]) -> None:
+        """The logs of every container of the pods a real kubelet runs (e2e/node.sh), the previous run's too
+        where one restarted: the node's pod logs go with ``node.sh down``, and a container that died (vLLM's
+        engine) is otherwise seen only as a restart count. KWOK's pods have no kubelet to ask."""
+        kwok = {n.metadata.name for n in self.core.list_node(label_selector="type=kwok").items}
+        for pod in self.core.list_namespaced_pod(namespace).items:
+            if not pod.spec.node_name or pod.spec.node_name in kwok:
+                continue
+            for status in pod.status.container_statuses or []:
+                runs = ["--previous"] if status.restart_count else []
+                for run in [*runs, None]:
+                    args = ["logs", pod.metadata.name, "-c", status.name, "-n", namespace, "--tail", "150"]
+                    proc = self.kubectl(*args, *([run] if run else []), check=False, timeout=30)
+                    which = "previous run" if run else "current run"
+                    parts.append(f"===== logs {pod.metadata.name}/{status.name} ({which})\n{proc.stdout}{proc.stderr}")
 
 
 @pytest.fixture(scope="session")
