@@ -70,6 +70,10 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py
 
+sharded: venv models  ## the sharded path's data path: fault cases (a flipped byte, a rank dying mid-send), landing against vLLM's loader; CI runs the clean transfers
+	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
+		tests/integration/test_sharded_engine.py
+
 frameworks: venv models  ## the framework integrations on a multi-host fleet (TRL, Atropos, vLLM's factory, verl); not in make test (CI time)
 	WEIGHTSYNC_FRAMEWORKS=all $(PY) -m pytest tests/integration/test_frameworks.py
 
@@ -86,4 +90,4 @@ containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, i
 images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
 	@bash images/build.sh cpu
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults serving layouts frameworks extras containers node-tools container-tests images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults serving layouts sharded frameworks extras containers node-tools container-tests images
