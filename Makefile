@@ -70,6 +70,10 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders, trainer layouts on 4 ranks (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py tests/integration/test_trainer_layouts.py
 
+sharded: venv models  ## the sharded path's data path: fault cases (a flipped byte, a rank dying mid-send), landing against vLLM's loader; CI runs the clean transfers
+	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
+		tests/integration/test_sharded_engine.py
+
 sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads and engine)
 	WEIGHTSYNC_SHARDED_VOLUME=all $(PY) -m pytest tests/integration/test_sharded_volume.py
 
@@ -89,4 +93,4 @@ containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, i
 images: venv containers  ## build the four images' CPU variant on bases made here, cached by content (~/.cache/weightsync/images)
 	@bash images/build.sh cpu
 
-.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults serving layouts sharded-volume frameworks extras containers node-tools container-tests images
+.PHONY: help venv demo sandbox lint format models e2e-tools crds proto test e2e e2e-kueue unit integration faults serving layouts sharded sharded-volume frameworks extras containers node-tools container-tests images

@@ -95,6 +95,13 @@ class OfflineEngine:
         answers = self.llm.collective_rpc("weightsync_layout", args=(json.dumps(table.to_dict()),))
         return EngineLayout.merged(table.layout_digest(), answers)
 
+    def receive_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker receives its regions of a sharded update (``sharded.request``); one answer per worker."""
+        answers: list[dict[str, Any]] = self.llm.collective_rpc(
+            "weightsync_receive_regions", args=(json.dumps(request),)
+        )
+        return answers
+
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self.llm.collective_rpc("weightsync_stage", args=(json.dumps(update_info), str(nbytes)))
         return "; ".join(str(a.get("error", "")) for a in answers if not a.get("ok"))

@@ -11,6 +11,8 @@ answer per worker:
   where the bytes landed, phase times, torn or not);
 - ``weightsync_layout``: what the worker keeps of each tensor of a table and where it
   lands (its engine layout, recorded from vLLM's own loaders; ``recording``);
+- ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
+  from every trainer rank and land them in its parameters (``sharded``);
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
   worker's stage beside generation (``staging``), and how far it got. The stage RPC
   returns once its receive runs on a thread of its own: the engine's step loop, which
@@ -75,6 +77,15 @@ class WorkerExtension:
         except NotImplementedError as e:
             return {"error": f"worker {engine.updater.ctx.rank}: {e}"}
         return {"layout": layout.to_dict()}
+
+    def weightsync_receive_regions(self, request: str) -> dict[str, Any]:
+        """``request``: JSON of ``sharded.request`` (the region group's rendezvous, the table, the replica's regions,
+        its workers' layouts). Receives this worker's regions from every trainer rank into its parameters, inside
+        vLLM's layerwise reload; answers bytes and per-region digests (``sharded.receive``)."""
+        from weightsync_inference import sharded
+
+        answer: dict[str, Any] = sharded.from_request(self._weightsync_engine(), json.loads(request))
+        return answer
 
     def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:
         """``update_info``: the ticket as JSON text; answers ``{"ok": false, "error": ...}`` when the stage cannot

@@ -55,9 +55,10 @@ def main() -> None:
     import torch.distributed as dist
 
     from tests import support
+    from weightsync.sharding import shards
     from weightsync.sharding.boxes import Box
     from weightsync_trainer import reference
-    from weightsync_trainer.layouts import trainer_layout
+    from weightsync_trainer.layouts import agreed, local_shards, trainer_layout
     from weightsync_trainer.sources import ModuleSource
 
     p = argparse.ArgumentParser()
@@ -96,8 +97,15 @@ def main() -> None:
         assert sum(b.numel for b, _ in cells) == full.numel() and Box.whole(spec.shape).numel == full.numel()
         placements.add(str(layout.placements[t]).split(" ", 2)[-1])
         checked += 1
+    shards_held = local_shards(source, layout, rank) if not layout.unsupported else []
+    sent_from = sum(1 for t in shards_held if t is not None)
+    ours = agreed(layout)  # collective: every rank
+    odd = agreed(shards.TrainerLayout(layout.table, world, unsupported=f"rank {rank} sees it otherwise"))
     report = {
         "rank": rank,
+        "agreed": ours.digest() == layout.digest(),
+        "disagreed": odd.unsupported,
+        "local_shards": sent_from,
         "digest": layout.digest(),
         "unsupported": layout.unsupported,
         "checked": checked,

@@ -1,7 +1,7 @@
 """The trainer's layout read from real sharded trainers: 2 and 4 gloo ranks with FSDP2, and FSDP2 over tensor
 parallelism on a 2 x 2 mesh. Each rank checks that the box the layout gives it holds exactly its own shard
-of the gathered tensor (``layout_ranks``); here every rank must agree on the layout, and the placements
-must be the ones those trainers use.
+of the gathered tensor (``layout_ranks``); here every rank must agree on the layout (and their all-reduce,
+``agreed``, must say so, and say when they do not), and the placements must be the ones those trainers use.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def test_fsdp2_ranks_read_one_layout_that_is_their_shards(world: int, tmp_path: 
     for r in reports:
         assert r["unsupported"] == "" and r["checked"] == r["tensors"] == 28
         assert r["meshes"] == [[[world], list(range(world))]] and r["placements"] == ["(Shard(0))"]
+        assert r["agreed"] and r["local_shards"] == r["held"]  # the ranks' all-reduce found one layout
+        assert "computed different layouts" in r["disagreed"]  # and finds it when each rank sees another
     assert reports[0]["extra_rows"] == ([3, 2] if world == 2 else [2, 2, 1])  # 5 rows: rank 3 holds none
     # of 4 ranks, rank 3 holds nothing of extra.0 (5 rows: 2, 2, 1, 0) nor of extra.1 (6 rows: 2, 2, 2, 0)
     assert [r["held"] for r in reports] == ([28, 28] if world == 2 else [28, 28, 28, 26])

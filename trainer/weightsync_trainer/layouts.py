@@ -9,7 +9,9 @@
 - a plain tensor is rank 0's: the gathered path has always sent rank 0's copy of a
   tensor no mesh shards, and the sharded path sends the same bytes.
 
-Every rank computes the same layout from the same global metadata, with no collective.
+Every rank computes the same layout from the same global metadata, with no collective;
+``agreed`` then checks that they did (one all-reduce of the digest) before rank 0
+registers it, and ``local_shards`` gives a rank what it sends the plan's regions from.
 Before it trusts one, it checks the core's boxes (``weightsync.sharding.shards``)
 against DTensor's own for every rank of each mesh and against the local shards it
 holds; a placement the core cannot express (``Partial``, a strided form other than
@@ -131,10 +133,52 @@ def _check(
             )
 
 
+def agreed(layout: shards.TrainerLayout) -> shards.TrainerLayout:
+    """``layout`` when every rank computed the same one, else the same table marked unsupported (every replica
+    then takes the gathered path), on every rank. Collective: call it on every rank, in the same order.
+
+    The ranks compare 60 bits of the layout digest with one all-reduce (max of the word and of its negation),
+    on the default group's device, so nothing is pickled."""
+    import torch
+    import torch.distributed as dist
+
+    if _world_size() == 1:
+        return layout
+    word = int(layout.digest().removeprefix("sha256:")[:15], 16)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    both = torch.tensor([word, -word], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    high, low = int(both[0]), -int(both[1])
+    if high == low == word:
+        return layout
+    why = (
+        f"the trainer's ranks computed different layouts (digest words from {low:015x} to {high:015x}; this rank's "
+        f"{word:015x}{': ' + layout.unsupported if layout.unsupported else ''}); the sharded path needs one layout"
+    )
+    return shards.TrainerLayout(layout.table, layout.world_size, unsupported=why)
+
+
+def local_shards(source: ModuleSource, layout: shards.TrainerLayout, rank: int) -> list[Any]:
+    """This rank's local shard of each published tensor (None where the layout gives it none), in the table's
+    dtype (a cast copy only where the trainer keeps another), where the trainer keeps it: what ``regions.send``
+    cuts the plan's regions from, with no gather."""
+    from weightsync.channels.wire import TORCH_DTYPES
+
+    out: list[Any] = []
+    for t, spec in enumerate(layout.table):
+        if layout.shard(t, rank) is None:
+            out.append(None)
+            continue
+        param = source.parameter(spec.name).detach()
+        local = param.to_local() if hasattr(param, "to_local") else param
+        out.append(local.to(TORCH_DTYPES[spec.dtype]))
+    return out
+
+
 def _world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-__all__ = ["trainer_layout"]
+__all__ = ["agreed", "local_shards", "trainer_layout"]

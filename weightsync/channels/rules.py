@@ -36,6 +36,21 @@ replica takes ``devices`` consecutive ranks) under a store prefix only planned m
 not live: a replica planned on it loads a version once it is durable."""
 
 
+REGION_CHANNELS = frozenset({Channel.CPU})
+"""Channels that carry a transfer plan's regions (the sharded path: every trainer rank sends its own, every worker
+receives only its own): the CPU stream, point to point over gloo (``channels.regions``). A replica planned on
+another channel takes the gathered path in the same version, the plan saying why (``regions``)."""
+
+
+def regions(channel: Channel) -> str:
+    """Why ``channel`` cannot carry a transfer plan's regions (empty when it can): what ``plans.Member.refused``
+    says for a replica planned on it."""
+    if channel in REGION_CHANNELS:
+        return ""
+    over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
+    return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
+
+
 class EngineKind(enum.StrEnum):
     CPU = "cpu"
     GPU = "gpu"

@@ -55,6 +55,7 @@ from weightsync.coordinator.models import (
     EngineKind,
     JobInfo,
     JobPolicy,
+    Layout,
     Lease,
     OpenedVersion,
     Progress,
@@ -66,6 +67,8 @@ from weightsync.coordinator.models import (
 )
 from weightsync.coordinator.tls import TlsConfig
 from weightsync.errors import PermanentError, RetryableError, WeightsyncError
+from weightsync.sharding.fills import EngineLayout
+from weightsync.sharding.shards import TrainerLayout
 from weightsync.vocabulary import ReplicaState, VersionState
 
 __all__ = ["CoordinatorClient", "TlsConfig"]
@@ -94,6 +97,7 @@ class Registration:
     policy: JobPolicy | None = None
     offers: tuple[Offer, ...] = ()
     current_version: int = 0
+    layout: Layout | None = None
 
 
 RECONNECT_MIN_MS, RECONNECT_MAX_MS = 250, 2000
@@ -189,7 +193,15 @@ class CoordinatorClient:
         response = self._call(
             "Register",
             lambda: serde.register_request(
-                r.job, r.role, r.member_id, self.incarnation, r.capabilities, r.policy, r.offers, r.current_version
+                r.job,
+                r.role,
+                r.member_id,
+                self.incarnation,
+                r.capabilities,
+                r.policy,
+                r.offers,
+                r.current_version,
+                r.layout,
             ),
         )
         lease = serde.lease(response.lease)
@@ -208,14 +220,26 @@ class CoordinatorClient:
         *,
         policy: JobPolicy | None = None,
         offers: Sequence[Offer] = (),
+        layout: TrainerLayout | None = None,
     ) -> Lease:
-        return self._register(Registration(job, Role.TRAINER, trainer_id, capabilities, policy, tuple(offers)))
+        """``layout``: where the trainer's tensors lie across its ranks (``weightsync_trainer.layouts``); with it
+        the coordinator plans the sharded path for every replica that registered its engine layout."""
+        return self._register(
+            Registration(job, Role.TRAINER, trainer_id, capabilities, policy, tuple(offers), layout=layout)
+        )
 
     def register_replica(
-        self, job: str, replica_id: str, capabilities: Capabilities, *, current_version: int = 0
+        self,
+        job: str,
+        replica_id: str,
+        capabilities: Capabilities,
+        *,
+        current_version: int = 0,
+        layout: EngineLayout | None = None,
     ) -> Lease:
+        """``layout``: what each of the replica's workers keeps (``EngineLayout.merged``), for the sharded path."""
         return self._register(
-            Registration(job, Role.REPLICA, replica_id, capabilities, current_version=current_version)
+            Registration(job, Role.REPLICA, replica_id, capabilities, current_version=current_version, layout=layout)
         )
 
     def _renew_loop(self) -> None:

@@ -46,6 +46,7 @@ from weightsync.coordinator.models import (
     Capabilities,
     JobInfo,
     JobPolicy,
+    Layout,
     Lease,
     OpenedVersion,
     Progress,
@@ -131,6 +132,7 @@ class Coordinator:
         policy: JobPolicy | None = None,
         offers: Sequence[Offer] = (),
         current_version: int = 0,
+        layout: Layout | None = None,
     ) -> Lease:
         with self._cond:
             return leases.register(
@@ -143,6 +145,7 @@ class Coordinator:
                 policy=policy,
                 offers=offers,
                 current_version=current_version,
+                layout=layout,
             )
 
     def renew(self, lease_id: str) -> Lease:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from weightsync.channels.base import Offer
 from weightsync.coordinator import negotiation
 from weightsync.coordinator.lifecycle import VersionRecord
-from weightsync.coordinator.models import Assignment, Capabilities, JobPolicy, Role
+from weightsync.coordinator.models import Assignment, Capabilities, JobPolicy, Layout, Role
+from weightsync.sharding.plans import PlanCache
 from weightsync.vocabulary import Channel, VersionState
 
 FAILED_CHANNEL_RETRY_S = 30.0
@@ -54,6 +55,9 @@ class Member:
     stream_seen: float = field(default_factory=time.monotonic)
     """When the member registered or its last watch stream ended (monotonic)."""
     events: queue.SimpleQueue[Assignment | None] = field(default_factory=queue.SimpleQueue)
+    layout: Layout | None = None
+    """For the sharded path: a trainer's layout (where each tensor lies across its ranks) or a replica's engine
+    layout (what each worker keeps); None: it takes the gathered path."""
 
     def fail_channel(self, channel: Channel, now: float) -> None:
         """``channel`` failed for this member: keep it off it for a while (longer each time in a row)."""
@@ -77,6 +81,8 @@ class Job:
     members: dict[str, Member] = field(default_factory=dict)
     recovered: bool = False
     """The job had versions before this coordinator started (its replicas are registering again)."""
+    transfer_plans: PlanCache = field(default_factory=PlanCache)
+    """Transfer plans by (trainer layout, engine layouts, membership): a version reuses the last one's."""
 
     def trainer(self) -> Member | None:
         return next((m for m in self.members.values() if m.role is Role.TRAINER), None)

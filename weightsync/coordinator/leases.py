@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from weightsync.channels.base import Offer
 from weightsync.coordinator import faults, lifecycle, streams, verdicts
 from weightsync.coordinator.jobs import Job, Member
-from weightsync.coordinator.models import Capabilities, JobPolicy, Lease, Role
+from weightsync.coordinator.models import Capabilities, JobPolicy, Layout, Lease, Role
 from weightsync.coordinator.state import MAX_MEMBERS_PER_JOB, CoreState
 from weightsync.vocabulary import ReplicaState, VersionState
 
@@ -73,6 +73,7 @@ def register(
     policy: JobPolicy | None,
     offers: Sequence[Offer],
     current_version: int,
+    layout: Layout | None = None,
 ) -> Lease:
     check_registration(job_name, member_id, incarnation)
     job = state.job(job_name, create=True)
@@ -94,6 +95,7 @@ def register(
         current_version=current_version,
         offers={o.channel: o for o in offers},
         stream_seen=now,
+        layout=layout,
     )
     if old is not None:
         # the same process reconnecting keeps its place in staging plans; a restart loses it

@@ -18,6 +18,8 @@ from weightsync.channels.rules import Capabilities as Capabilities  # control pl
 from weightsync.channels.rules import EngineKind as EngineKind
 from weightsync.errors import PermanentError
 from weightsync.jobconfig import DEFAULT_JOIN_TIMEOUT_S, JobConfig
+from weightsync.sharding import fills, shards
+from weightsync.sharding import plans as transfer_plans  # "plans" are the channel plans here
 from weightsync.tensors import TensorTable, is_digest
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
@@ -144,6 +146,9 @@ class ChannelPlan:
     reason: str = ""
     manifest_checksum: str = ""
     """Volume plans, once the version is durable: the manifest checksum the replica must find."""
+    transfer: transfer_plans.TransferPlan | None = None
+    """The replica's part of the transfer plan (its regions, or why it takes the gathered path); None: the trainer
+    registered no layout, so every replica takes the gathered path."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,8 @@ class OpenedVersion:
     version: int
     plans: tuple[ChannelPlan, ...]
     reused: bool = False
+    transfers: tuple[transfer_plans.TransferPlan, ...] = ()
+    """Trainer rank r's part of the transfer plan at index r (``TransferPlan.part_for_rank``); empty: no plan."""
 
     def receivers(self, channel: Channel) -> dict[str, Rendezvous]:
         """The replicas planned on ``channel`` and their rendezvous: what that channel's sender takes as its plan."""
@@ -250,3 +257,7 @@ class AckReport:
 def summarize(table: TensorTable, verified: bool = True) -> TableSummary:
     """What the coordinator knows of a version's tensors: count, bytes, the layout digest, whether digests follow."""
     return TableSummary(len(table), table.total_bytes, table.layout_digest(), verified)
+
+
+Layout = shards.TrainerLayout | fills.EngineLayout
+"""What a member registers for the sharded path: a trainer where its tensors lie, a replica what its workers keep."""

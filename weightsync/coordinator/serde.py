@@ -239,8 +239,9 @@ def rendezvous_to(r: Rendezvous) -> pb.Rendezvous:
 
 def plan(m: pb.ChannelPlan, field: str = "plan") -> models.ChannelPlan:
     ch = channel(m.channel, f"{field}.channel")
+    transfer = transfer_part(m.transfer, f"{field}.transfer") if m.HasField("transfer") else None
     return models.ChannelPlan(
-        m.replica_id, ch, rendezvous(m.rendezvous, ch, field), m.reason, _digest(m.manifest_checksum, field)
+        m.replica_id, ch, rendezvous(m.rendezvous, ch, field), m.reason, _digest(m.manifest_checksum, field), transfer
     )
 
 
@@ -251,6 +252,7 @@ def plan_to(p: models.ChannelPlan) -> pb.ChannelPlan:
         rendezvous=rendezvous_to(p.rendezvous),
         reason=p.reason,
         manifest_checksum=p.manifest_checksum,
+        transfer=transfer_part_to(p.transfer) if p.transfer is not None else None,
     )
 
 
@@ -621,6 +623,7 @@ def register_request(
     policy_: models.JobPolicy | None,
     offers: Iterable[Offer],
     current_version: int,
+    layout_: models.Layout | None = None,
 ) -> pb.RegisterRequest:
     return pb.RegisterRequest(
         job=job,
@@ -631,7 +634,21 @@ def register_request(
         policy=policy_to(policy_) if policy_ else None,
         offers=[offer_to(o) for o in offers],
         current_version=current_version,
+        trainer_layout=trainer_layout_to(layout_) if isinstance(layout_, shards.TrainerLayout) else None,
+        engine_layout=engine_layout_to(layout_) if isinstance(layout_, fills.EngineLayout) else None,
     )
+
+
+def registered_layout(m: pb.RegisterRequest, role_: models.Role) -> models.Layout | None:
+    """The layout a member registered for the sharded path (a trainer's or a replica's; the other is refused)."""
+    mine, other = (
+        ("trainer_layout", "engine_layout") if role_ is models.Role.TRAINER else ("engine_layout", "trainer_layout")
+    )
+    if m.HasField(other):
+        raise faults.InvalidArgument(f"{other} is not a {role_.value}'s layout; a {role_.value} registers {mine}")
+    if not m.HasField(mine):
+        return None
+    return trainer_layout(m.trainer_layout) if role_ is models.Role.TRAINER else engine_layout(m.engine_layout)
 
 
 def lease(m: pb.Lease) -> models.Lease:
@@ -664,11 +681,21 @@ def open_request(
 
 
 def opened(m: pb.OpenVersionResponse) -> models.OpenedVersion:
-    return models.OpenedVersion(m.version, tuple(plan(p, f"plans[{i}]") for i, p in enumerate(m.plans)), m.reused)
+    return models.OpenedVersion(
+        m.version,
+        tuple(plan(p, f"plans[{i}]") for i, p in enumerate(m.plans)),
+        m.reused,
+        tuple(transfer_part(t, f"transfers[{i}]") for i, t in enumerate(m.transfers)),
+    )
 
 
 def opened_to(o: models.OpenedVersion) -> pb.OpenVersionResponse:
-    return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p) for p in o.plans], reused=o.reused)
+    return pb.OpenVersionResponse(
+        version=o.version,
+        plans=[plan_to(p) for p in o.plans],
+        reused=o.reused,
+        transfers=[transfer_part_to(t) for t in o.transfers],
+    )
 
 
 def watch_request(lease_id: str) -> pb.WatchRequest:

@@ -131,6 +131,7 @@ class Servicer:
             policy=policy,
             offers=offers,
             current_version=request.current_version,
+            layout=serde.registered_layout(request, role),
         )
         return serde.register_response(lease)
 

@@ -31,6 +31,7 @@ acked different bytes. Every report ends in ``verdicts.settle``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,10 @@ from weightsync.coordinator.models import (
     WaitFor,
 )
 from weightsync.coordinator.state import CoreState
+from weightsync.sharding import plans as sharding_plans
+from weightsync.sharding.fills import EngineLayout
+from weightsync.sharding.plans import TransferPlan
+from weightsync.sharding.shards import TrainerLayout
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
 log = logging.getLogger(__name__)
@@ -100,7 +105,7 @@ def open_version(
         _await_members(state, job)
     if key in job.keys and job.keys[key] in job.versions:
         rec = job.versions[job.keys[key]]
-        return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), reused=True)
+        return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), True, rec.transfers)
     last = job.last_step.get(incarnation)
     if last is not None and step < last:
         raise faults.FailedPrecondition(
@@ -123,6 +128,7 @@ def open_version(
         job.next_version,
         job.policy.join_timeout_s,
     )
+    plans, transfers = _transfer(job, trainer, table, plans)
     rec = VersionRecord(
         job_name,
         job.next_version,
@@ -131,6 +137,7 @@ def open_version(
         table,
         {p.replica_id: p for p in plans},
         quorum=job.policy.ack_quorum,
+        transfers=transfers,
         ready_without_acks=job.policy.ready_without_acks,
         all_or_nothing=job.policy.all_or_nothing,
         opened_at=state.clock.time(),
@@ -154,7 +161,37 @@ def open_version(
     verdicts.settle(state, job, rec)
     _trim(job)
     state.dirty = True
-    return OpenedVersion(rec.version, tuple(plans))
+    return OpenedVersion(rec.version, tuple(plans), transfers=transfers)
+
+
+def _transfer(
+    job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan]
+) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
+    """The version's transfer plan, when the trainer registered a layout of this table: each replica's plan gets
+    its part (its regions, or why it takes the gathered path: its channel carries no regions, it registered no
+    layout, its layout was recorded against another table), each trainer rank its own. From the job's cache:
+    the same layouts and membership reuse the last version's plan."""
+    layout = trainer.layout
+    if not isinstance(layout, TrainerLayout):
+        return plans, ()
+    if layout.table.layout_digest() != table.layout_digest:
+        log.warning(
+            "job %s: the trainer's registered layout is of another table than this version's; every replica takes "
+            "the gathered path (the publisher registers again with a new table)",
+            job.name,
+        )
+        return plans, ()
+    members = []
+    for p in plans:
+        engine = job.members[p.replica_id].layout
+        members.append(
+            sharding_plans.Member(
+                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel)
+            )
+        )
+    whole = job.transfer_plans.get(layout, members)
+    parts = [dataclasses.replace(p, transfer=whole.part_for_replica(p.replica_id)) for p in plans]
+    return parts, tuple(whole.part_for_rank(rank) for rank in range(layout.world_size))
 
 
 def _trim(job: Job) -> None:

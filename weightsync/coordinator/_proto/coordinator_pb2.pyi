@@ -187,7 +187,7 @@ class JobPolicy(_message.Message):
     def __init__(self, channel_preference: _Optional[_Iterable[_Union[Channel, str]]] = ..., ack_quorum: _Optional[int] = ..., version_timeout_s: _Optional[float] = ..., retention: _Optional[int] = ..., ready_without_acks: _Optional[bool] = ..., all_or_nothing: _Optional[bool] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version")
+    __slots__ = ("job", "role", "member_id", "incarnation", "capabilities", "policy", "offers", "current_version", "trainer_layout", "engine_layout")
     JOB_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +196,8 @@ class RegisterRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     job: str
     role: Role
     member_id: str
@@ -204,7 +206,9 @@ class RegisterRequest(_message.Message):
     policy: JobPolicy
     offers: _containers.RepeatedCompositeFieldContainer[SenderOffer]
     current_version: int
-    def __init__(self, job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., policy: _Optional[_Union[JobPolicy, _Mapping]] = ..., offers: _Optional[_Iterable[_Union[SenderOffer, _Mapping]]] = ..., current_version: _Optional[int] = ...) -> None: ...
+    trainer_layout: TrainerLayout
+    engine_layout: EngineLayout
+    def __init__(self, job: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., member_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., policy: _Optional[_Union[JobPolicy, _Mapping]] = ..., offers: _Optional[_Iterable[_Union[SenderOffer, _Mapping]]] = ..., current_version: _Optional[int] = ..., trainer_layout: _Optional[_Union[TrainerLayout, _Mapping]] = ..., engine_layout: _Optional[_Union[EngineLayout, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "ttl_s")
@@ -273,18 +277,20 @@ class Rendezvous(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., group: _Optional[str] = ..., secret: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., agent: _Optional[str] = ..., metadata: _Optional[bytes] = ..., epoch: _Optional[int] = ..., root: _Optional[str] = ..., join_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ChannelPlan(_message.Message):
-    __slots__ = ("replica_id", "channel", "rendezvous", "reason", "manifest_checksum")
+    __slots__ = ("replica_id", "channel", "rendezvous", "reason", "manifest_checksum", "transfer")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     channel: Channel
     rendezvous: Rendezvous
     reason: str
     manifest_checksum: str
-    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., reason: _Optional[str] = ..., manifest_checksum: _Optional[str] = ...) -> None: ...
+    transfer: TransferPart
+    def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., reason: _Optional[str] = ..., manifest_checksum: _Optional[str] = ..., transfer: _Optional[_Union[TransferPart, _Mapping]] = ...) -> None: ...
 
 class OpenVersionRequest(_message.Message):
     __slots__ = ("lease_id", "job", "incarnation", "step", "table", "offers")
@@ -303,14 +309,16 @@ class OpenVersionRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., offers: _Optional[_Iterable[_Union[SenderOffer, _Mapping]]] = ...) -> None: ...
 
 class OpenVersionResponse(_message.Message):
-    __slots__ = ("version", "plans", "reused")
+    __slots__ = ("version", "plans", "reused", "transfers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     plans: _containers.RepeatedCompositeFieldContainer[ChannelPlan]
     reused: bool
-    def __init__(self, version: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[ChannelPlan, _Mapping]]] = ..., reused: _Optional[bool] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferPart]
+    def __init__(self, version: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[ChannelPlan, _Mapping]]] = ..., reused: _Optional[bool] = ..., transfers: _Optional[_Iterable[_Union[TransferPart, _Mapping]]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("lease_id",)

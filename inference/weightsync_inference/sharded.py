@@ -1,0 +1,117 @@
+"""A sharded update in one worker: only its regions, from every trainer rank, landed in its parameters.
+
+The worker half of the sharded path's data path (``docs/sharded.md``). The worker joins
+its replica's region group (a CPU-stream ``Rendezvous`` whose ``rank`` is the number of
+trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the replica joins
+as ``rank + w`` of ``world_size``), checks the table against vLLM's loader (``dryrun``,
+changing nothing), then inside vLLM's layerwise reload receives its regions in plan order
+(``weightsync.channels.regions.receive``: each region's digest checked on arrival) and
+lands each one (``landing.Landing``); a failure after the first byte landed leaves the
+worker torn (the updater's fail-stop state), as any in-place update does.
+
+Answers what it received: bytes, each region's digest in its order (the agent combines
+the workers' lists in plan order, ``regions.combine``), seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from weightsync.channels import regions, wire
+from weightsync.channels.base import Rendezvous
+from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
+from weightsync.errors import PermanentError
+from weightsync.sharding.boxes import Box
+from weightsync.sharding.fills import WorkerLayout
+from weightsync.sharding.plans import Region
+from weightsync.tensors import TensorTable
+from weightsync.vocabulary import Channel
+from weightsync_inference.landing import Landing
+
+
+def receive(
+    engine: Any, rendezvous: Rendezvous, table: TensorTable, replica_regions: Sequence[Region], layout: WorkerLayout
+) -> dict[str, Any]:
+    """Receive and land this worker's regions of ``replica_regions`` (its replica's, every worker's, plan order)."""
+    worker = engine.updater.ctx.rank
+    if layout.rank != worker:
+        raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
+    model = engine.updater.model  # the engine's own adapter: what it fixed up once (MoE prepacking) stays once
+    model.check(table)  # refuses a table the model would not load, having changed nothing
+    endpoint = rendezvous.endpoint
+    if endpoint is None:
+        raise PermanentError("the region group's rendezvous names no endpoint")
+    store = wire.join_store(endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.CPU)
+    group = Group(store, wire.local_address_for(endpoint), rendezvous, rendezvous.rank + worker)
+    tally = regions.Tally()
+    t0 = time.perf_counter()
+    try:
+        group.connect()
+        model.begin_load(table)
+        engine.updater.torn = True
+        try:
+            landing = Landing(engine.model, layout, table)
+            landing.land(regions.receive(group.pg, rendezvous.rank, worker, table, replica_regions, tally))
+            landing.finish()
+            model.end_load(False)
+        except BaseException:
+            model.abandon_load()
+            raise
+        engine.updater.torn = False
+    finally:
+        group.close()
+    return {
+        "worker": worker,
+        "nbytes": tally.nbytes,
+        "landed": landing.nbytes,
+        "digests": tally.digests,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def regions_to(items: Sequence[Region]) -> list[list[Any]]:
+    """Regions as JSON (what crosses vLLM's ``collective_rpc``)."""
+    return [[r.tensor, r.rank, r.worker, *_box_to(r.source), r.param, *_box_to(r.dest), r.nbytes] for r in items]
+
+
+def regions_from(rows: Sequence[Sequence[Any]]) -> list[Region]:
+    try:
+        return [
+            Region(int(t), int(rank), int(w), Box(tuple(so), tuple(sl)), int(p), Box(tuple(do), tuple(dl)), int(n))
+            for t, rank, w, so, sl, p, do, dl, n in rows
+        ]
+    except (TypeError, ValueError) as e:
+        raise PermanentError(
+            f"malformed regions ({type(e).__name__}: {e}); expected the form of regions_to()"
+        ) from None
+
+
+def request(
+    rendezvous: Rendezvous, table: TensorTable, replica_regions: Sequence[Region], layouts: Sequence[WorkerLayout]
+) -> dict[str, Any]:
+    """The JSON a replica's workers take (``WorkerExtension.weightsync_receive_regions``)."""
+    return {
+        "rendezvous": rendezvous.to_dict(),
+        "table": table.to_dict(),
+        "regions": regions_to(replica_regions),
+        "layouts": [w.to_dict() for w in layouts],
+    }
+
+
+def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
+    worker = engine.updater.ctx.rank
+    layouts = [WorkerLayout.from_dict(w) for w in d["layouts"]]
+    mine = next((w for w in layouts if w.rank == worker), None)
+    if mine is None:
+        raise PermanentError(f"the request gives no layout for worker {worker} (it gives {[w.rank for w in layouts]})")
+    rdv = Rendezvous.from_dict(d["rendezvous"])
+    return receive(engine, rdv, TensorTable.from_dict(d["table"]), regions_from(d["regions"]), mine)
+
+
+def _box_to(box: Box) -> tuple[list[int], list[int]]:
+    return list(box.offsets), list(box.lengths)
+
+
+__all__ = ["from_request", "receive", "regions_from", "regions_to", "request"]

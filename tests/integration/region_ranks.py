@@ -1,0 +1,162 @@
+"""One process of a region transfer over real gloo groups: ``python -m tests.integration.region_ranks``.
+
+Every process builds the same seeded job (``--seed``): a table of layer-like tensors, a trainer of ``--ranks``
+ranks each holding its FSDP2 shard (``Shard(0)`` on a 1-D mesh), and replicas ``tp2`` (2 workers) and ``tp1``
+whose workers keep the tensors the ways vLLM keeps them (column, row, fused rows, padded, whole to the loader,
+experts: ``tests.unit.sharding_cases.random_replica``), and plans it. Groups: one per replica over the test's
+store, the trainer's ranks first. ``--role trainer --rank R`` sends R's regions replica by replica from its
+local shards only (``weightsync.channels.regions.send``); ``--role worker --replica ID --worker W`` receives
+its regions and writes them where its layout says, into plain tensors, then compares each parameter with the
+full tensors. Each writes JSON to ``--out/<name>.json`` (nothing pickled): bytes, digests, or the error.
+
+Faults: ``--flip R`` makes rank R's link to ``tp2`` corrupt one byte of its third region's payload on the way (the wire
+is wrapped: a flipped bit that TCP lets through cannot be caused for real); ``--die R`` makes rank R exit hard
+after its third region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+REPLICAS = {"tp2": 2, "tp1": 1}
+TIMEOUT_S = 30.0
+
+
+def job(seed: int, ranks: int) -> tuple[Any, Any, list[Any], list[Any]]:
+    """(trainer layout, plan, members, full tensors): the same in every process."""
+    import torch
+
+    from tests.unit.sharding_cases import random_replica
+    from weightsync.sharding.plans import Member, plan
+    from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
+    from weightsync.tensors import TensorTable
+
+    rng = random.Random(seed)
+    shapes = [(96, 64), (64,), (160, 64), (64, 96), (7, 5), (256, 64)]
+    table = TensorTable.build(
+        [[(f"layers.{g}.t{i}", rng.choice(["bfloat16", "float32"]), s) for i, s in enumerate(shapes)] for g in range(3)]
+    )
+    trainer = TrainerLayout(
+        table, ranks, (Mesh((ranks,), tuple(range(ranks))),), tuple(Placement(0, (0,)) for _ in table)
+    )
+    members = [Member(rid, random_replica(rng, table, n)) for rid, n in REPLICAS.items()]
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(s.shape, generator=gen).to(getattr(torch, s.dtype)) for s in table]
+    return trainer, plan(trainer, members), members, full
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from weightsync.channels import regions
+    from weightsync.sharding.fills import WHOLE
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", choices=["trainer", "worker"], required=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--replica", default="")
+    p.add_argument("--worker", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--seed", type=int, default=24)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--flip", type=int, default=-1)
+    p.add_argument("--die", type=int, default=-1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    trainer, result, members, full = job(args.seed, args.ranks)
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+    def group(rid: str, rank: int) -> Any:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return dist.ProcessGroupGloo(dist.PrefixStore(rid, store), rank, args.ranks + REPLICAS[rid], opts)
+
+    report: dict[str, Any] = {}
+    if args.role == "trainer":
+        name = f"rank{args.rank}"
+        local = []
+        for t in range(len(trainer.table)):
+            box = trainer.shard(t, args.rank)
+            local.append(None if box is None else full[t][_slices(box)].clone())
+        groups = {rid: group(rid, args.rank) for rid in REPLICAS}  # every group formed before any sends
+        report = {"digests": {}, "nbytes": {}}
+        for rid, pg in groups.items():
+            mine = [r for r in result.replica(rid).regions if r.rank == args.rank]
+            link = Faulty(pg, args.rank == args.flip and rid == "tp2", args.rank == args.die)
+            try:
+                tally = regions.send(link, trainer, args.rank, local, mine)
+            except Exception as e:  # noqa: BLE001 - written for the test to read; a fault stays with its replica
+                report.setdefault("errors", {})[rid] = f"{type(e).__name__}: {e}"
+                continue
+            report["digests"][rid], report["nbytes"][rid] = tally.digests, tally.nbytes
+    else:
+        name = f"{args.replica}-w{args.worker}"
+        pg = group(args.replica, args.ranks + args.worker)
+        layout = next(m.layout for m in members if m.replica_id == args.replica).workers[args.worker]
+        table = trainer.table
+        params = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in layout.params]
+        wholes: dict[int, torch.Tensor] = {}
+        tally = regions.Tally()
+        try:
+            for fill, data in regions.receive(
+                pg, args.ranks, args.worker, table, result.replica(args.replica).regions, tally
+            ):
+                if fill.param == WHOLE:
+                    target = wholes.setdefault(
+                        fill.tensor, torch.zeros(table.tensors[fill.tensor].shape, dtype=data.dtype)
+                    )
+                else:
+                    target = params[fill.param]
+                target[_slices(fill.dest)] = data.reshape(fill.dest.lengths)
+        except Exception as e:  # noqa: BLE001 - written for the test to read
+            report["error"] = f"{type(e).__name__}: {e}"
+        wrong = []
+        expected = [torch.zeros_like(t) for t in params]
+        for f in layout.fills:
+            src = full[f.tensor][_slices(f.source)]
+            if f.param == WHOLE:
+                if not torch.equal(wholes.get(f.tensor, torch.empty(0)), full[f.tensor]):
+                    wrong.append(table.tensors[f.tensor].name)
+            else:
+                expected[f.param][_slices(f.dest)] = src.reshape(f.dest.lengths)
+        wrong += [
+            s.name for s, got, want in zip(layout.params, params, expected, strict=True) if not torch.equal(got, want)
+        ]
+        report.update(
+            digests=tally.digests, nbytes=tally.nbytes, needed=layout.bytes_needed(table), wrong=wrong,
+            regions=len(result.replica(args.replica).receives(args.worker)),
+        )  # fmt: skip
+    Path(args.out, f"{name}.json").write_text(json.dumps(report))
+
+
+class Faulty:
+    """The group as the rank sees it; for ``flip`` a link that corrupts one byte of its third region's payload,
+    for ``die`` a rank that exits hard after its third region."""
+
+    def __init__(self, pg: Any, flip: bool, die: bool) -> None:
+        self.pg, self.flip, self.die, self.sends = pg, flip, die, 0
+
+    def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
+        self.sends += 1
+        if self.die and self.sends == 7:  # two sends per region (payload, digest word)
+            os._exit(3)
+        if self.flip and self.sends == 5:
+            tensors = [tensors[0].clone()]
+            tensors[0][0] ^= 0x10
+        return self.pg.send(tensors, dst, tag)
+
+
+def _slices(box: Any) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
+
+
+if __name__ == "__main__":
+    main()
