@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests import netns
 from weightsync.channels import nccl
 from weightsync.channels.base import Rendezvous
 
@@ -27,12 +28,18 @@ START_S = 300.0
 
 
 class Receivers:
-    """One receiver process per replica of ``plan``; ``die_after`` makes one exit hard after that many groups."""
+    """One receiver process per replica of ``plan``; ``die_after`` makes one exit hard after that many groups;
+    with ``hosts`` each runs on the host (network namespace) named after its replica."""
 
     def __init__(
-        self, work: Path, plan: dict[str, Rendezvous], layout: str, die_after: dict[str, int] | None = None
+        self,
+        work: Path,
+        plan: dict[str, Rendezvous],
+        layout: str,
+        die_after: dict[str, int] | None = None,
+        hosts: netns.Hosts | None = None,
     ) -> None:
-        self.work, self.go = work, work / "go"
+        self.work, self.go, self.hosts = work, work / "go", hosts
         work.mkdir(parents=True, exist_ok=True)
         self.procs = {rid: self._start(rid, rdv, layout, (die_after or {}).get(rid)) for rid, rdv in plan.items()}
 
@@ -44,7 +51,10 @@ class Receivers:
             *("--out", str(self.work / f"{rid}.json"), *(x for kv in files.items() for x in kv)),
             *(("--die-after", str(die_after)) if die_after is not None else ()),
         ]
-        return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, nccl.TRANSPORT_ENV: "gloo"})
+        env = {**os.environ, nccl.TRANSPORT_ENV: "gloo"}
+        if self.hosts is not None:
+            return self.hosts.popen(rid, argv, cwd=ROOT, env=env)
+        return subprocess.Popen(argv, cwd=ROOT, env=env)
 
     def started(self) -> None:
         """Wait until every process is up and waiting for ``go``."""

@@ -77,7 +77,7 @@ def receive(args: argparse.Namespace) -> None:
     """One receiver of the rendezvous' channel (the CPU stream, or NCCL over gloo); with --die-after N it exits hard
     after N groups (a replica that crashes). With --go FILE it starts joining only once FILE exists (after writing
     --ready), so a test can start its processes first and count the join deadline from its plan. A receiver left
-    out of its group writes ``{"error": ...}`` to --out and exits 3."""
+    out of its group, or cut off from its sender, writes ``{"error": ...}`` to --out and exits 3."""
     import time
 
     from weightsync import channels
@@ -97,16 +97,16 @@ def receive(args: argparse.Namespace) -> None:
             time.sleep(0.01)
     try:
         receiver = channels.receiver_class(rendezvous.channel).start(rendezvous, WorkerContext())
+        if args.joined:
+            write_json(Path(args.joined), {"group": rendezvous.group})
+        # no table: the channel carries it (the stream's header, the NCCL store), checked against the layout digest
+        ticket = UpdateTicket(args.version, rendezvous.channel, layout_digest=args.layout_digest)
+        for i, _ in enumerate(receiver.receive(ticket)):
+            if i + 1 == args.die_after:
+                os._exit(17)
     except TransferTimeoutError as e:
         write_json(Path(args.out), {"error": str(e)})
         sys.exit(3)
-    if args.joined:
-        write_json(Path(args.joined), {"group": rendezvous.group})
-    # no table: the channel carries it (the stream's header, the NCCL store), checked against the layout digest
-    ticket = UpdateTicket(args.version, rendezvous.channel, layout_digest=args.layout_digest)
-    for i, _ in enumerate(receiver.receive(ticket)):
-        if i + 1 == args.die_after:
-            os._exit(17)
     write_json(Path(args.out), receiver.verified)
     receiver.close()
 

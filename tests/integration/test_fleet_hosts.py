@@ -62,12 +62,6 @@ def test_one_version_reaches_replicas_on_three_channels_bit_exact(fleet: Fleet, 
         fleet.generates_like(host, seed=1)
 
 
-@pytest.mark.xfail(
-    reason="known regression after issue 25's NCCL roster (2026-11-28, CI of the merge): with its route to the trainer "
-    "refused, replica-nccl's worker waits about 3.5 min inside the NCCL receive before it raises Excluded, past the "
-    "agent's 55 s call, so its volume fallback times out too; the other replicas are unaffected. Open in issue 25.",
-    strict=False,
-)
 def test_a_replica_whose_channel_fails_takes_the_same_version_from_the_volume(
     fleet: Fleet, client: CoordinatorClient
 ) -> None:

@@ -10,10 +10,12 @@ moment it leaves the member out:
 - one replica is frozen (SIGSTOP) mid-version: its heartbeat stops, the sender forms attempt 2 with
   the other two, which finish the version from where the slower of them was;
 - one replica is killed (SIGKILL) mid-version: gloo's collective fails at once, the survivors arrive
-  at attempt 2 within the join deadline, the dead one does not.
+  at attempt 2 within the join deadline, the dead one does not;
+- one replica's route to the trainer is refused after the group formed (each process on its own host):
+  left out at the join deadline, and it learns so itself within the join deadline.
 
-Every survivor's digests are the trainer's, for every tensor. CI runs the first fault and the moved-off one;
-``make faults`` runs all (the others take the same paths with another trigger).
+Every survivor's digests are the trainer's, for every tensor. CI runs the first fault, the refused route and the
+moved-off one; ``make faults`` runs all (the others take the same paths with another trigger).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import netns
 from tests.receivers import Receivers
-from weightsync.channels import nccl
+from weightsync.channels import nccl, wire
 from weightsync.channels.base import Endpoint, Offer, Rendezvous, SendReport, UpdateTicket
 from weightsync.channels.wire import dtype_name
 from weightsync.coordinator import negotiation
@@ -81,16 +84,25 @@ def _stalling(groups: list[list[torch.Tensor]], after: int, stall: threading.Eve
         yield group
 
 
-def _sender_and_plan(replicas: tuple[str, ...]) -> tuple[nccl.NcclSender, dict[str, Rendezvous], dict[str, float]]:
-    sender = nccl.NcclSender(device="cpu", timeout_s=120)
+def _sender_and_plan(
+    replicas: tuple[str, ...], host: str = "127.0.0.1"
+) -> tuple[nccl.NcclSender, dict[str, Rendezvous], dict[str, float]]:
+    sender = nccl.NcclSender(device="cpu", host=host, timeout_s=120)
     lost: dict[str, float] = {}
     sender.on_lost = lambda rid, why: lost.setdefault(rid, time.monotonic())
     return sender, _plan(sender, replicas), lost
 
 
-def _formed(tmp_path: Path, sender: nccl.NcclSender, plan: dict[str, Rendezvous], table: TensorTable) -> Receivers:
-    """A receiver process per replica of ``plan``, all in the group the sender formed with them."""
-    receivers = Receivers(tmp_path, plan, table.layout_digest())
+def _formed(
+    tmp_path: Path,
+    sender: nccl.NcclSender,
+    plan: dict[str, Rendezvous],
+    table: TensorTable,
+    hosts: netns.Hosts | None = None,
+) -> Receivers:
+    """A receiver process per replica of ``plan`` (on its own host with ``hosts``), all in the group the sender
+    formed with them."""
+    receivers = Receivers(tmp_path, plan, table.layout_digest(), hosts=hosts)
     try:
         receivers.started()
         sender.take_plan(plan)
@@ -163,6 +175,36 @@ def test_a_member_lost_mid_version_is_left_out_and_the_others_finish_it(tmp_path
         stall.set()
         receivers.close()
         sender.close()
+
+
+def test_a_member_cut_off_from_the_sender_learns_within_the_join_deadline_that_it_is_out(tmp_path: Path) -> None:
+    """Every process on its own host; after the group formed, one member's route to the sender is refused (its
+    packets go nowhere, the sender's still arrive), as between two versions of a fleet. Its heartbeat stops
+    reaching the sender, which leaves it out at the join deadline, and the others get the version. The member
+    itself learns within the join deadline that it cannot reach the sender (each of its reads of the sender's
+    store is bounded by it), not when the route comes back: torch's store client waits on an unanswered socket
+    until TCP gives up, minutes, and inside a vLLM worker that held the replica's volume fallback behind it."""
+    netns.require()
+    groups = _groups(4)
+    table = _table(groups)
+    with netns.Hosts(("a", "b", "c")) as hosts:
+        sender, plan, lost = _sender_and_plan(("a", "b", "c"), hosts.bridge_address)
+        receivers = _formed(tmp_path, sender, plan, table, hosts)
+        try:
+            assert hosts.run("c", ["ip", "route", "add", "unreachable", f"{hosts.bridge_address}/32"]).returncode == 0
+            t0 = time.monotonic()
+            report = sender.send(UpdateTicket(1, Channel.NCCL, table, table.layout_digest()), iter(groups))
+            assert set(report.failed) == {"c"} and "silent for over the join deadline" in report.failed["c"], report
+            assert lost["c"] - t0 < JOIN_S + 5
+            for rid in ("a", "b"):
+                assert receivers.result(rid) == report.digests
+            error = receivers.result("c", code=3)["error"]
+            out = time.monotonic() - t0
+            assert "on the sender's store did not complete within 6.0s" in error, error
+            assert out < JOIN_S + wire.GRACE_S + 5, f"the member cut off learnt it was out {out:.1f}s after the fault"
+        finally:
+            receivers.close()
+            sender.close()
 
 
 def test_a_member_moved_off_the_channel_is_left_out_before_the_first_byte(tmp_path: Path) -> None:

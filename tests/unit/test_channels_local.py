@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from weightsync import channels
-from weightsync.channels import digests, manifests
+from weightsync.channels import digests, manifests, wire
 from weightsync.channels.base import Endpoint, Offer, Rendezvous, UpdateTicket, WorkerContext, direct_rendezvous
 from weightsync.channels.manifests import Manifest, latest_version, list_versions
 from weightsync.channels.volume import VolumeReceiver, VolumeSender
 from weightsync.channels.wire import dtype_name, table_groups
-from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError
+from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError, TransferTimeoutError
 from weightsync.tensors import TensorTable, manifest_checksum
 from weightsync.vocabulary import Channel
 
@@ -215,3 +218,44 @@ def test_rendezvous_travels_as_json_and_names_what_a_channel_lacks() -> None:
         Endpoint("0.0.0.0", 1)
     with pytest.raises(PermanentError, match=r"rank 3 is outside 1\.\.2"):
         Rendezvous(Channel.CPU, rank=3, world_size=3)
+
+
+class _Unanswered:
+    """A store client whose peer stopped answering: each operation blocks (as torch's does on a refused route)
+    until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.answering = True
+        self.released = threading.Event()
+        self.keys: dict[str, bytes] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        if not self.answering:
+            self.released.wait()
+        return all(k in self.keys for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value.encode()
+
+
+def test_a_store_that_stops_answering_fails_each_wait_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "GRACE_S", 0.1)
+    raw = _Unanswered()
+    store = wire.BoundedStore(raw, 0.2, "group 'g'", Channel.NCCL)
+    store.set("attempt", "1")
+    assert store.check(["attempt"]) and store.get("attempt") == b"1"
+    with pytest.raises(RuntimeError, match=r"not set within 0\.3s"):  # answered, but the key never came
+        store.wait(["roster/1"], datetime.timedelta(seconds=0.3))
+    raw.answering = False
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match=r"group 'g': checking \['abandoned'\] on the sender's store"):
+        store.check(["abandoned"])
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="abandoned"):  # the client is held: later ones fail at once
+        store.get("attempt")
+    assert time.monotonic() - t0 < 0.05
+    raw.released.set()

@@ -124,6 +124,13 @@ class NcclGroup:
         self.rdv, self.rank, self.device, self.bind = rendezvous, rank, device, bind
         self.timeout_s, self.join_timeout_s = rendezvous.timeout_s, rendezvous.join_timeout_s
         self.store = dist.PrefixStore(rendezvous.prefix, store)
+        # the roster keys a member polls while it waits: each read ends within the join deadline, for a member that
+        # cannot hear the sender that long has been left out by it (the sender hosts the store: its reads are local)
+        self.keys: Any = (
+            self.store
+            if rank == 0
+            else wire.BoundedStore(self.store, self.join_timeout_s, f"group {rendezvous.group!r}", Channel.NCCL)
+        )
         self.roster: rosters.Roster | None = None
         self._pg: Any = None
         self._posted: list[Any] = []
@@ -471,8 +478,8 @@ class NcclReceiver(Receiver):
         beats = wire.join_store(rendezvous.endpoint, join_s, rendezvous.timeout_s, Channel.NCCL)
         self._heartbeat = rosters.Heartbeat(dist.PrefixStore(rendezvous.prefix, beats), rank)
         try:
-            attempt = rosters.first_attempt(self._group.store, join_s, rendezvous.group)
-            roster = rosters.join(self._group.store, rank, attempt, 0, join_s + wire.GRACE_S, rendezvous.group)
+            attempt = rosters.first_attempt(self._group.keys, join_s, rendezvous.group)
+            roster = rosters.join(self._group.keys, rank, attempt, 0, join_s + wire.GRACE_S, rendezvous.group)
             self._group.form(roster)
         except BaseException:
             self._heartbeat.stop()
@@ -507,7 +514,7 @@ class NcclReceiver(Receiver):
         # the sender puts the table there when it starts (at the latest at the join deadline): the transfer timeout
         # counts from then, not from this receiver's join
         first_wait_s = ticket.join_timeout_s + ticket.timeout_s
-        table = self.table = self._tables.fetch(self._group.store, ticket, first_wait_s, Channel.NCCL)
+        table = self.table = self._tables.fetch(self._group.keys, ticket, first_wait_s, Channel.NCCL)
         dests = dict(place(table)) if place is not None else {}
         done, start = 0, 0
         while True:
@@ -521,9 +528,9 @@ class NcclReceiver(Receiver):
                 # a member was lost: arrive at the sender's new attempt with what this one completed, go on from
                 # where the slowest survivor was (groups before ``done`` were loaded here already)
                 self._group.abort()
-                attempt = rosters.current_attempt(self._group.store)
+                attempt = rosters.current_attempt(self._group.keys)
                 wait_s = self._group.join_timeout_s + wire.GRACE_S
-                roster = rosters.join(self._group.store, self._group.rank, attempt, done, wait_s, self._group.rdv.group)
+                roster = rosters.join(self._group.keys, self._group.rank, attempt, done, wait_s, self._group.rdv.group)
                 self._group.form(roster)
                 start = roster.resume
         self.checks_done()
@@ -575,11 +582,11 @@ class NcclReceiver(Receiver):
         attempt = group.roster.attempt
 
         def watch() -> None:
-            gave_up = rosters.abandoned(group.store)
+            gave_up = rosters.abandoned(group.keys)
             if gave_up:
                 group.abort()
                 raise TransferTimeoutError(f"nccl channel: {what}: the sender gave up on the group ({gave_up})")
-            if rosters.current_attempt(group.store) > attempt:
+            if rosters.current_attempt(group.keys) > attempt:
                 raise _Reform()
 
         try:

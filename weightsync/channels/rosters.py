@@ -22,6 +22,10 @@ communicator is formed from a *roster* the sender writes, not from the plan alon
    sender that gives up on the group instead (its own source failed) says so
    (``abandoned``), and the members fail at once.
 
+A member reads these keys through a store whose every operation ends within the join deadline
+(``wire.BoundedStore``): one that cannot hear the sender that long has been left out by it (its
+heartbeat went silent), so it fails at once instead of waiting on a socket nobody answers.
+
 The cost of a member's fault to the others is the join deadline plus one communicator
 formation (measured on the GPU host: bench/nccl_reform.py, docs/gpu-channels.md), never a
 transfer timeout. Keys live under the membership's secret prefix, so only planned

@@ -10,11 +10,11 @@ the store its descriptor. A process joining a peer's group binds its own side of
 group to the local address that reaches that peer (``local_address_for``), not to a
 name that resolves to the peer's address.
 
-Every blocking rendezvous operation is bounded by a deadline of our own (``bounded``):
-torch's store client honours its timeout only while the peer answers; on a partitioned
-network, after a wait times out it blocks on the socket until TCP gives up (minutes), and
-inside a vLLM worker that would hang every later call, the volume load that should
-replace the failed version included.
+Every blocking rendezvous operation is bounded by a deadline of our own (``bounded``; a
+member's polls of a peer's store through ``BoundedStore``): torch's store client honours its
+timeout only while the peer answers; on a partitioned network, after a wait times out it
+blocks on the socket until TCP gives up (minutes), and inside a vLLM worker that would hang
+every later call, the volume load that should replace the failed version included.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ Group = list[tuple[TensorSpec, torch.Tensor]]
 T = TypeVar("T")
 GRACE_S = 5.0
 """How much longer than its own timeout a store operation may take before it is abandoned."""
+_POLL_S = 0.02
 
 
 def bounded(fn: Callable[[], T], timeout_s: float, what: str, channel: Channel) -> T:
@@ -89,6 +90,49 @@ def bounded(fn: Callable[[], T], timeout_s: float, what: str, channel: Channel) 
     if error:
         raise error[0]
     return result[0]
+
+
+class BoundedStore:
+    """A peer's store whose every operation ends within ``timeout_s`` (``bounded``), for the keys a member polls
+    while it waits (a group's roster, the sender's verdicts).
+
+    torch's client does not end an operation its peer never answers (a route refused or dropped after the
+    connection was made: the request sits in the socket, the reply never comes, until TCP gives up minutes later),
+    so a member polling the store would stay inside that call, and inside its vLLM worker's update, long after the
+    sender left it out. One operation that overran leaves its thread holding the client; every later one fails at
+    once with the same error, and the member rebuilds its connection with its next receiver.
+    """
+
+    def __init__(self, store: Any, timeout_s: float, what: str, channel: Channel) -> None:
+        self.store, self.timeout_s, self.what, self.channel = store, timeout_s, what, channel
+        self._broken: TransferTimeoutError | None = None
+
+    def _call(self, fn: Callable[[], T], op: str) -> T:
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return bounded(fn, self.timeout_s, f"{self.what}: {op} on the sender's store", self.channel)
+        except TransferTimeoutError as e:
+            self._broken = e
+            raise
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call(lambda: self.store.check(keys), f"checking {keys}"))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._call(lambda: self.store.get(key), f"reading {key!r}"))
+
+    def set(self, key: str, value: str) -> None:
+        self._call(lambda: self.store.set(key, value), f"setting {key!r}")
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        """torch's ``Store.wait`` (``RuntimeError`` when ``keys`` are not all set within ``timeout``), polled: a key
+        that comes late is waited for as long as ``timeout``, a sender that does not answer only ``timeout_s``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Wait timeout: {keys} not set within {timeout.total_seconds():g}s")
+            time.sleep(_POLL_S)
 
 
 def serve_store(host: str, port: int, timeout_s: float) -> Any:
