@@ -70,7 +70,7 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders, trainer layouts on 4 ranks (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py tests/integration/test_trainer_layouts.py
 
-sharded: venv models  ## the sharded path's data path: fault cases (a flipped byte, a rank dying mid-send), landing against vLLM's loader; CI runs the clean transfers
+sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 replicas and their faults, landing against vLLM's loader (CI runs the TP=2 engine)
 	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
 		tests/integration/test_sharded_engine.py
 

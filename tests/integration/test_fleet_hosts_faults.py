@@ -56,8 +56,9 @@ from weightsync.vocabulary import ReplicaState, VersionState
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ALL = os.environ.get("WEIGHTSYNC_FAULTS") == "all"
-# a coordinator killed is in make test twice already: test_coordinator_restart.py and the e2e pod deletion
-REPRESENTATIVE = {"trainer-killed-mid-publish", "partition", "shard-flipped"}
+# a coordinator killed: make test runs test_coordinator_restart.py and the e2e pod deletion;
+# a partition: make test runs the isolation suite's frozen replica and a member cut off (test_nccl_exclusion.py)
+REPRESENTATIVE = {"trainer-killed-mid-publish", "shard-flipped"}
 TABLE: list[tuple[str, float, float, list[int], str]] = []
 
 

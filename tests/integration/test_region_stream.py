@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANKS = 2
 FAULTS = pytest.mark.skipif(
     os.environ.get("WEIGHTSYNC_SHARDED") != "all",
-    reason="the fault cases run with make sharded (WEIGHTSYNC_SHARDED=all); make test runs the clean transfer",
+    reason="make sharded (WEIGHTSYNC_SHARDED=all); make test lands two ranks' regions in a TP=2 engine",
 )
 
 
@@ -54,6 +54,7 @@ def _run(tmp: Path, *fault: str) -> dict[str, dict[str, object]]:
     return out
 
 
+@FAULTS
 def test_each_rank_sends_its_shards_and_each_worker_gets_exactly_its_regions(tmp_path: Path) -> None:
     out = _run(tmp_path)
     assert out["codes"]["codes"] == [0] * (RANKS + 3)
