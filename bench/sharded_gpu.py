@@ -380,6 +380,11 @@ def summarise(
     link_s = {k: n / rate[k] for k, n in link_bytes.items()}
     slowest = max(link_s, key=lambda k: link_s[k])
     bound = link_s[slowest]
+    # links out of one GPU (into one GPU) share its NVLink ports: each GPU's bytes out and in at its fastest probed
+    # link's rate, the busiest GPU, is a second bound the per-link one can hide
+    gpus = {int(x) for k in link_bytes for x in k.split("->")}
+    fastest = {g: max(r for k, r in rate.items() if str(g) in k.split("->")) for g in gpus}
+    gpu_bound = max(max(_out_in(link_bytes, g)) / fastest[g] for g in gpus)
     what = f"{model}, FSDP {ranks} -> {replicas} x TP{tp}"
     print(f"\n{what} ({args.device}): {len(table)} tensors, {table.total_bytes / 1e9:.3f} GB; {len(reports)} processes")
     wrong = {m: sum(len(r["wrong"][m]) for r in reports) for m in times}
@@ -397,7 +402,8 @@ def summarise(
         print(f"  link {k}: {link_bytes[k] / 1e6:.1f} MB at {rate[k] / 1e9:.1f} GB/s raw = {link_s[k] * 1e3:.2f} ms")
     print(
         f"  time (median of {args.reps}): sharded {med['sharded'] * 1e3:.2f} ms, gathered + broadcast "
-        f"{med['gathered'] * 1e3:.2f} ms, link bound {bound * 1e3:.2f} ms (link {slowest}); sharded / gathered "
+        f"{med['gathered'] * 1e3:.2f} ms, link bound {bound * 1e3:.2f} ms (link {slowest}), per-GPU bound "
+        f"{gpu_bound * 1e3:.2f} ms; sharded / gathered "
         f"{med['sharded'] / med['gathered']:.3f}, sharded / bound {med['sharded'] / bound:.2f}; bit-exact: "
         f"{'yes' if not any(wrong.values()) else f'NO ({wrong})'}"
     )
@@ -412,12 +418,19 @@ def summarise(
         "times": times,
         "median_s": med,
         "bound_s": bound,
+        "gpu_bound_s": gpu_bound,
         "slowest_link": slowest,
         "link_s": link_s,
         "link_rate_bps": rate,
         "wrong": wrong,
         "reports": reports,
     }
+
+
+def _out_in(link_bytes: dict[str, int], gpu: int) -> tuple[int, int]:
+    """Bytes the plan sends out of ``gpu`` and into it."""
+    ends = [(tuple(int(x) for x in k.split("->")), n) for k, n in link_bytes.items()]
+    return sum(n for (a, _), n in ends if a == gpu), sum(n for (_, b), n in ends if b == gpu)
 
 
 def links(result: TransferPlan, ranks: int, tp: int) -> dict[str, int]:
@@ -454,16 +467,17 @@ def main() -> None:
     configs = PRESETS[args.gpus] if args.gpus else [(args.ranks, args.tp, args.replicas)]
     rows = [run_one(args, m, *c) for m in models for c in configs]
     print(
-        "\n| configuration | GB | sharded ms | gathered + broadcast ms | link bound ms | sharded / gathered "
-        "| sharded / bound | received / needed (max) | bit-exact |"
+        "\n| configuration | GB | sharded ms | gathered + broadcast ms | link bound ms | per-GPU bound ms "
+        "| sharded / gathered | sharded / bound | received / needed (max) | bit-exact |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         ratio = max(w["nbytes"]["sharded"] / w["needed"] for w in r["reports"][r["ranks"] :])
         m = r["median_s"]
         print(
             f"| {r['what']} ({r['device']}) | {r['table_bytes'] / 1e9:.2f} | {m['sharded'] * 1e3:.2f} "
-            f"| {m['gathered'] * 1e3:.2f} | {r['bound_s'] * 1e3:.2f} | {m['sharded'] / m['gathered']:.3f} "
+            f"| {m['gathered'] * 1e3:.2f} | {r['bound_s'] * 1e3:.2f} | {r['gpu_bound_s'] * 1e3:.2f} "
+            f"| {m['sharded'] / m['gathered']:.3f} "
             f"| {m['sharded'] / r['bound_s']:.2f} | {ratio:.2f} | {'yes' if not any(r['wrong'].values()) else 'NO'} |"
         )
     if args.json:
