@@ -130,14 +130,17 @@ def _post(pg: Any, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Any]:
     and the bare backends the CPU stream forms) one op each, as it arrives."""
     if not ops:
         return []
-    device = ops[0][1].device
-    if isinstance(pg, dist.ProcessGroup) and pg._get_backend(device).supports_coalescing:
+    if _coalesces(pg, ops[0][1].device):
         batch = [
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, group=pg, tag=_TAG, group_peer=peer)
             for kind, t, peer in ops
         ]
         return list(dist.batch_isend_irecv(batch))
     return [pg.send([t], peer, _TAG) if kind == "send" else pg.recv([t], peer, _TAG) for kind, t, peer in ops]
+
+
+def _coalesces(pg: Any, device: torch.device) -> bool:
+    return isinstance(pg, dist.ProcessGroup) and bool(pg._get_backend(device).supports_coalescing)
 
 
 def _wait(works: Sequence[Any]) -> None:
