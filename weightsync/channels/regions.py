@@ -114,12 +114,15 @@ def _rounds(regions: Sequence[Region], peer: Callable[[Region], int], bucket: in
     each link's in order; round ``k`` holds the ``k``-th bucket of every link that has one. Sender and receiver
     cut the same buckets, so each pair of ranks exchanges its messages in the same order."""
     links: dict[int, list[list[tuple[int, Region]]]] = {}
+    filled: dict[int, int] = {}  # bytes in each link's last bucket
     for i, r in enumerate(regions):
-        own = links.setdefault(peer(r), [[]])
-        size = sum(_aligned(g.nbytes) for _, g in own[-1])
-        if own[-1] and size + _aligned(r.nbytes) > bucket:
+        p, n = peer(r), _aligned(r.nbytes)
+        own = links.setdefault(p, [[]])
+        if own[-1] and filled[p] + n > bucket:
             own.append([])
+            filled[p] = 0
         own[-1].append((i, r))
+        filled[p] = filled.get(p, 0) + n
     deepest = max((len(b) for b in links.values()), default=0)
     return [[_Bucket(p, tuple(b[k])) for p, b in links.items() if k < len(b)] for k in range(deepest)]
 
