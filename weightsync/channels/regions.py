@@ -58,8 +58,7 @@ same value (``send``'s and ``receive``'s ``bucket``)."""
 WINDOW = 2
 """Rounds in flight per side (a round: the next bucket of every link of the rank): the next round is packed, or
 posted, while the previous one is on the wire (double buffering); the host waits (one sync for the round's digest
-words) on the oldest only. Memory: ``WINDOW`` x links x ``BUCKET`` per side. (3 made the dying-rank fault test
-fail once on gloo, unexplained; 2 is the value the region stream tests passed with.)"""
+words) on the oldest only. Memory: ``WINDOW`` x links x ``BUCKET`` per side."""
 _ALIGN = 16
 """Each region starts at a multiple of 16 bytes in its bucket, so one batched kernel digests a bucket's regions."""
 _TAG = 24
@@ -254,7 +253,14 @@ def receive(
         if rnd is None:
             return
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
-        posted.append((rnd, _post(pg, [("recv", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)]), buffers))
+        try:  # gloo refuses to post on a pair its peer already closed
+            works = _post(pg, [("recv", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)])
+        except RuntimeError as e:
+            raise TransferTimeoutError(
+                f"worker {worker}: posting the receives from trainer rank {', '.join(str(b.peer) for b in rnd)} "
+                f"failed ({e}); the version fails and the group must be rebuilt"
+            ) from e
+        posted.append((rnd, works, buffers))
 
     for _ in range(window):
         post()
