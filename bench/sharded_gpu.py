@@ -18,9 +18,9 @@ Per configuration:
 
 - ``probe``: each link (trainer rank -> worker) alone, a plain ``send/recv`` of ``--probe-mb`` between its two
   GPUs, median of ``--reps``: that link's raw rate in this run;
-- ``sharded``: every rank sends its regions from its own shard (``weightsync.channels.regions.send``, digests on),
-  replica after replica in plan order; every worker receives only its regions
-  (``regions.receive``) and copies each into its parameter;
+- ``sharded``: every rank sends its regions from its own shard (``weightsync.channels.regions.send``, digests on:
+  each link's regions packed into buckets of ``--bucket-mb``, the links of a rank batched), replica after replica
+  in plan order; every worker receives only its regions (``regions.receive``) and copies each into its parameter;
 - ``gathered``: today's path: each layer group's tensors all-gathered over the trainer ranks (FSDP2's padded
   ``Shard(0)`` chunks, as ``full_tensor`` does) into one flat buffer, which rank 0 broadcasts to every worker of
   every replica; each worker copies its part into its parameters.
@@ -30,7 +30,9 @@ last region landed), clock ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for
 first round of both, untimed, warms them up, and in it every worker checks its parameters bit-exact against the
 trainer's tensors (zeroed before each mode, so a region that never came shows). The link bound: for each link,
 the bytes the plan puts on it over its probed rate; the slowest link sets it. Printed: per worker bytes received /
-bytes its layout needs, per rank bytes sent, the median times and the ratios; ``--json`` writes every sample.
+bytes its layout needs, per rank bytes sent, the median times and the ratios, and whether issue 24's goals hold
+(sharded <= 1.2 x the binding bound, the larger of the link and per-GPU bounds; <= 0.2 x gather + broadcast);
+``--json`` writes every sample.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ def child(args: argparse.Namespace) -> None:
 
     trainer, engine, result = job(args.model, args.ranks, args.tp, args.replicas)
     table = trainer.table
+    bucket = int(args.bucket_mb * (1 << 20)) or regions.BUCKET
     world = args.ranks + args.replicas * args.tp
     cuda = args.device == "cuda"
     device = torch.device("cuda", args.me) if cuda else torch.device("cpu")
@@ -185,11 +188,13 @@ def child(args: argparse.Namespace) -> None:
             sent = 0
             for i, pg in enumerate(per_replica):  # replica after replica, in plan order
                 mine = [r for r in result.replica(f"replica-{i}").regions if r.rank == args.me]
-                sent += regions.send(pg, trainer, args.me, local, mine).nbytes
+                sent += regions.send(pg, trainer, args.me, local, mine, bucket=bucket).nbytes
             return sent
         tally = regions.Tally()
         rows = result.replica(rid).regions
-        for fill, data in regions.receive(per_replica[replica], args.ranks, worker, table, rows, tally, device):
+        for fill, data in regions.receive(
+            per_replica[replica], args.ranks, worker, table, rows, tally, device, bucket=bucket
+        ):
             land(fill, data)
         return tally.nbytes
 
@@ -348,6 +353,7 @@ def run_one(args: argparse.Namespace, model: str, ranks: int, tp: int, replicas:
         *("--model", model, "--ranks", str(ranks), "--tp", str(tp), "--replicas", str(replicas)),
         *("--reps", str(args.reps), "--device", args.device, "--probe-mb", str(args.probe_mb)),
         *("--seed", str(args.seed), "--port", str(store.port), "--out", str(out)),
+        *("--bucket-mb", str(args.bucket_mb)),
     ]
     procs = [subprocess.Popen([sys.executable, __file__, *common, "--me", str(me)], cwd=ROOT) for me in range(world)]
     codes = [proc.wait(timeout=1800) for proc in procs]
@@ -368,6 +374,9 @@ def summarise(
     result: TransferPlan,
     reports: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    from weightsync.channels import regions
+
+    bucket_mb = args.bucket_mb or regions.BUCKET / (1 << 20)
     times: dict[str, list[float]] = {"sharded": [], "gathered": []}
     for i, s in enumerate(reports[0]["samples"]):
         times[s["mode"]].append(
@@ -404,8 +413,14 @@ def summarise(
         f"  time (median of {args.reps}): sharded {med['sharded'] * 1e3:.2f} ms, gathered + broadcast "
         f"{med['gathered'] * 1e3:.2f} ms, link bound {bound * 1e3:.2f} ms (link {slowest}), per-GPU bound "
         f"{gpu_bound * 1e3:.2f} ms; sharded / gathered "
-        f"{med['sharded'] / med['gathered']:.3f}, sharded / bound {med['sharded'] / bound:.2f}; bit-exact: "
-        f"{'yes' if not any(wrong.values()) else f'NO ({wrong})'}"
+        f"{med['sharded'] / med['gathered']:.3f}, sharded / bound {med['sharded'] / bound:.2f}, sharded / per-GPU "
+        f"bound {med['sharded'] / gpu_bound:.2f}; bit-exact: {'yes' if not any(wrong.values()) else f'NO ({wrong})'}"
+    )
+    print(
+        f"  issue 24's goals (buckets of {bucket_mb:g} MiB): sharded <= 1.2 x "
+        f"the binding bound ({max(bound, gpu_bound) * 1e3:.2f} ms): "
+        f"{'yes' if med['sharded'] <= 1.2 * max(bound, gpu_bound) else 'no'}; sharded <= 0.2 x gathered + "
+        f"broadcast: {'yes' if med['sharded'] <= 0.2 * med['gathered'] else 'no'}"
     )
     return {
         "what": what,
@@ -414,6 +429,7 @@ def summarise(
         "tp": tp,
         "replicas": replicas,
         "device": args.device,
+        "bucket_mb": bucket_mb,
         "table_bytes": table.total_bytes,
         "times": times,
         "median_s": med,
@@ -449,6 +465,9 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, one process per 'GPU'")
     p.add_argument("--probe-mb", type=int, default=0, help="link probe size (default 512 on cuda, 8 on cpu)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bucket-mb", type=float, default=0, help="sharded: bytes per message per link, MiB (default regions.BUCKET)"
+    )
     p.add_argument("--json")
     p.add_argument("--record", action="store_true", help="write bench/data/layouts (needs vLLM: run here)")
     p.add_argument("--me", type=int, help=argparse.SUPPRESS)

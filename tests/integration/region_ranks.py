@@ -9,9 +9,9 @@ local shards only (``weightsync.channels.regions.send``); ``--role worker --repl
 its regions and writes them where its layout says, into plain tensors, then compares each parameter with the
 full tensors. Each writes JSON to ``--out/<name>.json`` (nothing pickled): bytes, digests, or the error.
 
-Faults: ``--flip R`` makes rank R's link to ``tp2`` corrupt one byte of its third region's payload on the way (the wire
-is wrapped: a flipped bit that TCP lets through cannot be caused for real); ``--die R`` makes rank R exit hard
-after its third region.
+Faults: ``--flip R`` makes rank R's link to ``tp2`` corrupt the first byte of its second bucket on the way (a region's
+payload; the wire is wrapped: a flipped bit that TCP lets through cannot be caused for real); ``--die R`` makes
+rank R exit hard after its third bucket.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from typing import Any
 
 REPLICAS = {"tp2": 2, "tp1": 1}
 TIMEOUT_S = 30.0
+BUCKET = 4096
+"""Bytes per bucket here (``regions.BUCKET`` is 64 MiB): the job's regions (hundreds of bytes to 32 KiB) then take
+many buckets and rounds per link, some alone, some packed together: the cuts the real size has."""
 
 
 def job(seed: int, ranks: int) -> tuple[Any, Any, list[Any], list[Any]]:
@@ -92,7 +95,7 @@ def main() -> None:
             mine = [r for r in result.replica(rid).regions if r.rank == args.rank]
             link = Faulty(pg, args.rank == args.flip and rid == "tp2", args.rank == args.die)
             try:
-                tally = regions.send(link, trainer, args.rank, local, mine)
+                tally = regions.send(link, trainer, args.rank, local, mine, bucket=BUCKET)
             except Exception as e:  # noqa: BLE001 - written for the test to read; a fault stays with its replica
                 report.setdefault("errors", {})[rid] = f"{type(e).__name__}: {e}"
                 continue
@@ -107,7 +110,7 @@ def main() -> None:
         tally = regions.Tally()
         try:
             for fill, data in regions.receive(
-                pg, args.ranks, args.worker, table, result.replica(args.replica).regions, tally
+                pg, args.ranks, args.worker, table, result.replica(args.replica).regions, tally, bucket=BUCKET
             ):
                 if fill.param == WHOLE:
                     target = wholes.setdefault(
@@ -138,17 +141,17 @@ def main() -> None:
 
 
 class Faulty:
-    """The group as the rank sees it; for ``flip`` a link that corrupts one byte of its third region's payload,
-    for ``die`` a rank that exits hard after its third region."""
+    """The group as the rank sees it; for ``flip`` a link that corrupts the first byte of its second bucket (its
+    first region's), for ``die`` a rank that exits hard after its third bucket."""
 
     def __init__(self, pg: Any, flip: bool, die: bool) -> None:
         self.pg, self.flip, self.die, self.sends = pg, flip, die, 0
 
     def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
         self.sends += 1
-        if self.die and self.sends == 7:  # two sends per region (payload, digest word)
+        if self.die and self.sends == 4:  # one send per bucket (its regions, then their digest words)
             os._exit(3)
-        if self.flip and self.sends == 5:
+        if self.flip and self.sends == 2:
             tensors = [tensors[0].clone()]
             tensors[0][0] ^= 0x10
         return self.pg.send(tensors, dst, tag)

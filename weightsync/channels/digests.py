@@ -26,9 +26,12 @@ _CHUNK_WORDS = 1 << 22
 _MASK = (1 << 64) - 1
 _multipliers: dict[torch.device, torch.Tensor] = {}
 Layout = tuple[tuple[int, int], ...]
-_PREPARED = 256
+_PREPARED = 1024
 """Batched digests kept prepared, by device and their tensors' offsets from the lowest and sizes (a receiver's
-buckets, a stage's views, a sender's wire buffer for a group keep theirs from version to version)."""
+buckets, a stage's views, a sender's wire buffer for a group keep theirs from version to version). A sharded
+rank's region buckets each have their own (Qwen3-8B to three replicas is about 770 buckets of 64 MiB on one
+rank): preparing one costs host time comparable to its bucket's time on an NVLink, so they all stay prepared (a
+prepared table is a few hundred bytes)."""
 _prepared: dict[tuple[torch.device, Layout], batched.Digests] = {}
 _prepared_lock = threading.Lock()
 

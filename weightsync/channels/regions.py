@@ -7,21 +7,24 @@ replica (gloo for CPU fleets; the calls are point-to-point, which NCCL has too),
 ranks are the trainer's ranks first (group rank = trainer rank) and then the replica's
 workers (group rank = trainer world size + worker):
 
-- ``send``: a trainer rank sends its regions in plan order, each cut from its local
-  shard (the region's box minus the shard's offsets: no gather), packed contiguous
-  where the shard lives, then the region's digest word (``digests.word``, 8 bytes);
-- ``receive``: a worker posts the receives of its regions in plan order (messages
-  between two group ranks arrive in the order they were sent, so each rank's subset of
-  the plan order pairs every message with its region), checks each region's word
-  against its own digest of the bytes that arrived before yielding it, and yields the
-  region as a ``(Fill, tensor)`` piece for ``weightsync_inference.landing``. A region
-  whose bytes changed on the way fails naming tensor, box, sending rank and worker.
+- ``send``: a trainer rank cuts its regions (in plan order) from its local shard (the region's box minus the
+  shard's offsets: no gather) and packs each link's (one link: the rank to one worker) into buckets of about
+  ``BUCKET`` bytes where the shard lives: one copy per region into the bucket, then every region's digest word
+  (``digests.words``: one batched kernel per bucket on a GPU) appended, so a bucket is one message;
+- ``receive``: a worker posts the receives of its buckets (it cuts the same buckets from the same plan; messages
+  between two group ranks arrive in the order they were sent), checks each region's word against its own
+  digest of the bytes that arrived (one batched kernel per bucket) before yielding it, and yields the region as
+  a ``(Fill, tensor)`` piece (a view of the bucket) for ``weightsync_inference.landing``. A region whose bytes
+  changed on the way fails naming tensor, box, sending rank and worker.
 
-Both sides keep a few regions in flight (``window``) so packing and digests overlap the
-wire, and return each region's digest in their order; ``combine`` puts a replica's
-digests (all its workers', or all ranks') back in plan order into one digest, the
-sender's and the engine's side alike. Every wait is bounded by the group's timeout
-(gloo's point-to-point calls take the one the group was formed with): a rank that dies
+Both sides go in rounds, round ``k`` being the ``k``-th bucket of each of the side's links: on a group whose
+backend batches point-to-point calls (NCCL), a round is one ``batch_isend_irecv`` (the links move at once; a
+send or receive per region, each its own serialized NCCL launch, ran 4-40x the link bound), elsewhere (gloo) one
+call per bucket. ``WINDOW`` rounds are in flight, so packing the next overlaps the wire, and the host waits
+(one sync per round, the digest words) only on the oldest. Both return each region's digest in their own
+plan order; ``combine`` puts a replica's digests (all its workers', or all ranks') back in plan order into one
+digest, the sender's and the engine's side alike. Every wait is bounded by the group's timeout (gloo's
+point-to-point calls take the one the group was formed with, NCCL's watchdog its own): a rank that dies
 mid-send makes its peers' receives fail at once or at that timeout.
 """
 
@@ -34,9 +37,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from weightsync.channels import digests
-from weightsync.channels.wire import TORCH_DTYPES, as_bytes
+from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError, TransferTimeoutError
 from weightsync.sharding.boxes import Box
 from weightsync.sharding.fills import Fill
@@ -44,8 +48,19 @@ from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
 from weightsync.tensors import TensorTable
 
-WINDOW = 8
-"""Regions in flight per side: enough to keep the wire busy while the next one is packed or checked."""
+BUCKET = 512 << 20
+"""Bytes a sender packs into one message per link (a region larger goes alone). Every message costs a copy into
+the bucket, a digest kernel and a host sync per round, whatever its size: on 2x H200 (1 rank -> 1 worker, Qwen3-8B,
+16.4 GB, ``bench/sharded_gpu.py --bucket-mb``) 16 MiB buckets took 2.15x the link bound, 64 MiB 2.9x, 256 MiB 1.44x,
+512 MiB 1.04x, 1 GiB 1.03x. 512 MiB is where the curve flattens; the memory in flight stays
+``WINDOW`` x links x ``BUCKET`` per side at most (a bucket is as large as its regions). Both sides cut the same
+buckets from the same plan: they must use the same value (``send``'s and ``receive``'s ``bucket``)."""
+WINDOW = 2
+"""Rounds in flight per side (a round: the next bucket of every link of the rank): the next round is packed, or
+posted, while the previous one is on the wire (double buffering); the host waits (one sync for the round's digest
+words) on the oldest only. Memory: ``WINDOW`` x links x ``BUCKET`` per side."""
+_ALIGN = 16
+"""Each region starts at a multiple of 16 bytes in its bucket, so one batched kernel digests a bucket's regions."""
 _TAG = 24
 
 
@@ -57,6 +72,85 @@ class Tally:
     nbytes: int = 0
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """One message of one link: regions (with their index in the side's own list), packed at 16-byte boundaries,
+    then each region's digest word (int64, little-endian)."""
+
+    peer: int
+    regions: tuple[tuple[int, Region], ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        at, out = 0, []
+        for _, r in self.regions:
+            out.append(at)
+            at += _aligned(r.nbytes)
+        return out
+
+    @property
+    def words_at(self) -> int:
+        return sum(_aligned(r.nbytes) for _, r in self.regions)
+
+    @property
+    def nbytes(self) -> int:
+        return self.words_at + 8 * len(self.regions)
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each region's bytes in ``buffer``."""
+        return [buffer[at : at + r.nbytes] for at, (_, r) in zip(self.offsets, self.regions, strict=True)]
+
+    def words(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The digest words that travel with the regions."""
+        return buffer[self.words_at :].view(torch.int64)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _rounds(regions: Sequence[Region], peer: Callable[[Region], int], bucket: int) -> list[list[_Bucket]]:
+    """``regions`` (one side's, in plan order) cut into buckets per link (``peer``: the other end's group rank),
+    each link's in order; round ``k`` holds the ``k``-th bucket of every link that has one. Sender and receiver
+    cut the same buckets, so each pair of ranks exchanges its messages in the same order."""
+    links: dict[int, list[list[tuple[int, Region]]]] = {}
+    filled: dict[int, int] = {}  # bytes in each link's last bucket
+    for i, r in enumerate(regions):
+        p, n = peer(r), _aligned(r.nbytes)
+        own = links.setdefault(p, [[]])
+        if own[-1] and filled[p] + n > bucket:
+            own.append([])
+            filled[p] = 0
+        own[-1].append((i, r))
+        filled[p] = filled.get(p, 0) + n
+    deepest = max((len(b) for b in links.values()), default=0)
+    return [[_Bucket(p, tuple(b[k])) for p, b in links.items() if k < len(b)] for k in range(deepest)]
+
+
+def _post(pg: Any, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Any]:
+    """Post ``(\"send\"|\"recv\", tensor, group rank)`` ops. On a group whose backend coalesces (NCCL) as one
+    batch: one grouped launch, the links of the round moving at once; otherwise (gloo, which has no batching,
+    and the bare backends the CPU stream forms) one op each, as it arrives."""
+    if not ops:
+        return []
+    if _coalesces(pg, ops[0][1].device):
+        batch = [
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, group=pg, tag=_TAG, group_peer=peer)
+            for kind, t, peer in ops
+        ]
+        return list(dist.batch_isend_irecv(batch))
+    return [pg.send([t], peer, _TAG) if kind == "send" else pg.recv([t], peer, _TAG) for kind, t, peer in ops]
+
+
+def _coalesces(pg: Any, device: torch.device) -> bool:
+    return isinstance(pg, dist.ProcessGroup) and bool(pg._get_backend(device).supports_coalescing)
+
+
+def _wait(works: Sequence[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
 def send(
     pg: Any,
     layout: TrainerLayout,
@@ -64,34 +158,58 @@ def send(
     local: Sequence[torch.Tensor | None],
     regions: Sequence[Region],
     window: int = WINDOW,
+    bucket: int = BUCKET,
 ) -> Tally:
     """Send trainer ``rank``'s ``regions`` (its ``sends``, in plan order, one replica's) from its local shards.
 
-    ``local[i]`` is the rank's local shard of table tensor ``i`` (None where it holds none).
+    ``local[i]`` is the rank's local shard of table tensor ``i`` (None where it holds none). Each link's regions
+    go packed in buckets of about ``bucket`` bytes with their digest words; the links of a round go at once.
     """
+    got: list[str] = [""] * len(regions)
     tally = Tally()
-    in_flight: collections.deque[tuple[Region, list[Any], torch.Tensor, torch.Tensor]] = collections.deque()
+    posted: collections.deque[tuple[list[_Bucket], list[Any], list[torch.Tensor]]] = collections.deque()
+
+    def done() -> None:
+        rnd, works, buffers = posted.popleft()
+        _wait(works)  # the buffers had to live until here
+        words = torch.cat([b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]).tolist()  # one host sync
+        for (i, r), w in zip((x for b in rnd for x in b.regions), words, strict=True):
+            got[i] = _digest(r.nbytes, w)
+            tally.nbytes += r.nbytes
+
     try:
-        for r in regions:
-            piece = _cut(layout, rank, local, r)
-            word = digests.word(piece).reshape(1)
-            dst = layout.world_size + r.worker
-            works = [pg.send([as_bytes(piece)], dst, _TAG), pg.send([word], dst, _TAG)]
-            in_flight.append((r, works, piece, word))  # the tensors live until their sends completed
-            while len(in_flight) > window:
-                _sent(in_flight.popleft(), tally)
-        while in_flight:
-            _sent(in_flight.popleft(), tally)
+        for rnd in _rounds(regions, lambda r: layout.world_size + r.worker, bucket):
+            buffers = [_pack(layout, rank, local, b) for b in rnd]
+            posted.append(
+                (rnd, _post(pg, [("send", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)]), buffers)
+            )
+            while len(posted) > window:
+                done()
+        while posted:
+            done()
     except RuntimeError as e:
         raise TransferTimeoutError(
             f"trainer rank {rank}: sending its regions failed or exceeded the group's timeout ({e}); the version "
             "fails and the group must be rebuilt"
         ) from e
+    tally.digests = got
     return tally
 
 
+def _pack(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None], b: _Bucket) -> torch.Tensor:
+    """One bucket: each region cut from the rank's shard and copied in (one copy each, no intermediate), then its
+    digest words from one batched kernel over the packed regions."""
+    pieces = [_cut(layout, rank, local, r) for _, r in b.regions]
+    buffer = torch.empty(b.nbytes, dtype=torch.uint8, device=pieces[0].device)
+    views = b.views(buffer)
+    for view, piece in zip(views, pieces, strict=True):
+        view.view(piece.dtype).view(piece.shape).copy_(piece)
+    b.words(buffer).copy_(digests.words(views))
+    return buffer
+
+
 def _cut(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None], r: Region) -> torch.Tensor:
-    """The region from the rank's own shard, packed contiguous where the shard lives."""
+    """The region as a view of the rank's own shard (where the shard lives)."""
     spec = layout.table.tensors[r.tensor]
     shard = layout.shard(r.tensor, rank)
     tensor = local[r.tensor] if r.tensor < len(local) else None
@@ -107,15 +225,7 @@ def _cut(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None],
             f"{spec.dtype}: the trainer's layout was read from other tensors than the ones it sends"
         )
     rel = Box(tuple(a - b for a, b in zip(r.source.offsets, shard.offsets, strict=True)), r.source.lengths)
-    return tensor.detach()[_slices(rel)].contiguous()
-
-
-def _sent(entry: tuple[Region, list[Any], torch.Tensor, torch.Tensor], tally: Tally) -> None:
-    r, works, _, word = entry  # the piece only had to live until here
-    for work in works:
-        work.wait()
-    tally.digests.append(_digest(r.nbytes, word))
-    tally.nbytes += r.nbytes
+    return tensor.detach()[_slices(rel)]
 
 
 def receive(
@@ -127,45 +237,78 @@ def receive(
     tally: Tally,
     device: torch.device | str = "cpu",
     window: int = WINDOW,
+    bucket: int = BUCKET,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Receive ``worker``'s ``regions`` (its replica's, in plan order) from ``trainers`` trainer ranks; yield each
-    as a ``(Fill, tensor)`` piece once its digest checked. ``tally`` gets each region's digest and bytes."""
+    as a ``(Fill, tensor)`` piece once its digest checked, bucket by bucket (the links of a round interleaved, not
+    in plan order). ``tally`` gets each region's digest (in plan order, once all arrived) and bytes. ``bucket``
+    must be the senders' (``send``)."""
     mine = [r for r in regions if r.worker == worker]
-    posted: collections.deque[tuple[Region, list[Any], torch.Tensor, torch.Tensor]] = collections.deque()
-    pending = iter(mine)
+    got: list[str] = [""] * len(mine)
+    rounds = iter(_rounds(mine, rank_of, bucket))
+    posted: collections.deque[tuple[list[_Bucket], list[Any], list[torch.Tensor]]] = collections.deque()
 
     def post() -> None:
-        r = next(pending, None)
-        if r is None:
+        rnd = next(rounds, None)
+        if rnd is None:
             return
-        buffer = torch.empty(r.nbytes, dtype=torch.uint8, device=device)
-        word = torch.zeros(1, dtype=torch.int64, device=device)
-        posted.append((r, [pg.recv([buffer], r.rank, _TAG), pg.recv([word], r.rank, _TAG)], buffer, word))
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
+        try:  # gloo refuses to post on a pair its peer already closed
+            works = _post(pg, [("recv", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)])
+        except RuntimeError as e:
+            raise TransferTimeoutError(
+                f"worker {worker}: posting the receives from trainer rank {', '.join(str(b.peer) for b in rnd)} "
+                f"failed ({e}); the version fails and the group must be rebuilt"
+            ) from e
+        posted.append((rnd, works, buffers))
 
     for _ in range(window):
         post()
     while posted:
-        r, works, buffer, word = posted.popleft()
-        spec = table.tensors[r.tensor]
-        try:
-            for work in works:
+        rnd, works, buffers = posted.popleft()
+        # one work per bucket (gloo), or one for the round's batch (NCCL): name the ranks it waited for
+        for k, work in enumerate(works):
+            late = rnd[k : k + 1] if len(works) == len(rnd) else rnd
+            try:
                 work.wait()
-        except RuntimeError as e:
-            raise TransferTimeoutError(
-                f"worker {worker}: region {r.source} of {spec.name!r} from trainer rank {r.rank} did not arrive "
-                f"({e}); the version fails and the group must be rebuilt"
-            ) from e
+            except RuntimeError as e:
+                first = late[0].regions[0][1]
+                raise TransferTimeoutError(
+                    f"worker {worker}: the regions from trainer rank {', '.join(str(b.peer) for b in late)} (from "
+                    f"region {first.source} of {table.tensors[first.tensor].name!r} on) did not arrive ({e}); the "
+                    "version fails and the group must be rebuilt"
+                ) from e
         post()
-        sent, got = _digest(r.nbytes, word), digests.digest(buffer)
-        if sent != got:
+        checked = _check(worker, table, rnd, buffers)
+        for b, buffer in zip(rnd, buffers, strict=True):
+            for (i, r), data in zip(b.regions, b.views(buffer), strict=True):
+                got[i] = checked[i]
+                tally.nbytes += r.nbytes
+                spec = table.tensors[r.tensor]
+                yield (
+                    Fill(r.tensor, r.source, r.param, r.dest),
+                    data.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths),
+                )
+    tally.digests.extend(got)
+
+
+def _check(worker: int, table: TensorTable, rnd: Sequence[_Bucket], buffers: Sequence[torch.Tensor]) -> dict[int, str]:
+    """Each region's digest of what arrived against the word its rank sent with it (one batched digest kernel per
+    bucket, one host sync per round); a difference fails naming tensor, box, sending rank and worker."""
+    ours = [digests.words(b.views(buf)) for b, buf in zip(rnd, buffers, strict=True)]
+    theirs = [b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]
+    both = torch.cat([*ours, *theirs]).tolist()
+    half = len(both) // 2
+    out: dict[int, str] = {}
+    for (i, r), got, sent in zip((x for b in rnd for x in b.regions), both[:half], both[half:], strict=True):
+        if got != sent:
             raise IntegrityError(
-                f"worker {worker}: region {r.source} of tensor {spec.name!r} from trainer rank {r.rank} arrived with "
-                f"digest {got}, but the rank sent {sent}: its bytes changed on the way; the version fails"
+                f"worker {worker}: region {r.source} of tensor {table.tensors[r.tensor].name!r} from trainer rank "
+                f"{r.rank} arrived with digest {_digest(r.nbytes, got)}, but the rank sent {_digest(r.nbytes, sent)}: "
+                "its bytes changed on the way; the version fails"
             )
-        tally.digests.append(got)
-        tally.nbytes += r.nbytes
-        data = buffer.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths)
-        yield Fill(r.tensor, r.source, r.param, r.dest), data
+        out[i] = _digest(r.nbytes, got)
+    return out
 
 
 def combine(regions: Sequence[Region], lists: Mapping[int, Sequence[str]], by: Callable[[Region], int]) -> str:
@@ -194,8 +337,8 @@ def worker_of(r: Region) -> int:
     return r.worker
 
 
-def _digest(nbytes: int, word: torch.Tensor) -> str:
-    return f"{nbytes}:{int(word.item()) & ((1 << 64) - 1):016x}"
+def _digest(nbytes: int, word: int) -> str:
+    return f"{nbytes}:{word & ((1 << 64) - 1):016x}"
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
