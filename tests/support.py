@@ -12,6 +12,9 @@ import torch
 PROMPTS = [[1, 5, 7, 9], [1, 42, 17, 300, 12]]
 TOKENS = 6
 LOGPROB_TOLERANCE = 0.1
+CONTAINER_VLLM_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.06",
+                       "--max-model-len", "256", "--seed", "0"]  # fmt: skip
+"""An RLJob's ``vllmArgs`` for the CPU images' replicas on this machine (the tiny model, a small share of memory)."""
 
 IMAGES_ENV = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync")) / "images" / "cpu.env"
 needs_images = pytest.mark.skipif(

@@ -84,9 +84,7 @@ def _job(images: dict[str, str]) -> dict[str, Any]:
         env=[{"name": k, "value": v} for k, v in env.items()],
     )  # fmt: skip
     spec["inference"].update(
-        image=images["inference"], model=MODEL, resources={},
-        vllmArgs=["--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.06",
-                  "--max-model-len", "256", "--seed", "0"],
+        image=images["inference"], model=MODEL, resources={}, vllmArgs=support.CONTAINER_VLLM_ARGS
     )  # fmt: skip
     spec["coordinator"] = {"image": images["coordinator"]}
     # every version kept, so the test can read each one's per-replica state at the end

@@ -11,15 +11,23 @@ container-tests`` sets it after building them); with it, missing podman or image
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import support
+from weightsync.resources.rljob import RLJobSpec
+from weightsync_operator import names, workloads
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), support.needs_images]
 
@@ -30,11 +38,13 @@ def _images() -> dict[str, str]:
     return support.built_images()
 
 
-def _run_args(*extra: str) -> list[str]:
-    """What a pod of the chart gets: no capabilities, no privilege escalation, a read-only root, /tmp writable.
-    runc (crun refuses this machine's hybrid cgroups); ulimits within the hard limits the VM allows."""
+def _run_args(*extra: str, read_only: bool = True) -> list[str]:
+    """What a pod of the chart gets: no capabilities, no privilege escalation, a read-only root (but for the
+    containers the operator lets write theirs), /tmp writable. runc (crun refuses this machine's hybrid cgroups);
+    ulimits within the hard limits the VM allows."""
     return [
-        "podman", "run", "--runtime", "runc", "--network", "none", "--read-only", "--tmpfs", "/tmp",
+        "podman", "run", "--runtime", "runc", "--network", "none", *(["--read-only"] if read_only else []),
+        "--tmpfs", "/tmp",
         "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
         "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024", *extra,
     ]  # fmt: skip
@@ -52,9 +62,17 @@ def _run(
 class Container:
     """A detached container; ``exec`` runs a command inside it (its own network namespace)."""
 
-    def __init__(self, image: str, argv: list[str], env: dict[str, str], entrypoint: str | None = None) -> None:
+    def __init__(
+        self,
+        image: str,
+        argv: list[str],
+        env: dict[str, str],
+        entrypoint: str | None = None,
+        extra: tuple[str, ...] = (),
+        read_only: bool = True,
+    ) -> None:
         self.name = f"weightsync-test-{uuid.uuid4().hex[:8]}"
-        args = _run_args("--detach", "--name", self.name)
+        args = _run_args("--detach", "--name", self.name, *extra, read_only=read_only)
         if entrypoint is not None:
             args += ["--entrypoint", entrypoint]
         for key, value in env.items():
@@ -79,8 +97,14 @@ class Container:
 
 
 @contextlib.contextmanager
-def _container(image: str, argv: list[str], env: dict[str, str] | None = None) -> Iterator[Container]:
-    container = Container(image, argv, env or {})
+def _container(
+    image: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
+    read_only: bool = True,
+) -> Iterator[Container]:
+    container = Container(image, argv, env or {}, extra=extra, read_only=read_only)
     try:
         yield container
     finally:
@@ -184,3 +208,35 @@ def test_vllm_server_entrypoint_loads_the_plugin_and_the_cpu_kernels(images: dic
     proc = _run(images["inference"], "python", "-c", code, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith("0.32"), proc.stdout
+
+
+def test_vllm_answers_a_greedy_completion_with_logprobs(images: dict[str, str], tmp_path: Path) -> None:
+    """The replica's `vllm` container, its command and environment as the operator writes them (the e2e's job), on
+    the tiny model, answers the e2e's greedy request: token-id prompts with logprobs. vLLM compiles its sampler's
+    logprob ranking with torch.compile even under --enforce-eager, and on the CPU inductor builds it with g++ and
+    Python's headers: an image without them started and loaded every version, and its engine died at this first
+    completion (``InvalidCxxCompiler``, the e2e's 500 "EngineCore encountered an issue")."""
+    spec = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())["spec"]
+    spec["inference"].update(model="/checkpoints/model", vllmArgs=support.CONTAINER_VLLM_ARGS)
+    statefulset = workloads.inference("j", "ns", RLJobSpec.model_validate(spec), parked=False)
+    (vllm,) = [c for c in statefulset["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    model = tmp_path / "model"
+    shutil.copytree(support.tiny_model(), model)
+    for path in [model, *model.iterdir()]:
+        os.chown(path, 1000, 1000)  # the pod's user reads the volume, as the e2e's hostPath is made
+    env = {e["name"]: e["value"] for e in vllm["env"]}
+    # /dev/shm as the pod's memory emptyDir (podman's default is 64 MiB)
+    extra = ("--volume", f"{model}:/checkpoints/model:ro", "--shm-size", "1g")
+    read_only = vllm["securityContext"]["readOnlyRootFilesystem"]
+    with _container(images["inference"], vllm["command"], env, extra, read_only) as container:
+        _wait_probe(container, HTTP_PROBE.format(port=names.VLLM_PORT, path="/health"), timeout=480)
+        code = (
+            "import json, httpx; from weightsync_inference.http_engine import greedy; "
+            f"c = httpx.Client(base_url='http://127.0.0.1:{names.VLLM_PORT}', trust_env=False); "
+            f"print(json.dumps(greedy(c, {support.PROMPTS!r}, {support.TOKENS})))"
+        )
+        proc = container.exec("python", "-c", code, timeout=180)
+        assert proc.returncode == 0, f"{proc.stderr[-2000:]}\n{container.logs()[-6000:]}"
+        result = json.loads(proc.stdout)
+        assert [len(ids) for ids, _ in result] == [support.TOKENS] * len(support.PROMPTS), result
+        assert container.running(), f"vLLM exited after answering:\n{container.logs()[-6000:]}"
