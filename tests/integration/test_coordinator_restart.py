@@ -56,7 +56,9 @@ def start_coordinator(port: int, volume: Path) -> subprocess.Popen[str]:
             "--volume",
             f"{JOB}={volume}",
             "--lease-ttl",
-            "1",
+            # renewals every third of it: at 1 s a loaded 2-core CI machine starved the trainer's renewer past its
+            # lease ("trainer lost mid-publish: trainer lease expired" 0.7 s after v3 opened, 3 runs in 8 here)
+            "3",
         ],
         stdout=subprocess.PIPE,
         text=True,
