@@ -74,7 +74,7 @@ sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 
 	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
 		tests/integration/test_sharded_engine.py
 
-sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads and engine)
+sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads, engine and publisher)
 	WEIGHTSYNC_SHARDED_VOLUME=all $(PY) -m pytest tests/integration/test_sharded_volume.py
 
 frameworks: venv models  ## every framework integration on a two-replica multi-host fleet (TRL, Atropos, vLLM's factory, verl; make test runs TRL and Atropos on one replica)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ALL = os.environ.get("WEIGHTSYNC_SHARDED_VOLUME") == "all"
 faults = pytest.mark.skipif(
-    not ALL, reason="make test runs the write, the region reads and the engine; make sharded-volume the rank faults"
+    not ALL, reason="make sharded-volume (the rank faults); make test: the write, region reads, engine, publisher"
 )
 
 
