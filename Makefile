@@ -60,12 +60,13 @@ integration: venv models  ## only the integration tier (real vLLM, real processe
 faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a representative set); tables in build/
 	@mkdir -p build
 	WEIGHTSYNC_FAULTS=all WEIGHTSYNC_FAULTS_TABLE=build/faults.md WEIGHTSYNC_ISOLATION_TABLE=build/isolation.md \
-		$(PY) -m pytest tests/integration/test_fleet_hosts_faults.py tests/integration/test_fleet_hosts_isolation.py \
+		$(PY) -m pytest tests/integration/test_fleet_hosts.py tests/integration/test_fleet_hosts_faults.py \
+		tests/integration/test_fleet_hosts_isolation.py \
 		tests/integration/test_nccl_exclusion.py
 
-serving: venv models  ## the longer serving runs (MoE models served and in the sandbox, no tokenizer files, the by-hand command); CI runs a representative set
+serving: venv models  ## the longer serving runs (MoE models served and in the sandbox, no tokenizer files, the by-hand command, the staged demo); CI runs a representative set
 	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py \
-		tests/integration/test_by_hand.py
+		tests/integration/test_by_hand.py tests/integration/test_demo.py
 
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders, trainer layouts on 4 ranks (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py tests/integration/test_trainer_layouts.py
@@ -74,7 +75,7 @@ sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 
 	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
 		tests/integration/test_sharded_engine.py
 
-sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads, engine and publisher)
+sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads and publisher)
 	WEIGHTSYNC_SHARDED_VOLUME=all $(PY) -m pytest tests/integration/test_sharded_volume.py
 
 frameworks: venv models  ## every framework integration on a two-replica multi-host fleet (TRL, Atropos, vLLM's factory, verl; make test runs TRL and Atropos on one replica)

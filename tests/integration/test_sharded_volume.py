@@ -32,8 +32,10 @@ from weightsync.vocabulary import Channel
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 ALL = os.environ.get("WEIGHTSYNC_SHARDED_VOLUME") == "all"
-faults = pytest.mark.skipif(
-    not ALL, reason="make sharded-volume (the rank faults); make test: the write, region reads, engine, publisher"
+full = pytest.mark.skipif(
+    not ALL,
+    reason="make sharded-volume (a TP=2 engine, the rank faults); make test: the write, region reads, the publisher "
+    "(and test_sharded_engine.py's TP=2 engine)",
 )
 
 
@@ -121,6 +123,7 @@ def test_fsdp2_ranks_write_their_shards_and_tp2_workers_read_only_their_regions(
     assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in got)
 
 
+@full
 def test_a_tp2_engine_loads_the_sharded_version_and_refuses_a_damaged_one(
     written: tuple[Path, list[dict[str, object]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -199,7 +202,7 @@ def test_the_publisher_of_an_fsdp2_trainer_writes_the_sharded_copy_from_every_ra
         assert manifest.sharded and sorted(manifest.shards) == ["rank-00000.safetensors", "rank-00001.safetensors"]
 
 
-@faults
+@full
 def test_a_rank_that_dies_before_writing_fails_the_version_after_the_timeout(tmp_path: Path) -> None:
     volume, reports = _ranks("dies", tmp_path, timeout_s=10.0)
     assert reports[1].get("died") is True
@@ -209,7 +212,7 @@ def test_a_rank_that_dies_before_writing_fails_the_version_after_the_timeout(tmp
     assert manifests.list_versions(volume) == [] and not list(volume.glob(".tmp-*"))
 
 
-@faults
+@full
 def test_a_rank_writing_to_a_disk_of_its_own_fails_the_version_at_every_rank(tmp_path: Path) -> None:
     volume, reports = _ranks("own-disk", tmp_path)
     for r in reports:

@@ -73,6 +73,11 @@ def test_fsdp2_ranks_read_one_layout_that_is_their_shards(world: int, tmp_path: 
     assert [r["held"] for r in reports] == ([28, 28] if world == 2 else [28, 28, 28, 26])
 
 
+@pytest.mark.skipif(
+    os.environ.get("WEIGHTSYNC_LAYOUTS") != "all",
+    reason="4 ranks on a 2x2 mesh: make layouts (WEIGHTSYNC_LAYOUTS=all); make test: 2 ranks; the unit tier "
+    "cuts the strided layout",
+)
 def test_fsdp2_over_tensor_parallel_reads_the_strided_cut(tmp_path: Path) -> None:
     reports = _run("fsdp-tp", 4, tmp_path / "out")
     assert len({r["digest"] for r in reports}) == 1
