@@ -353,7 +353,12 @@ def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
     """The publisher's content digest, the receivers its channels lost (replica id -> error), and why the volume
     copy failed, if it did."""
     failed = _receivers(m.failed, "failed")
-    return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error)
+    regions = {}
+    for rid, d in sorted(m.region_digests.items()):
+        if not rid or not d:
+            raise faults.InvalidArgument(f"region_digests[{rid!r}] needs a replica id and a digest")
+        regions[rid] = _digest(d, f"region_digests[{rid!r}]")
+    return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error, regions)
 
 
 def report_lost(m: pb.ReportLostRequest) -> dict[str, str]:
@@ -375,6 +380,7 @@ def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s:
         failed=_receivers_to(sent.failed),
         volume_error=_error_text(sent.volume_error),
         wait_s=wait_s,
+        region_digests=dict(sent.region_digests),
     )
 
 
