@@ -171,6 +171,11 @@ class Agent:
         self._lock = threading.Lock()
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
 
+    @property
+    def engine_layout(self) -> EngineLayout | None:
+        """The engine layout this replica registered (None: none yet, every version reaches it whole)."""
+        return self._layout[1] if self._layout is not None else None
+
     def run(self) -> bool:
         """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``; False when the
         coordinator's stream ended without one (said in the log: the process must not end in silence)."""

@@ -354,10 +354,10 @@ def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
     copy failed, if it did."""
     failed = _receivers(m.failed, "failed")
     regions = {}
-    for rid, d in sorted(m.region_digests.items()):
-        if not rid or not d:
-            raise faults.InvalidArgument(f"region_digests[{rid!r}] needs a replica id and a digest")
-        regions[rid] = _digest(d, f"region_digests[{rid!r}]")
+    for i, r in enumerate(m.region_digests):
+        if not r.replica_id or not r.content_digest:
+            raise faults.InvalidArgument(f"region_digests[{i}] needs a replica_id and a content_digest")
+        regions[r.replica_id] = _digest(r.content_digest, f"region_digests[{i}].content_digest")
     return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error, regions)
 
 
@@ -380,7 +380,9 @@ def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s:
         failed=_receivers_to(sent.failed),
         volume_error=_error_text(sent.volume_error),
         wait_s=wait_s,
-        region_digests=dict(sent.region_digests),
+        region_digests=[
+            pb.RegionDigest(replica_id=r, content_digest=d) for r, d in sorted(sent.region_digests.items())
+        ],
     )
 
 

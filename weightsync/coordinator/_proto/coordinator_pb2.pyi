@@ -488,13 +488,6 @@ class FailedReceiver(_message.Message):
 
 class ReportSentRequest(_message.Message):
     __slots__ = ("lease_id", "version", "content_digest", "failed", "volume_error", "wait_s", "region_digests")
-    class RegionDigestsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -508,8 +501,16 @@ class ReportSentRequest(_message.Message):
     failed: _containers.RepeatedCompositeFieldContainer[FailedReceiver]
     volume_error: str
     wait_s: float
-    region_digests: _containers.ScalarMap[str, str]
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ..., wait_s: _Optional[float] = ..., region_digests: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    region_digests: _containers.RepeatedCompositeFieldContainer[RegionDigest]
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ..., wait_s: _Optional[float] = ..., region_digests: _Optional[_Iterable[_Union[RegionDigest, _Mapping]]] = ...) -> None: ...
+
+class RegionDigest(_message.Message):
+    __slots__ = ("replica_id", "content_digest")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    content_digest: str
+    def __init__(self, replica_id: _Optional[str] = ..., content_digest: _Optional[str] = ...) -> None: ...
 
 class ReportSentResponse(_message.Message):
     __slots__ = ("info",)
