@@ -43,7 +43,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -328,25 +328,12 @@ class Agent:
     def _receive_regions(
         self, version: int, control: RegionControl, request: dict[str, Any], part: ReplicaPlan
     ) -> Receipt:
-        """Every worker's answer checked (each received exactly what its regions hold, of the version's table),
-        combined into ``last_regions``; the receipt of the update for the lifecycle."""
-        from weightsync.channels import regions
-
+        """Every worker receives and lands its regions; their answers checked into ``last_regions``; the receipt
+        of the update for the lifecycle."""
+        assert self._layout is not None  # ``_regions_request`` refused the update otherwise
+        table = self._layout[0]
         answers = control.receive_regions(request)
-        table = self._layout[0] if self._layout else None
-        assert table is not None
-        need: dict[int, int] = collections.Counter()
-        for r in part.regions:
-            need[r.worker] += r.nbytes
-        got = {int(w["worker"]): int(w["nbytes"]) for w in answers}
-        digests = {int(w["worker"]): list(w["digests"]) for w in answers}
-        layouts = {str(w["layout_digest"]) for w in answers}
-        if layouts != {table.layout_digest()}:
-            raise IntegrityError(f"the workers landed regions of tables {sorted(layouts)}, not the version's")
-        if got != dict(need):
-            raise IntegrityError(f"the workers received {got} bytes; their regions hold {dict(need)}")
-        combined = regions.combine(part.regions, digests, regions.worker_of)
-        self.last_regions = RegionsReceived(version, got, combined)
+        self.last_regions = regions_received(version, table, part, answers)
         seconds = max(float(w["seconds"]) for w in answers)
         return Receipt(version, Channel.CPU, layout_digest=table.layout_digest(), seconds={SyncPhase.TRANSFER: seconds})
 
@@ -558,6 +545,28 @@ class RegionsReceived:
     """Worker -> bytes it received (exactly what its regions hold)."""
     content_digest: str
     """The workers' per-region digests of what arrived, combined in plan order: what the replica acks."""
+
+
+def regions_received(
+    version: int, table: TensorTable, part: ReplicaPlan, answers: Sequence[Mapping[str, Any]]
+) -> RegionsReceived:
+    """The workers' answers to a sharded update (``sharded.receive``), checked: each landed regions of
+    ``table`` and received exactly the bytes its regions in ``part`` hold; their per-region digests of what
+    arrived combined in plan order (``regions.combine``: a worker that reports fewer or more digests than its
+    regions fails it). ``IntegrityError`` otherwise: the replica acks only what its engine computed."""
+    from weightsync.channels import regions
+
+    need: dict[int, int] = collections.Counter()
+    for r in part.regions:
+        need[r.worker] += r.nbytes
+    got = {int(w["worker"]): int(w["nbytes"]) for w in answers}
+    layouts = {str(w["layout_digest"]) for w in answers}
+    if layouts != {table.layout_digest()}:
+        raise IntegrityError(f"the workers landed regions of tables {sorted(layouts)}, not the version's")
+    if got != dict(need):
+        raise IntegrityError(f"the workers received {got} bytes; their regions hold {dict(need)}")
+    digests = {int(w["worker"]): list(w["digests"]) for w in answers}
+    return RegionsReceived(version, got, regions.combine(part.regions, digests, regions.worker_of))
 
 
 def _regions_part(plan: models.ChannelPlan) -> ReplicaPlan | None:
