@@ -28,6 +28,12 @@ gather) runs the phases of ``phases``, each returning what it did:
    joiners and recovering replicas find it;
 5. waits until one-sided channels' receivers consumed the version (``release``).
 
+On a distributed trainer whose ranks agree on a layout the core can describe (``layouts``), rank 0 registers
+it, and a replica that registered its engine layout is planned on the sharded path: every rank sends it only
+the regions its workers keep, from its own shards, with no gather (``region_sends``: rank 0 tells the ranks
+what each publish sends, and reports each such replica's combined region digest). The other replicas take the
+path above in the same publish; the plan chooses, not the user.
+
 A coordinator outage does not stop training: the client retries until its deadline
 and registers again after a restart; when the coordinator stays unreachable,
 ``publish`` returns a report instead of raising: FAILED with version 0 (the step was
@@ -315,9 +321,10 @@ class Publisher:
                 phases.take_part(self.source)
                 return None
             told = self.regions.round()  # rank 0's word: what this publish sends, and whether a gather follows
-            self.regions.send(told)
+            theirs = self.regions.start(told)
             if told.gather:
                 phases.take_part(self.source)
+            theirs.result()
             return None
         assert self.client is not None and self.copies is not None
         t0 = time.perf_counter()
@@ -341,21 +348,22 @@ class Publisher:
         gathered = dataclasses.replace(
             plan, plans=tuple(p for p in plan.plans if p.replica_id not in {t.replica_id for t in sharded})
         )
+        receivers = {ch: sorted(gathered.receivers(ch)) for ch in self.senders}
+        keep = self.volume is not None and self.sharded is None  # a sharded copy snapshots each rank's own shards
+        # nobody gathers when every replica takes regions and no gathered copy is kept
+        gather = self.regions is None or keep or any(receivers.values())
+        sending: region_sends.InFlight | None = None
+        if self.regions is not None:  # every rank sends its regions while the gathered path joins and streams
+            sending = self.regions.start(self.regions.round(region_sends.Round(version, gather, sharded)))
         lost = phases.LostReports(self.client, version)
         joined = phases.join(self.client, self.senders, gathered, lost)
-        receivers = {ch: sorted(gathered.receivers(ch)) for ch in self.senders}
         tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
-        keep = self.volume is not None and self.sharded is None  # a sharded copy snapshots each rank's own shards
-        regioned = region_sends.Sent()
-        gather = True
-        if self.regions is not None:
-            gather = bool(joined.live) or keep  # nobody gathers when every replica takes regions
-            regioned = self.regions.send(self.regions.round(region_sends.Round(version, gather, sharded))) or regioned
         if gather:
             streamed = phases.stream(self.source, joined.live, tickets, receivers, keep, lost)
         else:
             lost.close()
             streamed = phases.Streamed({}, {}, [], 0.0)
+        regioned = (sending.result() if sending is not None else None) or region_sends.Sent()
         failed = {**streamed.failed, **joined.lost, **regioned.failed}
         digest = streamed.content_digest
         verdict = phases.settle(

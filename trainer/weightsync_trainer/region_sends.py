@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from weightsync.channels import exchanges, regions, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
 from weightsync.coordinator import models
-from weightsync.errors import PermanentError, WeightsyncError
+from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
 from weightsync.sharding import plans
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
@@ -139,7 +140,7 @@ class RegionSends:
 
         if layout.unsupported:
             raise PermanentError(f"no region sends for a layout the core cannot describe: {layout.unsupported}")
-        self.source, self.layout, self.rank = source, layout, rank
+        self.source, self.layout, self.rank, self.timeout_s = source, layout, rank, timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def round(self, lead: Round | None = None) -> Round:
@@ -157,10 +158,19 @@ class RegionSends:
             local = local_shards(self.source, self.layout, self.rank)
             for t in r.targets:
                 mine[t.replica_id] = self._send_one(r.version, t, local)
-        reports = exchanges.all_gather_bytes(self.group, self.layout.world_size, json.dumps(mine).encode())
+        try:
+            reports = exchanges.all_gather_bytes(self.group, self.layout.world_size, json.dumps(mine).encode())
+        except RuntimeError as e:  # gloo: a rank died, or did not report within the group's timeout
+            why = f"regions: not every trainer rank reported its sends ({e})"
+            return Sent(failed={t.replica_id: why for t in r.targets}) if self.rank == 0 else None
         if self.rank != 0:
             return None
         return _account(r, [json.loads(b) for b in reports], time.perf_counter() - t0)
+
+    def start(self, r: Round) -> InFlight:
+        """``send(r)`` on a thread of its own: the gathered path (its groups' join, the gather, the CPU stream)
+        runs meanwhile, so a replica of either path that is slow to join costs the others nothing."""
+        return InFlight(self, r)
 
     def _send_one(self, version: int, t: Target, local: Sequence[Any]) -> dict[str, Any]:
         """This rank's regions of ``t`` over its region group: ``{"digests": [...], "nbytes": n}`` or
@@ -190,6 +200,36 @@ class RegionSends:
         dist.destroy_process_group(self.group)
 
 
+class InFlight:
+    """A round's sends under way (``RegionSends.start``)."""
+
+    def __init__(self, sends: RegionSends, r: Round) -> None:
+        self.sends, self.round = sends, r
+        self._out: list[Sent | None] = []
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-regions-v{r.version}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out.append(self.sends.send(self.round))
+        except BaseException as e:  # noqa: BLE001 - re-raised by ``result`` on the publishing thread
+            self._error.append(e)
+
+    def result(self) -> Sent | None:
+        """The round's account on rank 0 (None on the others), once every rank's sends ended; bounded by the
+        control group's timeout, past which every wait inside has failed already."""
+        self._thread.join(self.sends.timeout_s + wire.GRACE_S)
+        if self._thread.is_alive():
+            raise TransferTimeoutError(
+                f"v{self.round.version}: trainer rank {self.sends.rank}'s region sends did not end within "
+                f"{self.sends.timeout_s:g}s"
+            )
+        if self._error:
+            raise self._error[0]
+        return self._out[0]
+
+
 def _account(r: Round, reports: Sequence[Mapping[str, Any]], seconds: float) -> Sent:
     """Rank 0: each replica's combined digest from every rank's list (plan order), or why it failed."""
     sent = Sent(seconds=seconds)
@@ -208,4 +248,4 @@ def _account(r: Round, reports: Sequence[Mapping[str, Any]], seconds: float) -> 
     return sent
 
 
-__all__ = ["RegionSends", "Round", "Sent", "Target", "targets"]
+__all__ = ["InFlight", "RegionSends", "Round", "Sent", "Target", "targets"]
