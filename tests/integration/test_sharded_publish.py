@@ -3,12 +3,13 @@ driven by its agent, every rank sending only its own regions, every worker recei
 
 Each trainer rank runs on a host of its own (network namespaces; gloo between them over the bridge), the
 coordinator serves real gRPC with TLS and a bearer token on the bridge, and the replica (a real vLLM CPU engine at
-tensor-parallel size 2, ``OfflineEngine``, with its ``Agent`` on a thread) runs on the test's own host. The first
-version reaches the replica whole (it has registered no engine layout yet); its agent then records the layout of
-that table and registers it, so the next version is planned on regions: the region group forms on trainer rank
-0's CPU-stream store (the rendezvous the coordinator put in the plan), each rank sends from its local shards, and
-the replica acks the combined digest its workers computed of what arrived. A byte flipped on one rank's link
-fails the version, naming the tensor and the rank.
+tensor-parallel size 2, ``OfflineEngine``, with its ``Agent`` on a thread) runs on the test's own host, beside a
+second TP=2 replica whose engine cannot take regions (``WholeOnly``). The first version reaches both whole (no
+engine layout is registered yet); the first replica's agent then records the layout of that table and registers
+it, so the next version is planned on regions for it and on the gathered path for the other, in one publish: the
+region group forms on trainer rank 0's CPU-stream store (the rendezvous the coordinator put in the plan), each
+rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived.
+A byte flipped on one rank's link fails the version, naming the tensor and the rank.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ full = pytest.mark.skipif(
     reason="make sharded (WEIGHTSYNC_SHARDED=all); make test publishes regions to the TP=2 replica",
 )
 ROOT = Path(__file__).resolve().parents[2]
-JOB, REPLICA, TOKEN = "job", "replica-tp2", "sharded-publish-token"
+JOB, REPLICA, WHOLE, TOKEN = "job", "replica-tp2", "replica-whole", "sharded-publish-token"
 TIMEOUT_S = 60.0
 
 
@@ -50,7 +51,25 @@ class Fleet:
     ca: Path
     engine: Any
     agent: Any
+    whole_engine: Any
+    """The replica that cannot take regions (``WholeOnly``): it gets the gathered path in the same versions."""
+    whole_agent: Any
     work: Path
+
+
+class WholeOnly:
+    """An engine without the sharded path's calls (``lifecycle.RegionControl``): its agent registers no engine
+    layout, so the coordinator plans it on the gathered path, the plan saying why."""
+
+    REGION_CALLS = frozenset({"last_table", "engine_layout", "receive_regions"})
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.REGION_CALLS:
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
 
 def _free_port() -> int:
@@ -89,24 +108,26 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         tls = ServerTls(str(work / "server.crt"), str(work / "server.key"))
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
-        engine = OfflineEngine(support.tiny_model(), Channel.CPU, tensor_parallel_size=2)
-        client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
-        agent = Agent(
-            engine,
-            client,
-            AgentConfig(JOB, REPLICA, (Channel.CPU,), host="node-replica", update_timeout_s=TIMEOUT_S),
-        )
-        thread = threading.Thread(target=agent.run, name="agent", daemon=True)
-        thread.start()
+        engines = [OfflineEngine(support.tiny_model(), Channel.CPU, tensor_parallel_size=2) for _ in range(2)]
+        agents, threads = [], []
+        for rid, control in ((REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))):
+            client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
+            config = AgentConfig(JOB, rid, (Channel.CPU,), host=f"node-{rid}", update_timeout_s=TIMEOUT_S)
+            agents.append(Agent(control, client, config))
+            threads.append(threading.Thread(target=agents[-1].run, name=f"agent-{rid}", daemon=True))
+            threads[-1].start()
         try:
             deadline = time.monotonic() + 60
-            while not _registered(client) and time.monotonic() < deadline:  # it watches from its registration on
-                time.sleep(0.1)
-            yield Fleet(hosts, coordinator.target, work / "ca.crt", engine, agent, work)
+            while not all(_registered(a.client) for a in agents) and time.monotonic() < deadline:
+                time.sleep(0.1)  # each watches from its registration on
+            yield Fleet(hosts, coordinator.target, work / "ca.crt", engines[0], agents[0], engines[1], agents[1], work)
         finally:
-            agent.stop()
-            thread.join(30)
-            engine.close()
+            for agent in agents:
+                agent.stop()
+            for thread in threads:
+                thread.join(30)
+            for engine in engines:
+                engine.close()
             coordinator.stop(0.5)
             mp.undo()
 
@@ -148,10 +169,16 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
     import transformers
 
     first, second = _publish(fleet, "run", [1, 2])
-    assert first["state"] == "READY" and first["channels"] == {REPLICA: "cpu"}, first
+    assert first["state"] == "READY" and first["channels"] == {REPLICA: "cpu", WHOLE: "cpu"}, first
     assert "regions" not in first["seconds"], "no engine layout was registered yet: the first version goes whole"
-    assert second["state"] == "READY" and second["channels"] == {REPLICA: "cpu"}, second
-    assert "regions" in second["seconds"] and second["failed"] == {}, second
+    assert second["state"] == "READY" and second["channels"] == {REPLICA: "cpu", WHOLE: "cpu"}, second
+    assert "regions" in second["seconds"] and "stream" in second["seconds"] and second["failed"] == {}, second
+    # the replica that cannot take regions got the same version the gathered way, in the same publish
+    assert fleet.whole_agent.engine_layout is None and fleet.whole_agent.last_regions is None
+    assert [e for e in fleet.whole_agent.events if e[0] == "assign"][-2:] == [
+        ("assign", first["version"], "ok"),
+        ("assign", second["version"], "ok"),
+    ]
 
     received = fleet.agent.last_regions
     assert received is not None and received.version == second["version"]
@@ -164,6 +191,7 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
 
     trained = transformers.AutoModelForCausalLM.from_pretrained(fleet.work / "run" / "reference-2", dtype=torch.float32)
     support.assert_generates_like(fleet.engine, trained)
+    support.assert_generates_like(fleet.whole_engine, trained)
 
 
 @full
