@@ -108,3 +108,46 @@ def test_an_agent_acks_its_workers_combined_digest_only_when_each_received_exact
     missing = [{**answers[0], "digests": answers[0]["digests"][:-1]}, answers[1]]
     with pytest.raises(IntegrityError, match="the plan gives it more"):
         regions_received(3, TABLE, part, missing)
+
+
+def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the_rendezvous_bounds() -> None:
+    """``HttpEngine``'s region calls against a stand-in for vLLM's ``/collective_rpc`` (one answer per worker)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from typing import Any
+
+    from weightsync_inference.http_engine import HttpEngine
+
+    calls: list[dict[str, Any]] = []
+    answers = {
+        "weightsync_table": [{"table": TABLE.to_dict()}, {"table": TABLE.to_dict()}],
+        "weightsync_receive_regions": [{"worker": 0}, {"worker": 1}],
+    }
+
+    class Vllm(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            calls.append(body)
+            data = json.dumps({"results": answers[body["method"]]}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = HttpEngine(f"http://127.0.0.1:{server.server_address[1]}")
+        table = engine.last_table()
+        assert table is not None and table.layout_digest() == TABLE.layout_digest()
+        request = {"rendezvous": {"join_timeout_s": 10.0, "timeout_s": 50.0}, "regions": []}
+        assert engine.receive_regions(request) == answers["weightsync_receive_regions"]
+        engine.close()
+    finally:
+        server.shutdown()
+    assert [c["method"] for c in calls] == ["weightsync_table", "weightsync_receive_regions"]
+    assert calls[1]["timeout"] == 60.0 and json.loads(calls[1]["args"][0]) == request  # the workers' own bounds
