@@ -344,7 +344,9 @@ class Agent:
         it. A failure only keeps the gathered path."""
         control = self.control
         carries = any(not rules.regions(ch) for ch in self.capabilities.channels)
-        if not carries or not isinstance(control, RegionControl):
+        # a staged replica receives beside generation; the sharded path lands in place (for now)
+        staged = self.config.sync_mode is SyncMode.STAGED
+        if not carries or staged or not isinstance(control, RegionControl):
             return
         c = self.config
         try:

@@ -17,7 +17,7 @@ from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator import faults, limits, serde
 from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
-from weightsync.coordinator.models import AckReport, Capabilities, Role, SentReport, summarize
+from weightsync.coordinator.models import AckReport, Capabilities, JobPolicy, Role, SentReport, summarize
 from weightsync.coordinator.store import MemoryStore
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import DIGEST_PREFIX, TensorTable
@@ -169,3 +169,14 @@ def test_region_digests_cross_the_wire_and_its_field_limits() -> None:
     request.region_digests.add(replica_id="r-3", content_digest="not-a-digest")
     with pytest.raises(faults.InvalidArgument, match=r"region_digests\[2\].content_digest"):
         serde.report_sent(request)
+
+
+def test_an_all_or_nothing_job_plans_every_replica_on_the_gathered_path_saying_why() -> None:
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    policy = JobPolicy(all_or_nothing=True)
+    lease = core.register("job", Role.TRAINER, "t", "t1", CPU, offers=OFFERS, layout=TRAINER, policy=policy).lease_id
+    core.register("job", Role.REPLICA, "r-sharded", "i0", CPU, layout=ENGINE)
+    (plan,) = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)).plans
+    assert plan.transfer is not None
+    assert "all-or-nothing: the replica stages the version" in plan.transfer.replica("r-sharded").gathered
+    assert plan.rendezvous.rank == 1  # the CPU stream's, as before

@@ -182,12 +182,16 @@ def _transfer(
             job.name,
         )
         return plans, ()
+    # an all-or-nothing replica stages the version before its commit; the sharded path lands in place (for now)
+    staged = (
+        "all-or-nothing: the replica stages the version, and regions land in place" if job.policy.all_or_nothing else ""
+    )
     members = []
     for p in plans:
         engine = job.members[p.replica_id].layout
         members.append(
             sharding_plans.Member(
-                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel)
+                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel) or staged
             )
         )
     whole = job.transfer_plans.get(layout, members)
