@@ -286,6 +286,9 @@ class Agent:
         """The sharded path: every worker receives only its regions, from every trainer rank, over the region
         group the plan's rendezvous names; the ack carries the workers' own digests of what arrived, combined in
         plan order (``regions.combine``), which the coordinator checks against what the ranks sent."""
+        # the publisher released this replica's CPU-stream group (the coordinator mints a new one for a later
+        # gathered plan): the receiver joined for it is stale
+        self._joined.pop(plan.channel, None)
         try:
             ticket = self._ticket(a.version, plan, table, a.step)
             control, request = self._regions_request(plan, table, part)

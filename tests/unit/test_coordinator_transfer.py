@@ -180,3 +180,17 @@ def test_an_all_or_nothing_job_plans_every_replica_on_the_gathered_path_saying_w
     assert plan.transfer is not None
     assert "all-or-nothing: the replica stages the version" in plan.transfer.replica("r-sharded").gathered
     assert plan.rendezvous.rank == 1  # the CPU stream's, as before
+
+
+def test_a_replica_back_on_the_gathered_path_gets_a_new_cpu_stream_group() -> None:
+    """The publisher released its CPU-stream group while it took regions; a gathered plan must not name the old one
+    (its agent would keep the receiver it joined then, which no sender serves any more)."""
+    core, lease = _fleet()
+    before = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    whole = next(p for p in before.plans if p.replica_id == "r-none").rendezvous
+    core.register("job", Role.REPLICA, "r-sharded", "i0", CPU)  # its engine layout gone: the gathered path
+    after = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 2, summarize(TABLE, True)).plans}
+    assert after["r-sharded"].transfer.replica("r-sharded").gathered  # type: ignore[union-attr]
+    regions = next(p for p in before.plans if p.replica_id == "r-sharded").rendezvous
+    assert after["r-sharded"].rendezvous.generation > regions.generation
+    assert after["r-none"].rendezvous.same_membership(whole)  # the others' groups stay as they were

@@ -201,6 +201,8 @@ def _transfer(
         rdv = p.rendezvous
         if part.replicas[0].sharded and m.layout is not None:
             rdv = region_group(rdv, layout.world_size, len(m.layout.workers), version)
+            # the CPU stream's group for it is released on both ends: a later gathered plan forms a new one
+            job.groups = job.groups.without(negotiation.group_key(p.channel, p.replica_id))
         parts.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
     return parts, tuple(whole.part_for_rank(rank) for rank in range(layout.world_size))
 
