@@ -69,7 +69,7 @@ from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
 from weightsync.coordinator.tls import TlsConfig
-from weightsync.errors import PermanentError
+from weightsync.errors import PermanentError, WeightsyncError
 from weightsync.metrics import PublisherMetrics
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, VersionState
@@ -328,18 +328,21 @@ class Publisher:
             return None
         assert self.client is not None and self.copies is not None
         t0 = time.perf_counter()
-        opened = phases.open_version(
-            self.client,
-            self.source,
-            step,
-            self.summary,
-            self._offers(),
-            timeout_s=self.timeout_s,
-            gather_on_failure=self.regions is None,
-        )
+        try:
+            opened = phases.open_version(
+                self.client,
+                self.source,
+                step,
+                self.summary,
+                self._offers(),
+                timeout_s=self.timeout_s,
+                gather_on_failure=self.regions is None,
+            )
+        except WeightsyncError:
+            self._nothing_this_round()  # the other ranks wait for rank 0's word: they go on, this rank raises
+            raise
         if isinstance(opened, phases.Unpublished):
-            if self.regions is not None:
-                self.regions.send(self.regions.round(region_sends.Round(0, gather=False)))
+            self._nothing_this_round()
             seconds = {"open": opened.seconds, "total": time.perf_counter() - t0}
             return self._report(0, step, VersionState.FAILED, seconds, reason=opened.reason)
         version, plan = opened.version, opened.opened
@@ -364,6 +367,9 @@ class Publisher:
             lost.close()
             streamed = phases.Streamed({}, {}, [], 0.0)
         regioned = (sending.result() if sending is not None else None) or region_sends.Sent()
+        if sharded:
+            sent_to = sorted(regioned.digests)
+            log.info("v%d: regions sent to %s, bytes per trainer rank %s", version, sent_to, regioned.bytes_sent)
         failed = {**streamed.failed, **joined.lost, **regioned.failed}
         digest = streamed.content_digest
         verdict = phases.settle(
@@ -392,6 +398,11 @@ class Publisher:
             self.metrics.observe_publish(seconds["total"], next(iter(joined.live), Channel.VOLUME))
         failed.update(released.failed)
         return self._report(version, step, verdict.state, seconds, verdict.channels, failed, digest, verdict.reason)
+
+    def _nothing_this_round(self) -> None:
+        """Rank 0 opened no version: tell the ranks that wait for its round (nothing to send, no gather)."""
+        if self.regions is not None:
+            self.regions.send(self.regions.round(region_sends.Round(0, gather=False)))
 
     def _ticket(self, version: int, channel: Channel, step: int) -> UpdateTicket:
         return UpdateTicket(
