@@ -37,24 +37,29 @@ fail-stop rule: a torn replica stays paused until a whole version loads.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from weightsync.channels import rules
 from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.coordinator import models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
-from weightsync.errors import RetryableError, WeightsyncError
+from weightsync.errors import IntegrityError, RetryableError, WeightsyncError
 from weightsync.metrics import AgentMetrics
+from weightsync.sharding.fills import EngineLayout
+from weightsync.sharding.plans import ReplicaPlan
+from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
-from weightsync_inference.lifecycle import EngineControl, Replica, UpdateFailed, UpdateOutcome
-from weightsync_inference.receipts import Identity
+from weightsync_inference.lifecycle import EngineControl, RegionControl, Replica, UpdateFailed, UpdateOutcome
+from weightsync_inference.receipts import Identity, Receipt
 from weightsync_inference.served import Board
 from weightsync_inference.staging import StageStatus, StagingUnavailable, staging_bytes
 
@@ -154,6 +159,10 @@ class Agent:
         self.metrics = metrics
         self.capabilities = capabilities(config, control.identity())
         self._joined: dict[Channel, Rendezvous] = {}
+        self._layout: tuple[TensorTable, EngineLayout] | None = None
+        """The engine layout this replica registered, and the table it was recorded against (the sharded path)."""
+        self.last_regions: RegionsReceived | None = None
+        """What the workers received on the sharded path last (for status displays and tests)."""
         self._refused: dict[int, _Refused] = {}
         self._staged: _Staged | None = None
         """All-or-nothing: the version staged here and waiting for its COMMIT."""
@@ -161,6 +170,11 @@ class Agent:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.events: list[tuple[str, int, str]] = []  # (kind, version, outcome), for status displays and tests
+
+    @property
+    def engine_layout(self) -> EngineLayout | None:
+        """The engine layout this replica registered (None: none yet, every version reaches it whole)."""
+        return self._layout[1] if self._layout is not None else None
 
     def run(self) -> bool:
         """Register (waiting out a coordinator that is not up yet) and follow it until ``stop()``; False when the
@@ -245,6 +259,10 @@ class Agent:
         self._joined[plan.channel] = rdv
 
     def _assign(self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary) -> None:
+        part = _regions_part(plan)
+        if part is not None:
+            self._assign_regions(a, plan, table, part)
+            return
         try:
             self._join(plan)
             ticket = self._ticket(a.version, plan, table, a.step)
@@ -261,6 +279,91 @@ class Agent:
             return
         log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
         self._loaded(a.version, plan.channel, outcome, "assign")
+
+    def _assign_regions(
+        self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan
+    ) -> None:
+        """The sharded path: every worker receives only its regions, from every trainer rank, over the region
+        group the plan's rendezvous names; the ack carries the workers' own digests of what arrived, combined in
+        plan order (``regions.combine``), which the coordinator checks against what the ranks sent."""
+        # the publisher released this replica's CPU-stream group (the coordinator mints a new one for a later
+        # gathered plan): the receiver joined for it is stale
+        self._joined.pop(plan.channel, None)
+        try:
+            ticket = self._ticket(a.version, plan, table, a.step)
+            control, request = self._regions_request(plan, table, part)
+            self.client.report_joined(a.version)  # the workers join their region group from here on
+            outcome = self.replica.apply_regions(
+                ticket, lambda: self._receive_regions(a.version, control, request, part)
+            )
+        except (UpdateFailed, WeightsyncError) as e:
+            log.warning("replica %s: v%d over regions failed: %s", self.config.replica_id, a.version, e)
+            self._failed(a.version, plan, table.layout_digest, e)
+            return
+        received = self.last_regions
+        assert received is not None and received.version == a.version
+        log.info(
+            "replica %s: loaded v%d over regions; bytes received per worker %s (the table: %d)",
+            self.config.replica_id,
+            a.version,
+            received.nbytes,
+            table.total_bytes,
+        )
+        self._loaded(a.version, plan.channel, outcome, "assign", content_digest=received.content_digest)
+
+    def _regions_request(
+        self, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan
+    ) -> tuple[RegionControl, dict[str, Any]]:
+        """The workers' request, from the layout this replica registered; refused (before any byte moved) when the
+        engine cannot take regions or the plan is for a layout of another table."""
+        from weightsync_inference import sharded
+
+        control, recorded = self.control, self._layout
+        if not isinstance(control, RegionControl):
+            raise WeightsyncError(f"the engine {type(control).__name__} cannot receive regions")
+        if recorded is None or recorded[0].layout_digest() != table.layout_digest:
+            raise WeightsyncError(
+                "the plan sends regions, but this replica registered no engine layout of the version's table"
+            )
+        rdv = plan.rendezvous.with_timeout(self.config.update_timeout_s)
+        return control, sharded.request(rdv, recorded[0], part.regions, recorded[1].workers)
+
+    def _receive_regions(
+        self, version: int, control: RegionControl, request: dict[str, Any], part: ReplicaPlan
+    ) -> Receipt:
+        """Every worker receives and lands its regions; their answers checked into ``last_regions``; the receipt
+        of the update for the lifecycle."""
+        assert self._layout is not None  # ``_regions_request`` refused the update otherwise
+        table = self._layout[0]
+        answers = control.receive_regions(request)
+        self.last_regions = regions_received(version, table, part, answers)
+        seconds = max(float(w["seconds"]) for w in answers)
+        return Receipt(version, Channel.CPU, layout_digest=table.layout_digest(), seconds={SyncPhase.TRANSFER: seconds})
+
+    def _record_layout(self, version: int) -> None:
+        """After a version received whole, when this replica receives a channel that can carry regions: record
+        what each worker keeps of its table (vLLM's own loaders) and register it, so the next version's plan can
+        send this replica only its regions. Once per table; before the ack, so the next version is planned with
+        it. A failure only keeps the gathered path."""
+        control = self.control
+        carries = any(not rules.regions(ch) for ch in self.capabilities.channels)
+        # a staged replica receives beside generation; the sharded path lands in place (for now)
+        staged = self.config.sync_mode is SyncMode.STAGED
+        if not carries or staged or not isinstance(control, RegionControl):
+            return
+        c = self.config
+        try:
+            table = control.last_table()
+            if table is None or (self._layout is not None and self._layout[0].layout_digest() == table.layout_digest()):
+                return
+            layout = control.engine_layout(table)
+            self.client.register_replica(c.job, c.replica_id, self.capabilities, current_version=version, layout=layout)
+        except WeightsyncError as e:
+            log.warning("replica %s: no engine layout registered (the gathered path stays): %s", c.replica_id, e)
+            return
+        self._layout = (table, layout)
+        why = f" ({layout.unsupported})" if layout.unsupported else ""
+        log.info("replica %s: registered its engine layout of v%d's table%s", c.replica_id, version, why)
 
     def _stage_for_commit(self, ticket: UpdateTicket, plan: models.ChannelPlan, table: models.TableSummary) -> None:
         """All-or-nothing: stage ``ticket``'s version and report it staged; the switch waits for its COMMIT."""
@@ -317,12 +420,19 @@ class Agent:
         if torn and not live:
             self.recover()
 
-    def _loaded(self, version: int, channel: Channel, outcome: UpdateOutcome, why: str) -> None:
+    def _loaded(
+        self, version: int, channel: Channel, outcome: UpdateOutcome, why: str, content_digest: str | None = None
+    ) -> None:
+        """Ack a loaded version with what the engine computed: its receipt's digest, or on the sharded path
+        (``content_digest``) the workers' region digests combined."""
         receipt = outcome.receipt
         self.client.set_current_version(version)
         self.events.append((why, version, "ok"))
+        if content_digest is None:  # a version received whole: its table is the engine's to record against
+            self._record_layout(version)
+        digest = receipt.content_digest if content_digest is None else content_digest
         report = models.AckReport(
-            version, receipt.layout_digest, ok=True, phases=outcome.seconds, content_digest=receipt.content_digest
+            version, receipt.layout_digest, ok=True, phases=outcome.seconds, content_digest=digest
         )
         self.client.ack(report)
         self._observe(channel, outcome.seconds)  # after the ack: its lag query is not on the version's path
@@ -429,6 +539,49 @@ class Agent:
         self.metrics.version_lag.set(max(0, self.client.get_job().newest_ready - self.replica.version))
         for phase, value in seconds.items():
             self.metrics.sync_seconds.labels(phase.value, channel.value).observe(value)
+
+
+@dataclass(frozen=True)
+class RegionsReceived:
+    """One version on the sharded path, by the workers' own account."""
+
+    version: int
+    nbytes: dict[int, int]
+    """Worker -> bytes it received (exactly what its regions hold)."""
+    content_digest: str
+    """The workers' per-region digests of what arrived, combined in plan order: what the replica acks."""
+
+
+def regions_received(
+    version: int, table: TensorTable, part: ReplicaPlan, answers: Sequence[Mapping[str, Any]]
+) -> RegionsReceived:
+    """The workers' answers to a sharded update (``sharded.receive``), checked: each landed regions of
+    ``table`` and received exactly the bytes its regions in ``part`` hold; their per-region digests of what
+    arrived combined in plan order (``regions.combine``: a worker that reports fewer or more digests than its
+    regions fails it). ``IntegrityError`` otherwise: the replica acks only what its engine computed."""
+    from weightsync.channels import regions
+
+    need: dict[int, int] = collections.Counter()
+    for r in part.regions:
+        need[r.worker] += r.nbytes
+    got = {int(w["worker"]): int(w["nbytes"]) for w in answers}
+    layouts = {str(w["layout_digest"]) for w in answers}
+    if layouts != {table.layout_digest()}:
+        raise IntegrityError(f"the workers landed regions of tables {sorted(layouts)}, not the version's")
+    if got != dict(need):
+        raise IntegrityError(f"the workers received {got} bytes; their regions hold {dict(need)}")
+    digests = {int(w["worker"]): list(w["digests"]) for w in answers}
+    return RegionsReceived(version, got, regions.combine(part.regions, digests, regions.worker_of))
+
+
+def _regions_part(plan: models.ChannelPlan) -> ReplicaPlan | None:
+    """This replica's regions when its plan sends it regions (on a live channel), else None (the gathered path)."""
+    if plan.transfer is None or plan.channel is Channel.VOLUME:
+        return None
+    for rp in plan.transfer.replicas:
+        if rp.replica_id == plan.replica_id and rp.sharded:
+            return rp
+    return None
 
 
 def why_volume(version: int) -> str:

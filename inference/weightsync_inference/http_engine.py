@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError, WeightsyncError
+from weightsync.sharding.fills import EngineLayout
+from weightsync.tensors import TensorTable
 from weightsync.vocabulary import PauseMode
 from weightsync_inference import receipts, staging, worker
 
@@ -242,6 +244,21 @@ class HttpEngine:
 
     def receipt(self) -> receipts.Receipt:
         return receipts.merge([receipts.Receipt.from_dict(r) for r in self._workers("weightsync_receipt")])
+
+    def last_table(self) -> TensorTable | None:
+        return receipts.last_table(self._workers("weightsync_table"))
+
+    def engine_layout(self, table: TensorTable) -> EngineLayout:
+        """What each worker keeps of ``table``'s tensors (recorded from vLLM's loaders), merged."""
+        answers = self._workers("weightsync_layout", json.dumps(table.to_dict()), timeout_s=self.transfer_timeout_s)
+        return EngineLayout.merged(table.layout_digest(), answers)
+
+    def receive_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker receives its regions of a sharded update (``sharded.request``); one answer per worker. As
+        long as the rendezvous' join deadline and transfer timeout together (the workers' own bounded waits)."""
+        rdv = request["rendezvous"]
+        timeout = float(rdv.get("join_timeout_s", 0)) + float(rdv.get("timeout_s", self.transfer_timeout_s))
+        return self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
 
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self._workers("weightsync_stage", json.dumps(update_info), str(nbytes))

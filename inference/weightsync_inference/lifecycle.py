@@ -35,10 +35,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from weightsync.channels.base import UpdateTicket
 from weightsync.errors import RetryableError, WeightsyncError
+from weightsync.sharding.fills import EngineLayout
+from weightsync.tensors import TensorTable
 from weightsync.vocabulary import EngineState, SyncPhase
 from weightsync_inference.receipts import Identity, Receipt
 from weightsync_inference.served import Board, Served
@@ -100,6 +102,22 @@ class EngineControl(Protocol):
 
     def stage_status(self) -> StageStatus:
         """The workers' stage, merged."""
+        ...
+
+
+@runtime_checkable
+class RegionControl(Protocol):
+    """What the sharded path needs beside the lifecycle (``OfflineEngine``, ``HttpEngine``): the workers' engine
+    layout of a table, the table they last received, and a sharded update (``sharded.request``)."""
+
+    def last_table(self) -> TensorTable | None:
+        """The table of the last version the workers received whole (None before any)."""
+        ...
+
+    def engine_layout(self, table: TensorTable) -> EngineLayout: ...
+
+    def receive_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker receives and lands its regions; one answer per worker (``sharded.receive``)."""
         ...
 
 
@@ -195,6 +213,31 @@ class Replica:
 
     def apply(self, ticket: UpdateTicket, send: Callable[[], None] | None = None) -> UpdateOutcome:
         """Load ``ticket``'s version; ``send`` runs the sender concurrently when it lives in this process."""
+
+        def lifecycle() -> Receipt:
+            self.control.start()
+            _concurrently(
+                lambda: self.control.update(ticket.to_update_info()), send, ticket.timeout_s, "update_weights"
+            )
+            self.control.finish(str(ticket.version))
+            return _loaded(self.control.receipt(), ticket)
+
+        return self._update(ticket, lifecycle)
+
+    def apply_regions(self, ticket: UpdateTicket, receive: Callable[[], Receipt]) -> UpdateOutcome:
+        """Load ``ticket``'s version on the sharded path: ``receive`` has every worker receive and land its regions
+        (inside its own layerwise reload, not vLLM's weight-transfer lifecycle) and returns the receipt the agent
+        made of the workers' answers; the engine then reports the version (``label``). Pause, cache reset, resume
+        and the fail-stop rule are ``apply``'s."""
+
+        def regions() -> Receipt:
+            receipt = receive()
+            self.control.label(str(ticket.version))  # vLLM's /weight_info: what an agent restarted beside it reads
+            return receipt
+
+        return self._update(ticket, regions)
+
+    def _update(self, ticket: UpdateTicket, load: Callable[[], Receipt]) -> UpdateOutcome:
         t_total = time.perf_counter()
         paused = 0.0
         previous = self.version
@@ -204,12 +247,7 @@ class Replica:
             self.state = EngineState.PAUSED
             paused = time.perf_counter() - t_total
         try:
-            self.control.start()
-            _concurrently(
-                lambda: self.control.update(ticket.to_update_info()), send, ticket.timeout_s, "update_weights"
-            )
-            self.control.finish(str(ticket.version))
-            receipt = _loaded(self.control.receipt(), ticket)
+            receipt = load()
         except Exception as e:
             raise self._failed(ticket, e, self.control.resume) from e
         self.version = ticket.version

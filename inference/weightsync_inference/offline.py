@@ -90,6 +90,9 @@ class OfflineEngine:
     def receipt(self) -> receipts.Receipt:
         return receipts.merge([receipts.Receipt.from_dict(r) for r in self.llm.collective_rpc("weightsync_receipt")])
 
+    def last_table(self) -> TensorTable | None:
+        return receipts.last_table(self.llm.collective_rpc("weightsync_table"))
+
     def engine_layout(self, table: TensorTable) -> EngineLayout:
         """What each worker keeps of ``table``'s tensors (``WorkerExtension.weightsync_layout``), merged."""
         answers = self.llm.collective_rpc("weightsync_layout", args=(json.dumps(table.to_dict()),))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync.errors import IntegrityError, PermanentError
-from weightsync.tensors import content_digest
+from weightsync.tensors import TensorTable, content_digest
 from weightsync.vocabulary import Channel, SyncPhase
 
 
@@ -125,3 +125,15 @@ def merge(receipts: Sequence[Receipt]) -> Receipt:
         layout_digest=failed.layout_digest,
         error=failed.error,
     )
+
+
+def last_table(answers: Sequence[Mapping[str, Any]]) -> TensorTable | None:
+    """The table the workers last received whole (``WorkerExtension.weightsync_table``): the same on every worker
+    (each receives every tensor on the gathered path), None before any."""
+    tables = [TensorTable.from_dict(a["table"]) for a in answers if a.get("table")]
+    if not tables or len(tables) != len(answers):
+        return None
+    digests = {t.layout_digest() for t in tables}
+    if len(digests) != 1:
+        raise IntegrityError(f"engine workers last received different tables ({sorted(digests)})")
+    return tables[0]

@@ -23,7 +23,7 @@ from weightsync.channels import regions, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
 from weightsync.errors import PermanentError
-from weightsync.sharding.boxes import Box
+from weightsync.sharding import plans
 from weightsync.sharding.fills import WorkerLayout
 from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
@@ -64,28 +64,12 @@ def receive(
         group.close()
     return {
         "worker": worker,
+        "layout_digest": table.layout_digest(),  # of the table this worker checked and landed
         "nbytes": tally.nbytes,
         "landed": landing.nbytes,
         "digests": tally.digests,
         "seconds": time.perf_counter() - t0,
     }
-
-
-def regions_to(items: Sequence[Region]) -> list[list[Any]]:
-    """Regions as JSON (what crosses vLLM's ``collective_rpc``)."""
-    return [[r.tensor, r.rank, r.worker, *_box_to(r.source), r.param, *_box_to(r.dest), r.nbytes] for r in items]
-
-
-def regions_from(rows: Sequence[Sequence[Any]]) -> list[Region]:
-    try:
-        return [
-            Region(int(t), int(rank), int(w), Box(tuple(so), tuple(sl)), int(p), Box(tuple(do), tuple(dl)), int(n))
-            for t, rank, w, so, sl, p, do, dl, n in rows
-        ]
-    except (TypeError, ValueError) as e:
-        raise PermanentError(
-            f"malformed regions ({type(e).__name__}: {e}); expected the form of regions_to()"
-        ) from None
 
 
 def request(
@@ -95,7 +79,7 @@ def request(
     return {
         "rendezvous": rendezvous.to_dict(),
         "table": table.to_dict(),
-        "regions": regions_to(replica_regions),
+        "regions": plans.regions_to(replica_regions),
         "layouts": [w.to_dict() for w in layouts],
     }
 
@@ -107,11 +91,7 @@ def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
     if mine is None:
         raise PermanentError(f"the request gives no layout for worker {worker} (it gives {[w.rank for w in layouts]})")
     rdv = Rendezvous.from_dict(d["rendezvous"])
-    return receive(engine, rdv, TensorTable.from_dict(d["table"]), regions_from(d["regions"]), mine)
+    return receive(engine, rdv, TensorTable.from_dict(d["table"]), plans.regions_from(d["regions"]), mine)
 
 
-def _box_to(box: Box) -> tuple[list[int], list[int]]:
-    return list(box.offsets), list(box.lengths)
-
-
-__all__ = ["from_request", "receive", "regions_from", "regions_to", "request"]
+__all__ = ["from_request", "receive", "request"]

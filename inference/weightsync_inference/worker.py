@@ -11,6 +11,8 @@ answer per worker:
   where the bytes landed, phase times, torn or not);
 - ``weightsync_layout``: what the worker keeps of each tensor of a table and where it
   lands (its engine layout, recorded from vLLM's own loaders; ``recording``);
+- ``weightsync_table``: the table of the last version the worker received whole (the trainer's
+  table travels in band: the agent records the layout against it);
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
   from every trainer rank and land them in its parameters (``sharded``);
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
@@ -77,6 +79,12 @@ class WorkerExtension:
         except NotImplementedError as e:
             return {"error": f"worker {engine.updater.ctx.rank}: {e}"}
         return {"layout": layout.to_dict()}
+
+    def weightsync_table(self) -> dict[str, Any]:
+        """``{"table": TensorTable.to_dict()}`` of the last version this worker received whole, ``{}`` before any."""
+        receiver = self._weightsync_engine().updater.receiver
+        table = receiver.table if receiver is not None else None
+        return {"table": table.to_dict()} if table is not None else {}
 
     def weightsync_receive_regions(self, request: str) -> dict[str, Any]:
         """``request``: JSON of ``sharded.request`` (the region group's rendezvous, the table, the replica's regions,

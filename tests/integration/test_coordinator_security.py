@@ -8,7 +8,6 @@ that says what to fix.
 
 from __future__ import annotations
 
-import datetime
 import ipaddress
 import multiprocessing as mp
 from collections.abc import Iterator
@@ -17,10 +16,9 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from tests import pki as pki_mod
 from tests import simulation
 from weightsync.channels.base import Offer
 from weightsync.coordinator import faults, server
@@ -36,55 +34,17 @@ TOKEN = "s3cret-token"
 CAPS = Capabilities(host="n", channels=(Channel.CPU,))
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: str,
-    issuer_key: ec.EllipticCurvePrivateKey,
-    ca: bool = False,
-    sans: list[x509.GeneralName] | None = None,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(_name(issuer))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        path.with_suffix(".key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("pki")
     ca_key, rogue_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    _write(d / "ca", _cert("weightsync-test-ca", ca_key, "weightsync-test-ca", ca_key, ca=True))
-    _write(d / "rogue-ca", _cert("rogue", rogue_key, "rogue", rogue_key, ca=True))
+    pki_mod.write(d / "ca", pki_mod.cert("weightsync-test-ca", ca_key, "weightsync-test-ca", ca_key, ca=True))
+    pki_mod.write(d / "rogue-ca", pki_mod.cert("rogue", rogue_key, "rogue", rogue_key, ca=True))
     sk, ck, rk = (ec.generate_private_key(ec.SECP256R1()) for _ in range(3))
     sans: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    _write(d / "server", _cert("localhost", sk, "weightsync-test-ca", ca_key, sans=sans), sk)
-    _write(d / "client", _cert("replica-0", ck, "weightsync-test-ca", ca_key), ck)
-    _write(d / "rogue-client", _cert("intruder", rk, "rogue", rogue_key), rk)
+    pki_mod.write(d / "server", pki_mod.cert("localhost", sk, "weightsync-test-ca", ca_key, sans=sans), sk)
+    pki_mod.write(d / "client", pki_mod.cert("replica-0", ck, "weightsync-test-ca", ca_key), ck)
+    pki_mod.write(d / "rogue-client", pki_mod.cert("intruder", rk, "rogue", rogue_key), rk)
     return d
 
 

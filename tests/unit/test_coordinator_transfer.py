@@ -14,14 +14,14 @@ import pytest
 
 from tests.unit.sharding_cases import random_replica
 from weightsync.channels.base import Endpoint, Offer
-from weightsync.coordinator import faults, serde
+from weightsync.coordinator import faults, limits, serde
 from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
-from weightsync.coordinator.models import Capabilities, Role, summarize
+from weightsync.coordinator.models import AckReport, Capabilities, JobPolicy, Role, SentReport, summarize
 from weightsync.coordinator.store import MemoryStore
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
-from weightsync.tensors import TensorTable
-from weightsync.vocabulary import Channel
+from weightsync.tensors import DIGEST_PREFIX, TensorTable
+from weightsync.vocabulary import Channel, ReplicaState
 
 pytestmark = pytest.mark.unit
 
@@ -36,12 +36,20 @@ OFFERS = (Offer(Channel.CPU, Endpoint("127.0.0.1", 29500)), Offer(Channel.VOLUME
 
 
 def _fleet(trainer: TrainerLayout | None = TRAINER) -> tuple[Coordinator, str]:
+    core, lease, _ = _fleet_with_replicas(trainer)
+    return core, lease
+
+
+def _fleet_with_replicas(trainer: TrainerLayout | None = TRAINER) -> tuple[Coordinator, str, dict[str, str]]:
+    """The core, the trainer's lease and each replica's."""
     core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
     lease = core.register("job", Role.TRAINER, "t", "t1", CPU, offers=OFFERS, layout=trainer).lease_id
-    core.register("job", Role.REPLICA, "r-sharded", "i0", CPU, layout=ENGINE)
-    core.register("job", Role.REPLICA, "r-none", "i1", CPU)
-    core.register("job", Role.REPLICA, "r-volume", "i2", VOLUME_ONLY, layout=ENGINE)
-    return core, lease
+    replicas = {
+        "r-sharded": core.register("job", Role.REPLICA, "r-sharded", "i0", CPU, layout=ENGINE).lease_id,
+        "r-none": core.register("job", Role.REPLICA, "r-none", "i1", CPU).lease_id,
+        "r-volume": core.register("job", Role.REPLICA, "r-volume", "i2", VOLUME_ONLY, layout=ENGINE).lease_id,
+    }
+    return core, lease, replicas
 
 
 def test_each_replica_gets_its_part_and_each_rank_its_own_in_one_version() -> None:
@@ -103,3 +111,86 @@ def test_the_wire_carries_layouts_and_parts_and_refuses_the_wrong_layout_for_a_r
     assert serde.registered_layout(replica, Role.REPLICA) == ENGINE
     with pytest.raises(faults.InvalidArgument, match="trainer_layout is not a replica's layout"):
         serde.registered_layout(trainer, Role.REPLICA)
+
+
+REGIONS = DIGEST_PREFIX + "a" * 64
+"""What the trainer's ranks sent r-sharded, combined."""
+WHOLE = DIGEST_PREFIX + "b" * 64
+"""What the gathered path sent (per-tensor digests, combined)."""
+
+
+def _ack(digest: str) -> AckReport:
+    return AckReport(1, TABLE.layout_digest(), ok=True, content_digest=digest)
+
+
+def test_a_replica_sent_regions_joins_a_region_group_of_the_ranks_and_its_workers() -> None:
+    core, lease = _fleet()
+    plans = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)).plans}
+    regions, whole = plans["r-sharded"].rendezvous, plans["r-none"].rendezvous
+    assert (regions.rank, regions.world_size) == (2, 2 + len(ENGINE.workers))  # ranks 0..1, then the workers
+    assert regions.endpoint == whole.endpoint == OFFERS[0].endpoint  # rank 0's CPU-stream store
+    assert regions.group.endswith("-regions-v1") and regions.secret  # a fresh group (and store prefix) per version
+    assert (whole.rank, whole.world_size) != (regions.rank, regions.world_size)  # the CPU stream's, as before
+
+
+def test_a_replica_sent_regions_must_ack_the_ranks_combined_digest_whatever_the_order() -> None:
+    core, lease, replicas = _fleet_with_replicas()
+    core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    # an ack before the trainer's report is checked when the report arrives, against the region digest alone
+    core.ack(replicas["r-sharded"], _ack(DIGEST_PREFIX + "f" * 64))
+    core.ack(replicas["r-none"], _ack(WHOLE))  # not compared with r-sharded's: another kind of digest
+    info = core.report_sent(lease, 1, SentReport(WHOLE, {}, region_digests={"r-sharded": REGIONS}))
+    states = {r.replica_id: r.state for r in info.replicas}
+    assert states["r-sharded"] is ReplicaState.FAILED and states["r-none"] is ReplicaState.LOADED
+    errors = core._state.job("job").versions[1].errors
+    assert "is not the " + REGIONS + " combined region digest" in errors["r-sharded"], errors
+
+
+def test_after_the_report_a_regions_ack_passes_only_with_the_ranks_combined_digest() -> None:
+    core, lease, replicas = _fleet_with_replicas()
+    core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    core.report_sent(lease, 1, SentReport(WHOLE, {}, region_digests={"r-sharded": REGIONS}))
+    core.ack(replicas["r-sharded"], _ack(WHOLE))  # the gathered digest is not what its workers were sent
+    core.ack(replicas["r-none"], _ack(WHOLE))
+    rec = core._state.job("job").versions[1]
+    assert rec.status["r-sharded"] is ReplicaState.FAILED and rec.status["r-none"] is ReplicaState.LOADED
+    core2, lease2, replicas2 = _fleet_with_replicas()
+    core2.open_version(lease2, "job", "t1", 1, summarize(TABLE, True))
+    core2.report_sent(lease2, 1, SentReport(WHOLE, {}, region_digests={"r-sharded": REGIONS}))
+    core2.ack(replicas2["r-sharded"], _ack(REGIONS))
+    assert core2._state.job("job").versions[1].status["r-sharded"] is ReplicaState.LOADED
+
+
+def test_region_digests_cross_the_wire_and_its_field_limits() -> None:
+    sent = SentReport(WHOLE, {"r-none": "cpu: gone"}, region_digests={"r-sharded": REGIONS, "r-2": WHOLE})
+    request = serde.report_sent_to("lease", 1, sent)
+    limits.check_fields(request)
+    assert serde.report_sent(request) == sent
+    request.region_digests.add(replica_id="r-3", content_digest="not-a-digest")
+    with pytest.raises(faults.InvalidArgument, match=r"region_digests\[2\].content_digest"):
+        serde.report_sent(request)
+
+
+def test_an_all_or_nothing_job_plans_every_replica_on_the_gathered_path_saying_why() -> None:
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    policy = JobPolicy(all_or_nothing=True)
+    lease = core.register("job", Role.TRAINER, "t", "t1", CPU, offers=OFFERS, layout=TRAINER, policy=policy).lease_id
+    core.register("job", Role.REPLICA, "r-sharded", "i0", CPU, layout=ENGINE)
+    (plan,) = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)).plans
+    assert plan.transfer is not None
+    assert "all-or-nothing: the replica stages the version" in plan.transfer.replica("r-sharded").gathered
+    assert plan.rendezvous.rank == 1  # the CPU stream's, as before
+
+
+def test_a_replica_back_on_the_gathered_path_gets_a_new_cpu_stream_group() -> None:
+    """The publisher released its CPU-stream group while it took regions; a gathered plan must not name the old one
+    (its agent would keep the receiver it joined then, which no sender serves any more)."""
+    core, lease = _fleet()
+    before = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    whole = next(p for p in before.plans if p.replica_id == "r-none").rendezvous
+    core.register("job", Role.REPLICA, "r-sharded", "i0", CPU)  # its engine layout gone: the gathered path
+    after = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 2, summarize(TABLE, True)).plans}
+    assert after["r-sharded"].transfer.replica("r-sharded").gathered  # type: ignore[union-attr]
+    regions = next(p for p in before.plans if p.replica_id == "r-sharded").rendezvous
+    assert after["r-sharded"].rendezvous.generation > regions.generation
+    assert after["r-none"].rendezvous.same_membership(whole)  # the others' groups stay as they were

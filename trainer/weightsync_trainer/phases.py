@@ -82,16 +82,19 @@ def open_version(
     summary: models.TableSummary,
     offers: Sequence[Offer],
     timeout_s: float,
+    gather_on_failure: bool = True,
 ) -> Opened | Unpublished:
     """Open the version at the coordinator, which plans every live replica. A coordinator that is down or
     unreachable does not stop training (the next publish sends a whole version anyway); any other refusal
-    raises. On both the gather still runs: the other ranks are in it."""
+    raises. On both the gather still runs when the other ranks are in it (``gather_on_failure``; a trainer that
+    sends regions tells its ranks in its round whether a gather follows, ``region_sends``)."""
     clock = _Clock()
     try:
         # as long as a transfer may take: a restarted coordinator holds opens for a lease TTL
         opened = client.open_version(step, summary, offers=offers, timeout_s=timeout_s)
     except WeightsyncError as e:
-        take_part(source)
+        if gather_on_failure:
+            take_part(source)
         if not isinstance(e, RetryableError):
             raise
         log.warning("step %d not published: the coordinator is unreachable (%s)", step, e)
@@ -354,14 +357,17 @@ def settle(
     failed: Mapping[str, str],
     snapshot: Snapshot,
     wait_s: float,
+    region_digests: Mapping[str, str] | None = None,
 ) -> Verdict:
     """Report what was sent and wait for the verdict; write the volume copy first when a replica waits for it,
     else after the verdict in the background. A coordinator that became unreachable leaves the outcome unknown
-    (STAGING): the bytes went out peer to peer, only the verdict is missing."""
+    (STAGING): the bytes went out peer to peer, only the verdict is missing. ``region_digests``: replica id -> the
+    senders' combined digest of the regions sent to it (its ack must match that, not ``digest``)."""
     waited, durable_seconds = 0.0, 0.0
+    regions = dict(region_digests or {})
     try:
         clock = _Clock()
-        info = client.report_sent(version, digest, failed, wait_s=wait_s)
+        info = client.report_sent(version, digest, failed, wait_s=wait_s, region_digests=regions)
         waited += clock.seconds()
         if info.durable_needed:
             copy = _Clock()
@@ -369,7 +375,7 @@ def settle(
             durable_seconds = copy.seconds()
             clock = _Clock()
             if volume_error:  # the replicas waiting for it fail now, not at the version's timeout
-                client.report_sent(version, digest, failed, volume_error=volume_error)
+                client.report_sent(version, digest, failed, volume_error=volume_error, region_digests=regions)
             info = client.wait_version(version, wait_s)
             waited += clock.seconds()
         else:

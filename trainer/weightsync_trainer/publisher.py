@@ -28,6 +28,12 @@ gather) runs the phases of ``phases``, each returning what it did:
    joiners and recovering replicas find it;
 5. waits until one-sided channels' receivers consumed the version (``release``).
 
+On a distributed trainer whose ranks agree on a layout the core can describe (``layouts``), rank 0 registers
+it, and a replica that registered its engine layout is planned on the sharded path: every rank sends it only
+the regions its workers keep, from its own shards, with no gather (``region_sends``: rank 0 tells the ranks
+what each publish sends, and reports each such replica's combined region digest). The other replicas take the
+path above in the same publish; the plan chooses, not the user.
+
 A coordinator outage does not stop training: the client retries until its deadline
 and registers again after a restart; when the coordinator stays unreachable,
 ``publish`` returns a report instead of raising: FAILED with version 0 (the step was
@@ -63,13 +69,13 @@ from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
 from weightsync.coordinator.client import CoordinatorClient, until_registered
 from weightsync.coordinator.tls import TlsConfig
-from weightsync.errors import PermanentError
+from weightsync.errors import PermanentError, WeightsyncError
 from weightsync.metrics import PublisherMetrics
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, VersionState
-from weightsync_trainer import phases, shard_copies
+from weightsync_trainer import layouts, phases, region_sends, shard_copies
 from weightsync_trainer.durable import VolumeCopies
-from weightsync_trainer.sources import LoraAdapterSource, WeightSource
+from weightsync_trainer.sources import LoraAdapterSource, ModuleSource, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +112,24 @@ def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int =
         phases.take_part(source)
         return SendReport()
     return sender.send(ticket, source.groups())
+
+
+def _region_sends(source: WeightSource, rank: int, timeout_s: float) -> region_sends.RegionSends | None:
+    """Every rank's part of the sharded path, when the ranks of a distributed trainer agreed on a layout the core
+    can describe; else None: every replica takes the gathered path, as before. Collective: on every rank.
+
+    A trainer on one rank keeps the gathered path: the sharded path's gain is every rank sending in parallel."""
+    import torch.distributed as dist
+
+    if type(source) is not ModuleSource:
+        return None
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    layout = layouts.agreed(layouts.trainer_layout(source))
+    if layout.unsupported:
+        log.info("every replica takes the gathered path: %s", layout.unsupported)
+        return None
+    return region_sends.RegionSends(source, layout, rank, timeout_s)
 
 
 POD_IP_ENV = "POD_IP"
@@ -180,6 +204,9 @@ class Publisher:
         self.copies: VolumeCopies | None = None
         # every rank writes its own shards when the layout allows (a collective: decided alike on every rank)
         self.sharded = shard_copies.sharded_copies(source, checkpoint_dir, client, verify, timeout_s)
+        # a collective too: every rank reads the layout, the ranks compare; the other ranks wait in a round's
+        # broadcast while rank 0 opens the version and its replicas join (bounded by the version's timeout)
+        self.regions = _region_sends(source, rank, version_timeout_s)
         if rank != 0:
             return
         if client is None:
@@ -207,8 +234,9 @@ class Publisher:
         caps = dataclasses.replace(found, channels=tuple(self._all_senders()), nixl=Channel.NIXL in self.senders)
         policy = models.JobPolicy.of(config) if config else None
         offers = self._offers()
+        layout = self.regions.layout if self.regions is not None else None
         until_registered(
-            lambda: client.register_trainer(job, trainer_id, caps, policy=policy, offers=offers),
+            lambda: client.register_trainer(job, trainer_id, caps, policy=policy, offers=offers, layout=layout),
             f"trainer {trainer_id}",
         )
 
@@ -289,32 +317,77 @@ class Publisher:
 
     def _publish(self, step: int) -> PublishReport | None:
         if self.rank != 0:
-            phases.take_part(self.source)
+            if self.regions is None:
+                phases.take_part(self.source)
+                return None
+            told = self.regions.round()  # rank 0's word: what this publish sends, and whether a gather follows
+            theirs = self.regions.start(told)
+            if told.gather:
+                phases.take_part(self.source)
+            theirs.result()
             return None
         assert self.client is not None and self.copies is not None
         t0 = time.perf_counter()
-        opened = phases.open_version(
-            self.client, self.source, step, self.summary, self._offers(), timeout_s=self.timeout_s
-        )
+        try:
+            opened = phases.open_version(
+                self.client,
+                self.source,
+                step,
+                self.summary,
+                self._offers(),
+                timeout_s=self.timeout_s,
+                gather_on_failure=self.regions is None,
+            )
+        except WeightsyncError:
+            self._nothing_this_round()  # the other ranks wait for rank 0's word: they go on, this rank raises
+            raise
         if isinstance(opened, phases.Unpublished):
+            self._nothing_this_round()
             seconds = {"open": opened.seconds, "total": time.perf_counter() - t0}
             return self._report(0, step, VersionState.FAILED, seconds, reason=opened.reason)
         version, plan = opened.version, opened.opened
-        lost = phases.LostReports(self.client, version)
-        joined = phases.join(self.client, self.senders, plan, lost)
-        receivers = {ch: sorted(plan.receivers(ch)) for ch in self.senders}
-        tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
+        # the replicas the plan sends regions join their region groups, not the CPU stream's
+        sharded = region_sends.targets(plan)
+        gathered = dataclasses.replace(
+            plan, plans=tuple(p for p in plan.plans if p.replica_id not in {t.replica_id for t in sharded})
+        )
+        receivers = {ch: sorted(gathered.receivers(ch)) for ch in self.senders}
         keep = self.volume is not None and self.sharded is None  # a sharded copy snapshots each rank's own shards
-        streamed = phases.stream(self.source, joined.live, tickets, receivers, keep, lost)
-        failed = {**streamed.failed, **joined.lost}
+        # nobody gathers when every replica takes regions and no gathered copy is kept
+        gather = self.regions is None or keep or any(receivers.values())
+        sending: region_sends.InFlight | None = None
+        if self.regions is not None:  # every rank sends its regions while the gathered path joins and streams
+            sending = self.regions.start(self.regions.round(region_sends.Round(version, gather, sharded)))
+        lost = phases.LostReports(self.client, version)
+        joined = phases.join(self.client, self.senders, gathered, lost)
+        tickets = {ch: self._ticket(version, ch, step) for ch in joined.live}
+        if gather:
+            streamed = phases.stream(self.source, joined.live, tickets, receivers, keep, lost)
+        else:
+            lost.close()
+            streamed = phases.Streamed({}, {}, [], 0.0)
+        regioned = (sending.result() if sending is not None else None) or region_sends.Sent()
+        if sharded:
+            sent_to = sorted(regioned.digests)
+            log.info("v%d: regions sent to %s, bytes per trainer rank %s", version, sent_to, regioned.bytes_sent)
+        failed = {**streamed.failed, **joined.lost, **regioned.failed}
         digest = streamed.content_digest
         verdict = phases.settle(
-            self.client, self.copies, version, step, digest, failed, streamed.snapshot, self.version_timeout_s
+            self.client,
+            self.copies,
+            version,
+            step,
+            digest,
+            failed,
+            streamed.snapshot,
+            self.version_timeout_s,
+            regioned.digests,
         )
         released = phases.release(joined.live, receivers, version, self.timeout_s)
         seconds = {
             "open": opened.seconds,
             "joined": joined.seconds,
+            **({"regions": regioned.seconds} if sharded else {}),
             "stream": streamed.seconds,
             **({"durable": verdict.durable_seconds} if verdict.durable_seconds else {}),
             "verdict": verdict.seconds,
@@ -325,6 +398,11 @@ class Publisher:
             self.metrics.observe_publish(seconds["total"], next(iter(joined.live), Channel.VOLUME))
         failed.update(released.failed)
         return self._report(version, step, verdict.state, seconds, verdict.channels, failed, digest, verdict.reason)
+
+    def _nothing_this_round(self) -> None:
+        """Rank 0 opened no version: tell the ranks that wait for its round (nothing to send, no gather)."""
+        if self.regions is not None:
+            self.regions.send(self.regions.round(region_sends.Round(0, gather=False)))
 
     def _ticket(self, version: int, channel: Channel, step: int) -> UpdateTicket:
         return UpdateTicket(
@@ -380,6 +458,8 @@ class Publisher:
         self.wait_durable()
         if self.sharded is not None:
             self.sharded.close()
+        if self.regions is not None:
+            self.regions.close()
         for sender in self._all_senders().values():
             sender.close()
         if self.client is not None:

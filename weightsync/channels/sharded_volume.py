@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from weightsync.channels import exchanges
 from weightsync.channels.manifests import MANIFEST, SHARDED, TEMPORARY_PREFIX, Manifest, version_dir
 from weightsync.channels.pieces import DEFAULT_TILE, TILE_DIGEST_HEX, Piece, slices, tiles
 from weightsync.channels.volume import fsync
@@ -212,7 +213,7 @@ class ShardedVolumeWriter:
         nonce = secrets.randbits(62) if self.rank == 0 else 0
         tmp: Path | None = None
         try:
-            version, step, nonce = self._broadcast_ints([version, step, nonce])
+            version, step, nonce = exchanges.broadcast_ints(self.group, [version, step, nonce])
             if version <= 0:
                 return None
             tmp = self.root / f"{TEMPORARY_PREFIX}v{version:08d}-{nonce:016x}"
@@ -239,7 +240,9 @@ class ShardedVolumeWriter:
         except (OSError, PermanentError) as e:
             log.error("rank %d: writing version %d to the volume failed: %s", self.rank, version, e)
             report = RankReport(self.rank, error=f"{type(e).__name__}: {e}")
-        reports = [RankReport.from_json(b) for b in self._all_gather_bytes(report.to_json())]
+        reports = [
+            RankReport.from_json(b) for b in exchanges.all_gather_bytes(self.group, self.world, report.to_json())
+        ]
         error, manifest = "", None
         if self.rank == 0:
             try:
@@ -247,40 +250,8 @@ class ShardedVolumeWriter:
             except (OSError, PermanentError) as e:
                 error = str(e)
                 shutil.rmtree(tmp, ignore_errors=True)
-        error = self._broadcast_bytes(error.encode()).decode()
+        error = exchanges.broadcast_bytes(self.group, self.rank, error.encode()).decode()
         return error or manifest
-
-    def _broadcast_ints(self, values: list[int]) -> list[int]:
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.broadcast(t, src=0, group=self.group)
-        return [int(x) for x in t.tolist()]
-
-    def _broadcast_bytes(self, data: bytes) -> bytes:
-        import torch.distributed as dist
-
-        (n,) = self._broadcast_ints([len(data)])
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if self.rank == 0 and n
-            else torch.empty(n, dtype=torch.uint8)
-        )
-        if n:
-            dist.broadcast(buf, src=0, group=self.group)
-        return bytes(buf.numpy().tobytes())
-
-    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
-        import torch.distributed as dist
-
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self.group)
-        return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)]
 
     def close(self) -> None:
         import torch.distributed as dist

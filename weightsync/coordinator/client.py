@@ -310,13 +310,15 @@ class CoordinatorClient:
         *,
         volume_error: str = "",
         wait_s: float = 0.0,
+        region_digests: Mapping[str, str] | None = None,
     ) -> VersionInfo:
         """Tell the coordinator what was sent (replicas' acks are checked against it), which receivers were lost,
         and, when the volume copy failed, why (the replicas waiting for it fail). May be called again.
 
         ``wait_s`` > 0 also waits, in the same call, until the version settled or a planned replica waits for the
-        volume copy (``info.durable_needed``), or ``wait_s`` passed: one round trip less on every version's path."""
-        sent = SentReport(content_digest, dict(failed), volume_error)
+        volume copy (``info.durable_needed``), or ``wait_s`` passed: one round trip less on every version's path.
+        ``region_digests``: replica id -> the combined digest of the regions sent to it (the sharded path)."""
+        sent = SentReport(content_digest, dict(failed), volume_error, dict(region_digests or {}))
         response = self._call(
             "ReportSent",
             lambda: serde.report_sent_to(self.lease.lease_id, version, sent, wait_s),

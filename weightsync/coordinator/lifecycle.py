@@ -63,6 +63,8 @@ class VersionRecord:
     manifest_checksum: str = ""
     content_digest: str = ""
     """What the trainer sent (its publisher's report)."""
+    region_digests: dict[str, str] = field(default_factory=dict)
+    """Replica id -> the senders' combined digest of the regions sent to it (the sharded path)."""
     sent: bool = False
     """The publisher reported the version sent (``ReportSent``)."""
     opened_at: float = field(default_factory=time.time)

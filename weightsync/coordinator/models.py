@@ -238,6 +238,9 @@ class SentReport:
     """Receivers a live channel lost (replica id -> error); they fall back to the volume themselves."""
     volume_error: str = ""
     """Why the volume copy failed: replicas waiting to load the version from there fail with it."""
+    region_digests: Mapping[str, str] = field(default_factory=dict)
+    """Replica id -> the senders' combined digest of the regions sent to it (plan order), for each replica the
+    plan sent regions: its ack must match this, not ``content_digest`` (its workers hold slices, not tensors)."""
 
 
 @dataclass(frozen=True)

@@ -353,7 +353,12 @@ def report_sent(m: pb.ReportSentRequest) -> models.SentReport:
     """The publisher's content digest, the receivers its channels lost (replica id -> error), and why the volume
     copy failed, if it did."""
     failed = _receivers(m.failed, "failed")
-    return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error)
+    regions = {}
+    for i, r in enumerate(m.region_digests):
+        if not r.replica_id or not r.content_digest:
+            raise faults.InvalidArgument(f"region_digests[{i}] needs a replica_id and a content_digest")
+        regions[r.replica_id] = _digest(r.content_digest, f"region_digests[{i}].content_digest")
+    return models.SentReport(_digest(m.content_digest, "content_digest"), failed, m.volume_error, regions)
 
 
 def report_lost(m: pb.ReportLostRequest) -> dict[str, str]:
@@ -375,6 +380,9 @@ def report_sent_to(lease_id: str, version: int, sent: models.SentReport, wait_s:
         failed=_receivers_to(sent.failed),
         volume_error=_error_text(sent.volume_error),
         wait_s=wait_s,
+        region_digests=[
+            pb.RegionDigest(replica_id=r, content_digest=d) for r, d in sorted(sent.region_digests.items())
+        ],
     )
 
 

@@ -128,7 +128,7 @@ def open_version(
         job.next_version,
         job.policy.join_timeout_s,
     )
-    plans, transfers = _transfer(job, trainer, table, plans)
+    plans, transfers = _transfer(job, trainer, table, plans, job.next_version)
     rec = VersionRecord(
         job_name,
         job.next_version,
@@ -165,12 +165,13 @@ def open_version(
 
 
 def _transfer(
-    job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan]
+    job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan], version: int
 ) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
     """The version's transfer plan, when the trainer registered a layout of this table: each replica's plan gets
     its part (its regions, or why it takes the gathered path: its channel carries no regions, it registered no
-    layout, its layout was recorded against another table), each trainer rank its own. From the job's cache:
-    the same layouts and membership reuse the last version's plan."""
+    layout, its layout was recorded against another table), each trainer rank its own; a replica sent regions
+    gets its region group's rendezvous (``region_group``). From the job's cache: the same layouts and membership
+    reuse the last version's plan."""
     layout = trainer.layout
     if not isinstance(layout, TrainerLayout):
         return plans, ()
@@ -181,17 +182,41 @@ def _transfer(
             job.name,
         )
         return plans, ()
+    # an all-or-nothing replica stages the version before its commit; the sharded path lands in place (for now)
+    staged = (
+        "all-or-nothing: the replica stages the version, and regions land in place" if job.policy.all_or_nothing else ""
+    )
     members = []
     for p in plans:
         engine = job.members[p.replica_id].layout
         members.append(
             sharding_plans.Member(
-                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel)
+                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel) or staged
             )
         )
     whole = job.transfer_plans.get(layout, members)
-    parts = [dataclasses.replace(p, transfer=whole.part_for_replica(p.replica_id)) for p in plans]
+    parts = []
+    for p, m in zip(plans, members, strict=True):
+        part = whole.part_for_replica(p.replica_id)
+        rdv = p.rendezvous
+        if part.replicas[0].sharded and m.layout is not None:
+            rdv = region_group(rdv, layout.world_size, len(m.layout.workers), version)
+            # the CPU stream's group for it is released on both ends: a later gathered plan forms a new one
+            job.groups = job.groups.without(negotiation.group_key(p.channel, p.replica_id))
+        parts.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
     return parts, tuple(whole.part_for_rank(rank) for rank in range(layout.world_size))
+
+
+def region_group(rdv: Rendezvous, trainers: int, workers: int, version: int) -> Rendezvous:
+    """The rendezvous of one replica's region group for one version, from the CPU stream's plan for it: the same
+    store (trainer rank 0's, the endpoint the publisher offered for the CPU stream) and secret, the trainer's
+    ranks as group ranks ``0..trainers-1`` and the replica's workers after them (``rank`` = ``trainers``, the
+    first worker's). The group is formed for the version and released after it, so its name carries the
+    version: its keys under the store prefix are fresh each time, and no trainer rank needs an endpoint of its
+    own (each joins rank 0's store and binds its own host's address, which gloo exchanges through the store)."""
+    return dataclasses.replace(
+        rdv, group=f"{rdv.group}-regions-v{version}", rank=trainers, world_size=trainers + workers
+    )
 
 
 def _trim(job: Job) -> None:
@@ -302,9 +327,29 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
     return rec.state
 
 
+def _sent_regions(rec: VersionRecord, rid: str) -> bool:
+    """Whether ``rid`` is planned on the sharded path (its live plan's part has regions): its digest is over the
+    regions its workers received, in plan order, which no other replica's is comparable with."""
+    planned = rec.plans.get(rid)
+    if planned is None or planned.channel not in LIVE_CHANNELS or planned.transfer is None:
+        return False
+    return any(r.replica_id == rid and r.sharded for r in planned.transfer.replicas)
+
+
 def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
-    """Why a replica's content digest is wrong: not what the trainer sent, or (before the trainer's report
-    arrived) not what other replicas loaded; empty when it agrees or there is nothing to compare."""
+    """Why a replica's content digest is wrong: not what the trainer sent (for a replica sent regions: the
+    senders' combined digest of its regions; it must have one), or (before the trainer's report arrived) not what
+    other replicas loaded whole; empty when it agrees or there is nothing to compare yet."""
+    if _sent_regions(rec, rid):
+        if not rec.sent:
+            return ""  # checked when the trainer's report arrives (``report_sent``)
+        sent = rec.region_digests.get(rid, "")
+        if digest != sent:
+            return (
+                f"content_digest {digest or 'none'} is not the {sent or 'no'} combined region digest the trainer's "
+                "ranks sent: the regions this replica's workers received differ from what the ranks sent"
+            )
+        return ""
     if not digest:
         return ""
     if rec.content_digest:
@@ -314,7 +359,7 @@ def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
                 "replica's engine loaded differ from the trainer's"
             )
         return ""
-    others = {d for r, d in rec.content.items() if d and r != rid}
+    others = {d for r, d in rec.content.items() if d and r != rid and not _sent_regions(rec, r)}
     if others and digest not in others:
         return f"content_digest {digest} differs from other replicas' {min(others)}: the bytes it loaded differ"
     return ""
@@ -393,6 +438,7 @@ def report_lost(state: CoreState, lease_id: str, version: int, lost: Mapping[str
 def report_sent(state: CoreState, lease_id: str, version: int, sent: SentReport) -> VersionInfo:
     job, rec = _trainers_version(state, lease_id, version)
     rec.content_digest, rec.sent = sent.content_digest, True
+    rec.region_digests = dict(sent.region_digests)
     if rec.state is VersionState.STAGING:
         _lost(state, job, rec, sent.failed)  # those not reported lost already
     if sent.volume_error and rec.state is VersionState.STAGING:

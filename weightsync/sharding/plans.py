@@ -34,6 +34,7 @@ import hashlib
 import heapq
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from weightsync.errors import PermanentError
 from weightsync.sharding.boxes import Box, carry
@@ -244,4 +245,35 @@ class PlanCache:
         return found
 
 
-__all__ = ["Member", "PlanCache", "Region", "ReplicaPlan", "TransferPlan", "plan", "plan_key"]
+def regions_to(items: Sequence[Region]) -> list[list[Any]]:
+    """Regions as JSON rows (what crosses vLLM's ``collective_rpc`` and the trainer ranks' control group)."""
+    return [[r.tensor, r.rank, r.worker, *_box_to(r.source), r.param, *_box_to(r.dest), r.nbytes] for r in items]
+
+
+def regions_from(rows: Sequence[Sequence[Any]]) -> list[Region]:
+    try:
+        return [
+            Region(int(t), int(rank), int(w), Box(tuple(so), tuple(sl)), int(p), Box(tuple(do), tuple(dl)), int(n))
+            for t, rank, w, so, sl, p, do, dl, n in rows
+        ]
+    except (TypeError, ValueError) as e:
+        raise PermanentError(
+            f"malformed regions ({type(e).__name__}: {e}); expected the form of regions_to()"
+        ) from None
+
+
+def _box_to(box: Box) -> tuple[list[int], list[int]]:
+    return list(box.offsets), list(box.lengths)
+
+
+__all__ = [
+    "Member",
+    "PlanCache",
+    "Region",
+    "ReplicaPlan",
+    "TransferPlan",
+    "plan",
+    "plan_key",
+    "regions_from",
+    "regions_to",
+]

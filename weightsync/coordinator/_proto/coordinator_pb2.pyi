@@ -487,20 +487,30 @@ class FailedReceiver(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ReportSentRequest(_message.Message):
-    __slots__ = ("lease_id", "version", "content_digest", "failed", "volume_error", "wait_s")
+    __slots__ = ("lease_id", "version", "content_digest", "failed", "volume_error", "wait_s", "region_digests")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     VOLUME_ERROR_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    REGION_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     content_digest: str
     failed: _containers.RepeatedCompositeFieldContainer[FailedReceiver]
     volume_error: str
     wait_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    region_digests: _containers.RepeatedCompositeFieldContainer[RegionDigest]
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., content_digest: _Optional[str] = ..., failed: _Optional[_Iterable[_Union[FailedReceiver, _Mapping]]] = ..., volume_error: _Optional[str] = ..., wait_s: _Optional[float] = ..., region_digests: _Optional[_Iterable[_Union[RegionDigest, _Mapping]]] = ...) -> None: ...
+
+class RegionDigest(_message.Message):
+    __slots__ = ("replica_id", "content_digest")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    content_digest: str
+    def __init__(self, replica_id: _Optional[str] = ..., content_digest: _Optional[str] = ...) -> None: ...
 
 class ReportSentResponse(_message.Message):
     __slots__ = ("info",)

@@ -1,0 +1,115 @@
+"""A gloo FSDP2 rank publishing through ``Publisher``: ``python -m tests.integration.sharded_publish_ranks``.
+
+``RANK`` and ``WORLD_SIZE`` come from the environment; each rank runs on a host of its own (``--master`` is
+rank 0's address, ``--host`` this rank's: its CPU stream listens there). The rank shards the tiny Qwen2 model
+with FSDP2 and, for each of ``--steps``, takes a real optimizer step and publishes it (collective); rank 0 talks
+to the coordinator at ``--coordinator`` (TLS with ``--ca``, the bearer token from ``$WEIGHTSYNC_TOKEN``) and,
+before each publish, writes the gathered weights it publishes to ``--out/reference-<step>`` (config.json +
+model.safetensors: what the replica must generate like). Rank 0 writes its reports to ``--out/rank0.json``.
+
+``--flip R``: rank R's region sends corrupt the first byte of their first message on the way (the wire is
+wrapped, as in ``region_ranks``: a flipped bit that TCP lets through cannot be caused for real).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+class Flipping:
+    """A region group as one rank sees it: its first send leaves with its first byte flipped."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg, self.sends = pg, 0
+
+    def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
+        self.sends += 1
+        if self.sends == 1:
+            tensors = [tensors[0].clone()]
+            tensors[0][0] ^= 0x10
+        return self.pg.send(tensors, dst, tag)
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from tests import support
+    from tests.integration import layout_ranks
+    from weightsync import jobconfig
+    from weightsync.channels import regions
+    from weightsync.coordinator.client import CoordinatorClient
+    from weightsync.coordinator.tls import TlsConfig
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer import reference
+    from weightsync_trainer.publisher import Publisher
+    from weightsync_trainer.sources import ModuleSource
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--ca", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--steps", type=int, nargs="+", required=True)
+    p.add_argument("--flip", type=int, default=-1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=world)
+    if rank == args.flip:
+        send = regions.send
+        regions.send = lambda pg, *a, **kw: send(Flipping(pg), *a, **kw)  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = support.hf_trainer(Path(args.model), seed=0, steps=0)
+    layout_ranks._shard(model, "fsdp", world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    source = ModuleSource(model)
+    client = None
+    if rank == 0:
+        tls = TlsConfig(ca_file=args.ca)
+        client = CoordinatorClient(args.coordinator, token=os.environ["WEIGHTSYNC_TOKEN"], tls=tls, timeout_s=30)
+    verdict_s = 2 * args.timeout  # the version's timeout must exceed the transfer's
+    config = jobconfig.JobConfig("job", (Channel.CPU,), transfer_timeout_s=args.timeout, timeout_s=verdict_s)
+    publisher = Publisher(
+        source,
+        client,
+        job="job",
+        rank=rank,
+        channels_=(Channel.CPU,),
+        host=args.host,
+        config=config,
+        timeout_s=args.timeout,
+        version_timeout_s=verdict_s,
+    )
+    assert publisher.regions is not None, "a 2-rank FSDP2 trainer sends regions"
+    published: list[dict[str, Any]] = []
+    for step in args.steps:
+        reference.train_step(model, opt, model.config.vocab_size, seed=7 * step)
+        full: dict[str, torch.Tensor] = {}
+        for specs, tensors in zip(source.table().groups(), source.groups(), strict=True):  # collective: every rank
+            full.update({s.name: t.contiguous() for s, t in zip(specs, tensors, strict=True)})
+        if rank == 0:
+            folder = Path(args.out, f"reference-{step}")
+            folder.mkdir(parents=True)
+            save_file(full, str(folder / "model.safetensors"))
+            shutil.copy(Path(args.model, "config.json"), folder / "config.json")
+        report = publisher.publish(step)
+        if report is not None:
+            published.append(report.to_json())
+    publisher.close()
+    if rank == 0:
+        Path(args.out, "rank0.json").write_text(json.dumps(published))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

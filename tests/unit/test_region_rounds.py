@@ -1,0 +1,153 @@
+"""The sharded path's bookkeeping on both ends, without processes: what rank 0 tells its ranks, how it combines
+their reports, and how an agent checks its workers' answers before it acks.
+
+The plan comes from the coordinator's core (a 2-rank trainer, a TP=2 replica that registered its engine layout,
+one that did not); the digests are the ones ``regions`` would report, made up per region.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.unit.sharding_cases import random_replica
+from weightsync.channels import regions
+from weightsync.channels.base import Endpoint, Offer
+from weightsync.coordinator.clock import ManualClock
+from weightsync.coordinator.core import Coordinator
+from weightsync.coordinator.models import Capabilities, OpenedVersion, Role, summarize
+from weightsync.coordinator.store import MemoryStore
+from weightsync.errors import IntegrityError, PermanentError
+from weightsync.sharding.plans import Region
+from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
+from weightsync.tensors import TensorTable
+from weightsync.vocabulary import Channel
+from weightsync_inference.agent import _regions_part, regions_received
+from weightsync_trainer import region_sends
+from weightsync_trainer.region_sends import Round, _account
+
+pytestmark = pytest.mark.unit
+
+TABLE = TensorTable.build([[("a.weight", "bfloat16", (8, 6)), ("a.bias", "float32", (8,))], [("b", "float32", (5, 4))]])
+TRAINER = TrainerLayout(TABLE, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (0,)) for _ in TABLE))
+ENGINE = random_replica(random.Random(5), TABLE, 2)
+CPU = Capabilities(host="n", channels=(Channel.CPU,))
+
+
+def _opened() -> OpenedVersion:
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    offers = (Offer(Channel.CPU, Endpoint("10.0.0.1", 29500)),)
+    lease = core.register("job", Role.TRAINER, "t", "t1", CPU, offers=offers, layout=TRAINER).lease_id
+    core.register("job", Role.REPLICA, "r-regions", "i0", CPU, layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-whole", "i1", CPU)
+    return core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+
+
+def _word(r: Region) -> str:
+    """A stand-in for the digest both ends compute of a region."""
+    return f"{r.nbytes}:{hash((r.tensor, r.source, r.worker)) & 0xFFFF:016x}"
+
+
+def test_the_round_names_only_the_replicas_sent_regions_and_survives_json() -> None:
+    opened = _opened()
+    (target,) = region_sends.targets(opened)
+    assert target.replica_id == "r-regions" and target.rendezvous.rank == 2 and target.regions
+    told = Round(opened.version, gather=True, targets=(target,))
+    assert Round.from_json(told.to_json()) == told
+    with pytest.raises(PermanentError, match="rank 0's round is malformed"):
+        Round.from_json(b'{"version": 1}')
+
+
+def test_rank_0_combines_every_ranks_digests_in_plan_order_and_names_a_rank_that_failed() -> None:
+    (target,) = region_sends.targets(_opened())
+    told = Round(1, gather=False, targets=(target,))
+    reports = [
+        {"r-regions": {"digests": [_word(r) for r in target.regions if r.rank == rank], "nbytes": 10 * (rank + 1)}}
+        for rank in (0, 1)
+    ]
+    sent = _account(told, reports, 0.5)
+    by_worker = {w: [_word(r) for r in target.regions if r.worker == w] for w in (0, 1)}
+    assert sent.digests == {"r-regions": regions.combine(target.regions, by_worker, regions.worker_of)}
+    assert sent.failed == {} and sent.bytes_sent == {0: 10, 1: 20}
+
+    reports[1] = {"r-regions": {"error": "trainer rank 1: the group did not form"}}
+    failed = _account(told, reports, 0.5)
+    assert failed.digests == {} and "trainer rank 1: the group did not form" in failed.failed["r-regions"]
+
+    reports[1] = {"r-regions": {"digests": [], "nbytes": 0}}  # a rank that reports fewer regions than planned
+    short = _account(told, reports, 0.5)
+    assert "do not match the plan" in short.failed["r-regions"]
+
+
+def test_an_agent_acks_its_workers_combined_digest_only_when_each_received_exactly_its_regions() -> None:
+    opened = _opened()
+    plan = next(p for p in opened.plans if p.replica_id == "r-regions")
+    part = _regions_part(plan)
+    assert part is not None and _regions_part(next(p for p in opened.plans if p.replica_id == "r-whole")) is None
+    answers = [
+        {
+            "worker": w,
+            "layout_digest": TABLE.layout_digest(),
+            "nbytes": sum(r.nbytes for r in part.regions if r.worker == w),
+            "digests": [_word(r) for r in part.regions if r.worker == w],
+        }
+        for w in (0, 1)
+    ]
+    received = regions_received(3, TABLE, part, answers)
+    by_rank = {k: [_word(r) for r in part.regions if r.rank == k] for k in (0, 1)}
+    assert received.content_digest == regions.combine(part.regions, by_rank, regions.rank_of)  # the ranks' digest
+    assert received.version == 3 and set(received.nbytes) == {0, 1}
+
+    short = [{**answers[0], "nbytes": answers[0]["nbytes"] - 1}, answers[1]]
+    with pytest.raises(IntegrityError, match="their regions hold"):
+        regions_received(3, TABLE, part, short)
+    other = [{**answers[0], "layout_digest": "sha256:" + "0" * 64}, answers[1]]
+    with pytest.raises(IntegrityError, match="not the version's"):
+        regions_received(3, TABLE, part, other)
+    missing = [{**answers[0], "digests": answers[0]["digests"][:-1]}, answers[1]]
+    with pytest.raises(IntegrityError, match="the plan gives it more"):
+        regions_received(3, TABLE, part, missing)
+
+
+def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the_rendezvous_bounds() -> None:
+    """``HttpEngine``'s region calls against a stand-in for vLLM's ``/collective_rpc`` (one answer per worker)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from typing import Any
+
+    from weightsync_inference.http_engine import HttpEngine
+
+    calls: list[dict[str, Any]] = []
+    answers = {
+        "weightsync_table": [{"table": TABLE.to_dict()}, {"table": TABLE.to_dict()}],
+        "weightsync_receive_regions": [{"worker": 0}, {"worker": 1}],
+    }
+
+    class Vllm(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            calls.append(body)
+            data = json.dumps({"results": answers[body["method"]]}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        engine = HttpEngine(f"http://127.0.0.1:{server.server_address[1]}")
+        table = engine.last_table()
+        assert table is not None and table.layout_digest() == TABLE.layout_digest()
+        request = {"rendezvous": {"join_timeout_s": 10.0, "timeout_s": 50.0}, "regions": []}
+        assert engine.receive_regions(request) == answers["weightsync_receive_regions"]
+        engine.close()
+    finally:
+        server.shutdown()
+    assert [c["method"] for c in calls] == ["weightsync_table", "weightsync_receive_regions"]
+    assert calls[1]["timeout"] == 60.0 and json.loads(calls[1]["args"][0]) == request  # the workers' own bounds

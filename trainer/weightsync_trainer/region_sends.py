@@ -1,0 +1,251 @@
+"""The sharded path on the trainer: every rank sends its own regions, with no gather.
+
+Only rank 0 talks to the coordinator, yet every rank sends. So each publish of a trainer
+whose ranks agreed on a readable layout (``layouts.agreed``) is a *round* over a gloo
+group of the publisher's own, in three steps that every rank takes in the same order:
+
+1. rank 0 broadcasts the round (``Round``): the version, whether the gathered path runs
+   this time (a replica planned on it, or the gathered volume copy), and for each replica
+   the plan sends regions its region group's rendezvous and its regions (every rank's, in
+   plan order);
+2. every rank sends its regions to each of those replicas in turn (``regions.send``: cut
+   from its own local shards, each region's digest word appended), over that replica's
+   region group, formed for the round and released after it;
+3. every rank's per-region digests (or why its sends failed) go to rank 0
+   (``exchanges.all_gather_bytes``), which combines each replica's in plan order
+   (``regions.combine``): what that replica's ack must match (``Sent.digests``).
+
+The region group's rendezvous comes from the coordinator, inside the replica's CPU-stream
+plan (``versions.region_group``): the store is the one rank 0 serves for the CPU stream
+(the endpoint its publisher offered), the trainer's ranks are group ranks ``0..R-1`` and the
+replica's workers ``R..R+W-1``. No other rank offers an endpoint: each joins rank 0's store
+as a client and binds gloo to its own host's address on the route to it, which gloo
+exchanges through the store, as a CPU-stream receiver does.
+
+Messages are JSON in uint8 tensors (nothing pickled); every wait is bounded: the round's
+broadcast by the control group's timeout, a group's formation by the join deadline, the
+sends by the group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from weightsync.channels import exchanges, regions, wire
+from weightsync.channels.base import Rendezvous
+from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
+from weightsync.coordinator import models
+from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
+from weightsync.sharding import plans
+from weightsync.sharding.plans import Region
+from weightsync.sharding.shards import TrainerLayout
+from weightsync.vocabulary import Channel
+from weightsync_trainer.layouts import local_shards
+from weightsync_trainer.sources import ModuleSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One replica the round sends regions to."""
+
+    replica_id: str
+    rendezvous: Rendezvous
+    regions: tuple[Region, ...]
+    """The replica's regions, every rank's, in plan order (what its digests combine in)."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """What rank 0 tells every rank at the start of a publish."""
+
+    version: int
+    """0: nothing is published this time (the coordinator was unreachable)."""
+    gather: bool
+    """Whether the gathered path runs (a collective: every rank takes part in the gather)."""
+    targets: tuple[Target, ...] = ()
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "version": self.version,
+                "gather": self.gather,
+                "targets": [
+                    {
+                        "replica": t.replica_id,
+                        "rendezvous": t.rendezvous.to_dict(),
+                        "regions": plans.regions_to(t.regions),
+                    }
+                    for t in self.targets
+                ],
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Round:
+        try:
+            d = json.loads(data)
+            targets = tuple(
+                Target(
+                    str(t["replica"]), Rendezvous.from_dict(t["rendezvous"]), tuple(plans.regions_from(t["regions"]))
+                )
+                for t in d["targets"]
+            )
+            return cls(int(d["version"]), bool(d["gather"]), targets)
+        except (KeyError, TypeError, ValueError) as e:
+            raise PermanentError(f"rank 0's round is malformed ({type(e).__name__}: {e})") from None
+
+
+def targets(opened: models.OpenedVersion) -> tuple[Target, ...]:
+    """The replicas ``opened`` plans on regions, in plan order, each with its region group's rendezvous."""
+    out = []
+    for p in opened.plans:
+        if p.transfer is None:
+            continue
+        for rp in p.transfer.replicas:
+            if rp.replica_id == p.replica_id and rp.sharded:
+                out.append(Target(p.replica_id, p.rendezvous, rp.regions))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """Rank 0's account of a round's region sends."""
+
+    digests: dict[str, str] = field(default_factory=dict)
+    """Replica id -> the senders' combined region digest, for each replica every rank sent to."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Replica id -> why a rank's sends to it failed (it falls back alone)."""
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    """Trainer rank -> bytes it sent this round."""
+    seconds: float = 0.0
+
+
+class RegionSends:
+    """One rank's part of every round; see the module docstring. Build it on every rank at once (it creates its
+    own gloo group, a collective)."""
+
+    def __init__(self, source: ModuleSource, layout: TrainerLayout, rank: int, timeout_s: float) -> None:
+        """``timeout_s`` bounds the waits of the round's messages: the other ranks wait in the round's broadcast
+        while rank 0 opens the version and its replicas join, so it must cover that (the version's timeout)."""
+        import torch.distributed as dist
+
+        if layout.unsupported:
+            raise PermanentError(f"no region sends for a layout the core cannot describe: {layout.unsupported}")
+        self.source, self.layout, self.rank, self.timeout_s = source, layout, rank, timeout_s
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def round(self, lead: Round | None = None) -> Round:
+        """Rank 0 passes its round and every rank returns it."""
+        if (lead is None) != (self.rank != 0):
+            raise PermanentError("rank 0 leads a round, and only rank 0")
+        data = exchanges.broadcast_bytes(self.group, self.rank, lead.to_json() if lead is not None else b"")
+        return lead if lead is not None else Round.from_json(data)
+
+    def send(self, r: Round) -> Sent | None:
+        """This rank's sends of round ``r``, then the reports to rank 0; rank 0 returns the round's account."""
+        t0 = time.perf_counter()
+        mine: dict[str, Any] = {}
+        if r.targets:
+            local = local_shards(self.source, self.layout, self.rank)
+            for t in r.targets:
+                mine[t.replica_id] = self._send_one(r.version, t, local)
+        try:
+            reports = exchanges.all_gather_bytes(self.group, self.layout.world_size, json.dumps(mine).encode())
+        except RuntimeError as e:  # gloo: a rank died, or did not report within the group's timeout
+            why = f"regions: not every trainer rank reported its sends ({e})"
+            return Sent(failed={t.replica_id: why for t in r.targets}) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return _account(r, [json.loads(b) for b in reports], time.perf_counter() - t0)
+
+    def start(self, r: Round) -> InFlight:
+        """``send(r)`` on a thread of its own: the gathered path (its groups' join, the gather, the CPU stream)
+        runs meanwhile, so a replica of either path that is slow to join costs the others nothing."""
+        return InFlight(self, r)
+
+    def _send_one(self, version: int, t: Target, local: Sequence[Any]) -> dict[str, Any]:
+        """This rank's regions of ``t`` over its region group: ``{"digests": [...], "nbytes": n}`` or
+        ``{"error": why}``."""
+        ours = [g for g in t.regions if g.rank == self.rank]
+        rdv = t.rendezvous
+        try:
+            if rdv.endpoint is None:
+                raise PermanentError(f"replica {t.replica_id}'s region group names no endpoint")
+            store = wire.join_store(rdv.endpoint, rdv.join_timeout_s, rdv.timeout_s, Channel.CPU)
+            group = Group(store, wire.local_address_for(rdv.endpoint), rdv, self.rank)
+            try:
+                group.connect()
+                tally = regions.send(group.pg, self.layout, self.rank, local, ours)
+            finally:
+                group.close()
+        except (WeightsyncError, OSError) as e:
+            log.warning(
+                "v%d: trainer rank %d could not send its regions to %s: %s", version, self.rank, t.replica_id, e
+            )
+            return {"error": f"trainer rank {self.rank}: {e}"}
+        return {"digests": tally.digests, "nbytes": tally.nbytes}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(self.group)
+
+
+class InFlight:
+    """A round's sends under way (``RegionSends.start``)."""
+
+    def __init__(self, sends: RegionSends, r: Round) -> None:
+        self.sends, self.round = sends, r
+        self._out: list[Sent | None] = []
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name=f"weightsync-regions-v{r.version}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._out.append(self.sends.send(self.round))
+        except BaseException as e:  # noqa: BLE001 - re-raised by ``result`` on the publishing thread
+            self._error.append(e)
+
+    def result(self) -> Sent | None:
+        """The round's account on rank 0 (None on the others), once every rank's sends ended; bounded by the
+        control group's timeout, past which every wait inside has failed already."""
+        self._thread.join(self.sends.timeout_s + wire.GRACE_S)
+        if self._thread.is_alive():
+            raise TransferTimeoutError(
+                f"v{self.round.version}: trainer rank {self.sends.rank}'s region sends did not end within "
+                f"{self.sends.timeout_s:g}s"
+            )
+        if self._error:
+            raise self._error[0]
+        return self._out[0]
+
+
+def _account(r: Round, reports: Sequence[Mapping[str, Any]], seconds: float) -> Sent:
+    """Rank 0: each replica's combined digest from every rank's list (plan order), or why it failed."""
+    sent = Sent(seconds=seconds)
+    for rank, report in enumerate(reports):
+        sent.bytes_sent[rank] = sum(int(x.get("nbytes", 0)) for x in report.values())
+    for t in r.targets:
+        errors = [str(rep[t.replica_id]["error"]) for rep in reports if "error" in rep.get(t.replica_id, {})]
+        if errors:
+            sent.failed[t.replica_id] = "regions: " + "; ".join(errors)
+            continue
+        lists = {rank: list(rep[t.replica_id]["digests"]) for rank, rep in enumerate(reports)}
+        try:
+            sent.digests[t.replica_id] = regions.combine(t.regions, lists, regions.rank_of)
+        except WeightsyncError as e:
+            sent.failed[t.replica_id] = f"regions: the ranks' digests do not match the plan: {e}"
+    return sent
+
+
+__all__ = ["InFlight", "RegionSends", "Round", "Sent", "Target", "targets"]
