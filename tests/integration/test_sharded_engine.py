@@ -6,11 +6,13 @@ sender threads, one per trainer rank, each send only from their own shard over t
 ``weightsync_receive_regions`` has each worker receive only its regions and land them inside vLLM's layerwise
 reload. Checked: each worker received exactly the bytes its layout needs (less than the table), the senders'
 and workers' digests combine alike in plan order, and the engine generates what transformers predicts for the
-trained weights. (The publisher, the agent and the coordinator do not drive this yet: docs/sharded.md.)
+trained weights. The same engine driven by the publisher, its agent and the coordinator:
+``test_sharded_publish.py`` (in make test; this one, the engine alone, in make sharded).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 from typing import Any
@@ -26,7 +28,13 @@ from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.vocabulary import Channel
 from weightsync_trainer.sources import ModuleSource
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        os.environ.get("WEIGHTSYNC_SHARDED") != "all",
+        reason="make sharded (WEIGHTSYNC_SHARDED=all); make test: test_sharded_publish.py drives the same engine",
+    ),
+]
 RANKS, TP = 2, 2
 
 
