@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from tests import vllm_stub
 from weightsync.errors import RetryableError, TransferTimeoutError
 from weightsync_inference.agent import served_version
 from weightsync_inference.http_engine import HttpEngine
@@ -33,31 +34,10 @@ def test_an_engine_not_up_yet_is_not_taken_for_version_0() -> None:
 
 def test_a_vllm_started_without_the_worker_extension_is_named_with_the_fix() -> None:
     """vLLM's answer, word for word, when a worker lacks the method (it was started without the extension)."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from weightsync.errors import PermanentError
 
     body = {"error": {"message": "'CPUWorker' object has no attribute 'weightsync_identity'", "type": "Internal"}}
-
-    class Vllm(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(500)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        engine = HttpEngine(f"http://127.0.0.1:{server.server_address[1]}")
+    with vllm_stub.serving(lambda _: (500, body)) as url:
+        engine = HttpEngine(url)
         with pytest.raises(PermanentError, match=r"no weightsync_identity: start vLLM with --worker-extension-cls "):
             engine.identity()
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests import vllm_stub
 from tests.unit.sharding_cases import random_replica
 from weightsync.channels import regions
 from weightsync.channels.base import Endpoint, Offer
@@ -113,8 +114,6 @@ def test_an_agent_acks_its_workers_combined_digest_only_when_each_received_exact
 def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the_rendezvous_bounds() -> None:
     """``HttpEngine``'s region calls against a stand-in for vLLM's ``/collective_rpc`` (one answer per worker)."""
     import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from typing import Any
 
     from weightsync_inference.http_engine import HttpEngine
@@ -125,29 +124,16 @@ def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the
         "weightsync_receive_regions": [{"worker": 0}, {"worker": 1}],
     }
 
-    class Vllm(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-            calls.append(body)
-            data = json.dumps({"results": answers[body["method"]]}).encode()
-            self.send_response(200)
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(body: dict[str, Any]) -> tuple[int, Any]:
+        calls.append(body)
+        return 200, {"results": answers[body["method"]]}
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        engine = HttpEngine(f"http://127.0.0.1:{server.server_address[1]}")
+    with vllm_stub.serving(answer) as url:
+        engine = HttpEngine(url)
         table = engine.last_table()
         assert table is not None and table.layout_digest() == TABLE.layout_digest()
         request = {"rendezvous": {"join_timeout_s": 10.0, "timeout_s": 50.0}, "regions": []}
         assert engine.receive_regions(request) == answers["weightsync_receive_regions"]
         engine.close()
-    finally:
-        server.shutdown()
     assert [c["method"] for c in calls] == ["weightsync_table", "weightsync_receive_regions"]
     assert calls[1]["timeout"] == 60.0 and json.loads(calls[1]["args"][0]) == request  # the workers' own bounds
