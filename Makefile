@@ -64,7 +64,7 @@ faults: venv models  ## the full fault suites on the multi-host fleet (CI runs a
 		tests/integration/test_fleet_hosts_isolation.py \
 		tests/integration/test_nccl_exclusion.py
 
-serving: venv models  ## the longer serving runs (MoE models served and in the sandbox, no tokenizer files, the by-hand command, the staged demo); CI runs a representative set
+serving: venv models  ## the longer serving runs (MoE models served and in the sandbox, no tokenizer files, the by-hand command, the demo staged and without sync); CI runs a representative set
 	WEIGHTSYNC_SERVING=all $(PY) -m pytest tests/integration/test_served_moe.py tests/integration/test_sandbox.py \
 		tests/integration/test_by_hand.py tests/integration/test_demo.py
 
