@@ -383,9 +383,12 @@ class Replica:
         """Whether a failed (or unfinished) update left bytes in the parameters, by the engine's own receipt.
 
         When the engine cannot say (it died, or does not answer), the replica counts as torn:
-        serving a possibly mixed version is the one thing it must not do.
+        serving a possibly mixed version is the one thing it must not do. That includes an error that is not
+        ours: vLLM's ``collective_rpc`` raises a plain ``Exception`` when a worker failed, and after a worker
+        failed inside an update the next call can fail the same way (the failure escaping here would end the
+        agent's thread, leaving the replica without an agent).
         """
         try:
             return self.control.receipt().torn
-        except WeightsyncError:
+        except Exception:  # noqa: BLE001 - any failure to answer is an unknown state: fail-stop
             return True

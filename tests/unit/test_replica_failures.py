@@ -1,0 +1,40 @@
+"""A failed update's fail-stop rule when the engine cannot answer (``lifecycle.Replica._torn``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from weightsync.channels.base import UpdateTicket
+from weightsync.vocabulary import Channel
+from weightsync_inference import lifecycle
+
+pytestmark = pytest.mark.unit
+
+
+class FailingEngine:
+    """An offline vLLM engine after a worker failed inside an update: every ``collective_rpc`` raises vLLM's plain
+    ``Exception``, the receipt's included."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            if name in ("pause", "resume", "start", "is_paused"):
+                return False
+            raise Exception("Call to collective_rpc method failed: Worker failed with error 'cpu channel: ...'")
+
+        return call
+
+
+def test_an_update_whose_engine_cannot_give_its_receipt_leaves_the_replica_torn_not_the_agent_dead() -> None:
+    engine = FailingEngine()
+    replica = lifecycle.Replica(engine, version=1)  # type: ignore[arg-type]
+    with pytest.raises(lifecycle.UpdateFailed) as failed:
+        replica.apply(UpdateTicket(2, Channel.CPU, timeout_s=5))
+    assert failed.value.state is lifecycle.EngineState.TORN and replica.state is lifecycle.EngineState.TORN
+    assert "failed after bytes reached the parameters" in str(failed.value)
+    assert "receipt" in engine.calls and "resume" not in engine.calls  # torn: stays paused
