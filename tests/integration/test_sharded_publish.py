@@ -292,7 +292,7 @@ def test_a_byte_flipped_on_one_ranks_link_fails_the_version_naming_tensor_and_ra
 
 
 @full
-def test_a_rank_that_dies_mid_send_fails_the_version_and_leaves_every_replica_on_its_previous_one(
+def test_a_rank_that_dies_mid_send_fails_the_version_and_leaves_the_region_replicas_on_their_previous_one(
     fleet: Fleet,
 ) -> None:
     # the region replicas: the gathered one is not asserted, its in-place load can finish before the death is known
