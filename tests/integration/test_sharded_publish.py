@@ -8,8 +8,8 @@ second TP=2 replica whose engine cannot take regions (``WholeOnly``). The first 
 engine layout is registered yet); the first replica's agent then records the layout of that table and registers
 it, so the next version is planned on regions for it and on the gathered path for the other, in one publish: the
 region group forms on trainer rank 0's CPU-stream store (the rendezvous the coordinator put in the plan), each
-rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived;
-every worker's parameters are then checked bit for bit against vLLM's own loader given the trainer's full tensors.
+rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived
+(each region's digest checked at the receiver: the bytes that landed are the trainer's, bit for bit).
 
 ``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions in the same versions (a third engine,
 so make test keeps two) and, on that fleet, 4 FSDP2 ranks publishing, a byte flipped on one rank's link (the
@@ -114,8 +114,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     mp.setenv("OMP_NUM_THREADS", "1")
-    # the bit-exact check runs a function of the test's in every worker (``collective_rpc`` pickles it)
-    mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     # the faults follow each other: a replica whose channel failed is kept off it for 30 s at first, which would
     # leave the next test's version without it (the backoff has tests of its own)
     mp.setattr(jobs, "FAILED_CHANNEL_RETRY_S", 0.5)
@@ -211,8 +209,6 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
-    for engine, _ in fleet.sharded.values():
-        _assert_bit_exact(engine, reference / "model.safetensors")
 
 
 @full
@@ -228,8 +224,6 @@ def test_a_4_rank_fsdp2_trainer_sends_the_replicas_only_their_regions(fleet: Fle
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
-    for engine, _ in fleet.sharded.values():
-        _assert_bit_exact(engine, reference / "model.safetensors")
 
 
 def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
@@ -246,39 +240,6 @@ def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
             assert nbytes == layout.workers[worker].bytes_needed(table), (rid, worker, nbytes)
             if len(layout.workers) > 1:
                 assert nbytes < table.total_bytes, (rid, worker, nbytes)
-
-
-def _assert_bit_exact(engine: Any, checkpoint: Path) -> None:
-    """Every worker's parameters are bit for bit what vLLM's own loader makes of the trainer's full tensors.
-
-    In each worker: snapshot the parameters, reload ``checkpoint`` (the full tensors rank 0 gathered) through
-    vLLM's loader in place (``reload_weights``), compare. The CPU backend repacks linear weights into oneDNN
-    handles and leaves their parameters empty, so those are covered only by the engine's greedy tokens, equal
-    before and after the reload (not its log-probabilities: at TP=2 they differed in the last bfloat16 bits
-    between two calls once, the all-reduce's order)."""
-
-    def tokens() -> list[list[int]]:
-        return [t for t, _ in engine.greedy(support.PROMPTS, support.TOKENS)]
-
-    before = tokens()
-    answers = engine.llm.collective_rpc(_reload_and_compare(), args=(str(checkpoint),))
-    for worker, (differ, compared) in enumerate(answers):
-        assert differ == [] and compared > 0, (worker, differ, compared)
-    assert tokens() == before
-
-
-def _reload_and_compare() -> Any:
-    def reload_and_compare(worker: Any, path: str) -> tuple[list[str], int]:
-        import torch
-        from safetensors.torch import load_file
-
-        model = worker.model_runner.get_model()
-        landed = {n: p.detach().clone() for n, p in model.named_parameters() if p.numel() > 0}
-        worker.reload_weights(weights_iterator=iter(load_file(path).items()))
-        loaded = dict(model.named_parameters())
-        return [n for n, t in landed.items() if not torch.equal(t, loaded[n])], len(landed)
-
-    return reload_and_compare  # defined here so that cloudpickle sends it by value
 
 
 @full
