@@ -8,7 +8,9 @@ before each publish, writes the gathered weights it publishes to ``--out/referen
 model.safetensors: what the replica must generate like). Rank 0 writes its reports to ``--out/rank0.json``.
 
 ``--flip R``: rank R's region sends corrupt the first byte of their first message on the way (the wire is
-wrapped, as in ``region_ranks``: a flipped bit that TCP lets through cannot be caused for real).
+wrapped, as in ``region_ranks``: a flipped bit that TCP lets through cannot be caused for real). ``--die R``: rank
+R kills itself (SIGKILL) once its first region message (of 4 KiB) has left, inside its sends to the first replica.
+A publish that raises on rank 0 is written to its reports as ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,14 @@ class Flipping:
             tensors = [tensors[0].clone()]
             tensors[0][0] ^= 0x10
         return self.pg.send(tensors, dst, tag)
+
+
+class Dying(Flipping):
+    """A region group as one rank sees it: the rank's process is killed once its first send has left."""
+
+    def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
+        self.pg.send(tensors, dst, tag).wait()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -60,6 +71,7 @@ def main() -> None:
     p.add_argument("--host", required=True)
     p.add_argument("--steps", type=int, nargs="+", required=True)
     p.add_argument("--flip", type=int, default=-1)
+    p.add_argument("--die", type=int, default=-1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -68,6 +80,10 @@ def main() -> None:
     if rank == args.flip:
         send = regions.send
         regions.send = lambda pg, *a, **kw: send(Flipping(pg), *a, **kw)  # type: ignore[assignment]
+    if rank == args.die:
+        send = regions.send
+        # in buckets of 4 KiB, so that the rank dies inside its sends to the first replica, not between replicas
+        regions.send = lambda pg, *a, **kw: send(Dying(pg), *a, **{**kw, "bucket": 4096})  # type: ignore[assignment]
     torch.manual_seed(0)
     model = support.hf_trainer(Path(args.model), seed=0, steps=0)
     layout_ranks._shard(model, "fsdp", world)
@@ -102,7 +118,13 @@ def main() -> None:
             folder.mkdir(parents=True)
             save_file(full, str(folder / "model.safetensors"))
             shutil.copy(Path(args.model, "config.json"), folder / "config.json")
-        report = publisher.publish(step)
+        try:
+            report = publisher.publish(step)
+        except Exception as e:
+            if args.die < 0:
+                raise
+            published.append({"error": f"{type(e).__name__}: {e}"})
+            break
         if report is not None:
             published.append(report.to_json())
     publisher.close()

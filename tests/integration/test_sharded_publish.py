@@ -8,8 +8,13 @@ second TP=2 replica whose engine cannot take regions (``WholeOnly``). The first 
 engine layout is registered yet); the first replica's agent then records the layout of that table and registers
 it, so the next version is planned on regions for it and on the gathered path for the other, in one publish: the
 region group forms on trainer rank 0's CPU-stream store (the rendezvous the coordinator put in the plan), each
-rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived.
-A byte flipped on one rank's link fails the version, naming the tensor and the rank.
+rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived
+(each region's digest checked at the receiver: the bytes that landed are the trainer's, bit for bit).
+
+``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions in the same versions (a third engine,
+so make test keeps two) and, on that fleet, 4 FSDP2 ranks publishing, a byte flipped on one rank's link (the
+version fails naming the tensor and the rank) and a rank killed mid-send (the version fails, every replica stays
+that takes regions stays on its previous version).
 """
 
 from __future__ import annotations
@@ -35,12 +40,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from tests import netns, pki, support
 
 pytestmark = pytest.mark.integration
+ALL = os.environ.get("WEIGHTSYNC_SHARDED") == "all"
 full = pytest.mark.skipif(
-    os.environ.get("WEIGHTSYNC_SHARDED") != "all",
-    reason="make sharded (WEIGHTSYNC_SHARDED=all); make test publishes regions to the TP=2 replica",
+    not ALL, reason="make sharded (WEIGHTSYNC_SHARDED=all); make test publishes regions to the TP=2 replica"
 )
 ROOT = Path(__file__).resolve().parents[2]
 JOB, REPLICA, WHOLE, TOKEN = "job", "replica-tp2", "replica-whole", "sharded-publish-token"
+TP1 = "replica-tp1"
+"""``make sharded`` only: a TP=1 replica taking regions too (a third engine; make test keeps two)."""
+RANKS = 4 if ALL else 2
+"""Hosts for trainer ranks: ``make sharded`` also publishes from 4 FSDP2 ranks."""
 TIMEOUT_S = 60.0
 
 
@@ -51,6 +60,8 @@ class Fleet:
     ca: Path
     engine: Any
     agent: Any
+    sharded: dict[str, tuple[Any, Any]]
+    """Every replica that takes regions: id -> (engine, agent); the TP=2 one, and the TP=1 one in make sharded."""
     whole_engine: Any
     """The replica that cannot take regions (``WholeOnly``): it gets the gathered path in the same versions."""
     whole_agent: Any
@@ -90,7 +101,7 @@ def _mint(folder: Path, address: str) -> None:
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     from prometheus_client import CollectorRegistry
 
-    from weightsync.coordinator import server
+    from weightsync.coordinator import jobs, server
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.coordinator.tls import ServerTls, TlsConfig
     from weightsync.vocabulary import Channel
@@ -103,14 +114,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     mp.setenv("OMP_NUM_THREADS", "1")
-    with netns.Hosts(["rank-0", "rank-1"]) as hosts:
+    # the faults follow each other: a replica whose channel failed is kept off it for 30 s at first, which would
+    # leave the next test's version without it (the backoff has tests of its own)
+    mp.setattr(jobs, "FAILED_CHANNEL_RETRY_S", 0.5)
+    with netns.Hosts([f"rank-{r}" for r in range(RANKS)]) as hosts:
         _mint(work, hosts.bridge_address)
         tls = ServerTls(str(work / "server.crt"), str(work / "server.key"))
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
-        engines = [OfflineEngine(support.tiny_model(), Channel.CPU, tensor_parallel_size=2) for _ in range(2)]
+        sizes = (2, 2, 1) if ALL else (2, 2)
+        engines = [OfflineEngine(support.tiny_model(), Channel.CPU, tensor_parallel_size=tp) for tp in sizes]
+        replicas: list[tuple[str, Any]] = [(REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))]
+        replicas += [(TP1, engines[2])] if ALL else []
         agents, threads = [], []
-        for rid, control in ((REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))):
+        for rid, control in replicas:
             client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
             config = AgentConfig(JOB, rid, (Channel.CPU,), host=f"node-{rid}", update_timeout_s=TIMEOUT_S)
             agents.append(Agent(control, client, config))
@@ -120,7 +137,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             deadline = time.monotonic() + 60
             while not all(_registered(a.client) for a in agents) and time.monotonic() < deadline:
                 time.sleep(0.1)  # each watches from its registration on
-            yield Fleet(hosts, coordinator.target, work / "ca.crt", engines[0], agents[0], engines[1], agents[1], work)
+            sharded = {rid: (e, a) for (rid, e), a in zip(replicas, agents, strict=True) if rid != WHOLE}
+            yield Fleet(
+                hosts, coordinator.target, work / "ca.crt", engines[0], agents[0], sharded, engines[1], agents[1], work
+            )
         finally:
             for agent in agents:
                 agent.stop()
@@ -141,21 +161,25 @@ def _registered(client: Any) -> bool:
         return False
 
 
-def _publish(fleet: Fleet, name: str, steps: list[int], *extra: str) -> list[dict[str, Any]]:
-    """Run the 2 trainer ranks, each on its host, publishing ``steps``; rank 0's reports."""
+def _publish(
+    fleet: Fleet, name: str, steps: list[int], *extra: str, ranks: int = 2, codes: dict[int, int] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``ranks`` trainer ranks, each on its host, publishing ``steps``; rank 0's reports. ``codes``: the exit
+    status of a rank that does not exit 0 (a killed rank: minus its signal)."""
     out = fleet.work / name
     out.mkdir()
     port = _free_port()
     procs = []
-    for rank in (0, 1):
+    for rank in range(ranks):
         cmd = [sys.executable, "-m", "tests.integration.sharded_publish_ranks", "--coordinator", fleet.target]
         cmd += ["--ca", str(fleet.ca), "--model", str(support.tiny_model()), "--port", str(port)]
         cmd += ["--master", fleet.hosts.address("rank-0"), "--host", fleet.hosts.address(f"rank-{rank}")]
         cmd += ["--steps", *map(str, steps), "--timeout", str(TIMEOUT_S), "--out", str(out), *extra]
-        env = {**support.env_without_proxies(), "RANK": str(rank), "WORLD_SIZE": "2", "WEIGHTSYNC_TOKEN": TOKEN}
+        env = {**support.env_without_proxies(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "WEIGHTSYNC_TOKEN": TOKEN}
         procs.append(fleet.hosts.popen(f"rank-{rank}", cmd, cwd=ROOT, env=env))
     try:
-        assert [p.wait(timeout=600) for p in procs] == [0, 0]
+        expected = [(codes or {}).get(r, 0) for r in range(ranks)]
+        assert [p.wait(timeout=600) for p in procs] == expected
     except subprocess.TimeoutExpired:
         pytest.fail(f"the trainer ranks did not finish publishing {steps} within 600s")
     finally:
@@ -169,9 +193,10 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
     import transformers
 
     first, second = _publish(fleet, "run", [1, 2])
-    assert first["state"] == "READY" and first["channels"] == {REPLICA: "cpu", WHOLE: "cpu"}, first
+    channels = {rid: "cpu" for rid in (WHOLE, *fleet.sharded)}
+    assert first["state"] == "READY" and first["channels"] == channels, first
     assert "regions" not in first["seconds"], "no engine layout was registered yet: the first version goes whole"
-    assert second["state"] == "READY" and second["channels"] == {REPLICA: "cpu", WHOLE: "cpu"}, second
+    assert second["state"] == "READY" and second["channels"] == channels, second
     assert "regions" in second["seconds"] and "stream" in second["seconds"] and second["failed"] == {}, second
     # the replica that cannot take regions got the same version the gathered way, in the same publish
     assert fleet.whole_agent.engine_layout is None and fleet.whole_agent.last_regions is None
@@ -179,19 +204,42 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
         ("assign", first["version"], "ok"),
         ("assign", second["version"], "ok"),
     ]
+    _assert_received_only_their_regions(fleet, second["version"])
+    reference = fleet.work / "run" / "reference-2"
+    trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
+        support.assert_generates_like(engine, trained)
 
-    received = fleet.agent.last_regions
-    assert received is not None and received.version == second["version"]
-    table = fleet.engine.last_table()  # the table the first version brought in band
-    assert table is not None
-    layout = fleet.engine.engine_layout(table)
-    for worker, nbytes in received.nbytes.items():
-        assert nbytes == layout.workers[worker].bytes_needed(table) < table.total_bytes, (worker, nbytes)
-    assert sorted(received.nbytes) == [0, 1]
 
-    trained = transformers.AutoModelForCausalLM.from_pretrained(fleet.work / "run" / "reference-2", dtype=torch.float32)
-    support.assert_generates_like(fleet.engine, trained)
-    support.assert_generates_like(fleet.whole_engine, trained)
+@full
+def test_a_4_rank_fsdp2_trainer_sends_the_replicas_only_their_regions(fleet: Fleet) -> None:
+    import transformers
+
+    # a version reaches the replicas whole first when they have registered no layout yet (this test run alone)
+    steps = [5] if fleet.agent.engine_layout is not None else [4, 5]
+    report = _publish(fleet, "four", steps, ranks=4)[-1]
+    assert report["state"] == "READY" and "regions" in report["seconds"] and report["failed"] == {}, report
+    _assert_received_only_their_regions(fleet, report["version"])
+    reference = fleet.work / "four" / f"reference-{steps[-1]}"
+    trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
+        support.assert_generates_like(engine, trained)
+
+
+def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
+    """Each worker of each region-taking replica received exactly the bytes its layout needs of ``version``: less
+    than the table at TP=2, every region of its layout (the table's bytes, less what vLLM never reads) at TP=1."""
+    for rid, (engine, agent) in fleet.sharded.items():
+        received = agent.last_regions
+        assert received is not None and received.version == version, (rid, received)
+        table = engine.last_table()  # the table the first version brought in band
+        assert table is not None
+        layout = engine.engine_layout(table)
+        assert sorted(received.nbytes) == list(range(len(layout.workers))), (rid, received.nbytes)
+        for worker, nbytes in received.nbytes.items():
+            assert nbytes == layout.workers[worker].bytes_needed(table), (rid, worker, nbytes)
+            if len(layout.workers) > 1:
+                assert nbytes < table.total_bytes, (rid, worker, nbytes)
 
 
 @full
@@ -202,3 +250,22 @@ def test_a_byte_flipped_on_one_ranks_link_fails_the_version_naming_tensor_and_ra
     assert "regions" in report["seconds"] and report["state"] == "FAILED", report
     assert "from trainer rank 1 arrived with digest" in report["reason"], report["reason"]
     assert "of tensor '" in report["reason"], report["reason"]
+
+
+@full
+def test_a_rank_that_dies_mid_send_fails_the_version_and_leaves_the_region_replicas_on_their_previous_one(
+    fleet: Fleet,
+) -> None:
+    # the region replicas: the gathered one is not asserted, its in-place load can finish before the death is known
+    engines = {rid: e for rid, (e, _) in fleet.sharded.items()}
+    if fleet.agent.engine_layout is None:  # this test run alone: a first version registers the layouts
+        assert _publish(fleet, "before", [6])[-1]["state"] == "READY"
+    previous = {rid: e.weight_version() for rid, e in engines.items()}
+    results = _publish(fleet, "die", [7], "--die", "1", codes={1: -9})
+    assert len(results) == 1, results
+    result = results[0]
+    assert result.get("state", "FAILED") == "FAILED", result
+    assert {rid: e.weight_version() for rid, e in engines.items()} == previous
+    # Not asserted yet: that the fleet takes the next version. The replicas whose update failed count as torn and,
+    # with no durable version to recover from in this fleet, stay paused; and after a worker failed inside a
+    # collective_rpc, the offline engine's next calls can answer for the failed one (docs/sharded.md, what is left).
