@@ -259,7 +259,7 @@ class Agent:
         self._joined[plan.channel] = rdv
 
     def _assign(self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary) -> None:
-        part = _regions_part(plan)
+        part = plan.regions_part()
         if part is not None:
             self._assign_regions(a, plan, table, part)
             return
@@ -572,16 +572,6 @@ def regions_received(
         raise IntegrityError(f"the workers received {got} bytes; their regions hold {dict(need)}")
     digests = {int(w["worker"]): list(w["digests"]) for w in answers}
     return RegionsReceived(version, got, regions.combine(part.regions, digests, regions.worker_of))
-
-
-def _regions_part(plan: models.ChannelPlan) -> ReplicaPlan | None:
-    """This replica's regions when its plan sends it regions (on a live channel), else None (the gathered path)."""
-    if plan.transfer is None or plan.channel is Channel.VOLUME:
-        return None
-    for rp in plan.transfer.replicas:
-        if rp.replica_id == plan.replica_id and rp.sharded:
-            return rp
-    return None
 
 
 def why_volume(version: int) -> str:

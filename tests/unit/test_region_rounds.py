@@ -24,7 +24,7 @@ from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
-from weightsync_inference.agent import _regions_part, regions_received
+from weightsync_inference.agent import regions_received
 from weightsync_trainer import region_sends
 from weightsync_trainer.region_sends import Round, _account
 
@@ -84,8 +84,8 @@ def test_rank_0_combines_every_ranks_digests_in_plan_order_and_names_a_rank_that
 def test_an_agent_acks_its_workers_combined_digest_only_when_each_received_exactly_its_regions() -> None:
     opened = _opened()
     plan = next(p for p in opened.plans if p.replica_id == "r-regions")
-    part = _regions_part(plan)
-    assert part is not None and _regions_part(next(p for p in opened.plans if p.replica_id == "r-whole")) is None
+    part = plan.regions_part()
+    assert part is not None and next(p for p in opened.plans if p.replica_id == "r-whole").regions_part() is None
     answers = [
         {
             "worker": w,

@@ -348,9 +348,8 @@ class Publisher:
         version, plan = opened.version, opened.opened
         # the replicas the plan sends regions join their region groups, not the CPU stream's
         sharded = region_sends.targets(plan)
-        gathered = dataclasses.replace(
-            plan, plans=tuple(p for p in plan.plans if p.replica_id not in {t.replica_id for t in sharded})
-        )
+        sent_regions = {t.replica_id for t in sharded}
+        gathered = dataclasses.replace(plan, plans=tuple(p for p in plan.plans if p.replica_id not in sent_regions))
         receivers = {ch: sorted(gathered.receivers(ch)) for ch in self.senders}
         keep = self.volume is not None and self.sharded is None  # a sharded copy snapshots each rank's own shards
         # nobody gathers when every replica takes regions and no gathered copy is kept

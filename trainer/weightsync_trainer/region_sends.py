@@ -106,14 +106,7 @@ class Round:
 
 def targets(opened: models.OpenedVersion) -> tuple[Target, ...]:
     """The replicas ``opened`` plans on regions, in plan order, each with its region group's rendezvous."""
-    out = []
-    for p in opened.plans:
-        if p.transfer is None:
-            continue
-        for rp in p.transfer.replicas:
-            if rp.replica_id == p.replica_id and rp.sharded:
-                out.append(Target(p.replica_id, p.rendezvous, rp.regions))
-    return tuple(out)
+    return tuple(Target(p.replica_id, p.rendezvous, part.regions) for p in opened.plans if (part := p.regions_part()))
 
 
 @dataclass(frozen=True)

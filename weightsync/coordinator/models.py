@@ -150,6 +150,13 @@ class ChannelPlan:
     """The replica's part of the transfer plan (its regions, or why it takes the gathered path); None: the trainer
     registered no layout, so every replica takes the gathered path."""
 
+    def regions_part(self) -> transfer_plans.ReplicaPlan | None:
+        """The replica's regions when this plan sends it regions (over a live channel), else None: the gathered
+        path. What the publisher sends, the agent receives and the coordinator checks the ack against."""
+        if self.transfer is None or self.channel not in LIVE_CHANNELS:
+            return None
+        return next((rp for rp in self.transfer.replicas if rp.replica_id == self.replica_id and rp.sharded), None)
+
 
 @dataclass(frozen=True)
 class OpenedVersion:

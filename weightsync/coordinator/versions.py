@@ -331,9 +331,7 @@ def _sent_regions(rec: VersionRecord, rid: str) -> bool:
     """Whether ``rid`` is planned on the sharded path (its live plan's part has regions): its digest is over the
     regions its workers received, in plan order, which no other replica's is comparable with."""
     planned = rec.plans.get(rid)
-    if planned is None or planned.channel not in LIVE_CHANNELS or planned.transfer is None:
-        return False
-    return any(r.replica_id == rid and r.sharded for r in planned.transfer.replicas)
+    return planned is not None and planned.regions_part() is not None
 
 
 def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
