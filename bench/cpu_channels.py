@@ -44,13 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def _raw_gloo_receiver(rendezvous: str, nbytes: int, reps: int) -> None:
     from weightsync.channels import wire
     from weightsync.channels.base import Rendezvous
-    from weightsync.channels.cpu import _Group
+    from weightsync.channels.cpu import GlooGroup
     from weightsync.vocabulary import Channel
 
     rdv = Rendezvous.from_dict(json.loads(rendezvous))
     assert rdv.endpoint is not None
     store = wire.join_store(rdv.endpoint, rdv.join_timeout_s, rdv.timeout_s, Channel.CPU)
-    group = _Group(store, "127.0.0.1", rdv, 1)
+    group = GlooGroup(store, "127.0.0.1", rdv, 1)
     group.connect()
     buf = torch.empty(nbytes, dtype=torch.uint8)
     for _ in range(reps + 1):
@@ -61,13 +61,13 @@ def raw_gloo(nbytes: int, reps: int) -> list[float]:
     """One flat gloo broadcast between two processes: the CPU stream's own group class, nothing of the channel."""
     from weightsync.channels import wire
     from weightsync.channels.base import Endpoint, Rendezvous
-    from weightsync.channels.cpu import _Group
+    from weightsync.channels.cpu import GlooGroup
     from weightsync.vocabulary import Channel
 
     store = wire.serve_store("127.0.0.1", 0, 120)
     endpoint = Endpoint("127.0.0.1", int(store.port))
     rdv = Rendezvous(Channel.CPU, endpoint, "raw", secrets.token_hex(16), 1, rank=1, world_size=2, timeout_s=120)
-    group = _Group(store, "127.0.0.1", rdv, 0)
+    group = GlooGroup(store, "127.0.0.1", rdv, 0)
     proc = subprocess.Popen(
         [sys.executable, __file__, "--raw-receiver", json.dumps(rdv.to_dict()), str(nbytes), str(reps)]
     )

@@ -19,15 +19,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from weightsync.channels import regions, wire
+from weightsync.channels import cpu, regions
 from weightsync.channels.base import Rendezvous
-from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
 from weightsync.errors import PermanentError
 from weightsync.sharding import plans
 from weightsync.sharding.fills import WorkerLayout
 from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
-from weightsync.vocabulary import Channel
 from weightsync_inference.landing import Landing
 
 
@@ -40,11 +38,7 @@ def receive(
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
     model = engine.updater.model  # the engine's own adapter: what it fixed up once (MoE prepacking) stays once
     model.check(table)  # refuses a table the model would not load, having changed nothing
-    endpoint = rendezvous.endpoint
-    if endpoint is None:
-        raise PermanentError("the region group's rendezvous names no endpoint")
-    store = wire.join_store(endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.CPU)
-    group = Group(store, wire.local_address_for(endpoint), rendezvous, rendezvous.rank + worker)
+    group = cpu.member(rendezvous, rendezvous.rank + worker)  # the CPU stream's group formation: bounded, bound
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:

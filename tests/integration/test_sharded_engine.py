@@ -22,7 +22,7 @@ import pytest
 from tests import support
 from weightsync.channels import regions, wire
 from weightsync.channels.base import Endpoint, Rendezvous
-from weightsync.channels.cpu import _Group
+from weightsync.channels.cpu import GlooGroup
 from weightsync.sharding.plans import Member, plan
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.vocabulary import Channel
@@ -75,7 +75,7 @@ def test_a_tp2_engine_takes_only_its_regions_from_two_ranks_and_generates_like_t
 
         def rank(r: int) -> None:
             try:
-                group = _Group(wire.own_connection(store), "127.0.0.1", rdv, r)
+                group = GlooGroup(wire.own_connection(store), "127.0.0.1", rdv, r)
                 group.connect()
                 local = [
                     None if (b := trainer.shard(t, r)) is None else full[t][_slices(b)].clone()

@@ -38,15 +38,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from weightsync.channels import exchanges, regions, wire
+from weightsync.channels import cpu, exchanges, regions, wire
 from weightsync.channels.base import Rendezvous
-from weightsync.channels.cpu import _Group as Group  # the CPU stream's group formation (bounded, bound)
 from weightsync.coordinator import models
 from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
 from weightsync.sharding import plans
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
-from weightsync.vocabulary import Channel
 from weightsync_trainer.layouts import local_shards
 from weightsync_trainer.sources import ModuleSource
 
@@ -171,10 +169,7 @@ class RegionSends:
         ours = [g for g in t.regions if g.rank == self.rank]
         rdv = t.rendezvous
         try:
-            if rdv.endpoint is None:
-                raise PermanentError(f"replica {t.replica_id}'s region group names no endpoint")
-            store = wire.join_store(rdv.endpoint, rdv.join_timeout_s, rdv.timeout_s, Channel.CPU)
-            group = Group(store, wire.local_address_for(rdv.endpoint), rdv, self.rank)
+            group = cpu.member(rdv, self.rank)  # the CPU stream's group formation: bounded, bound
             try:
                 group.connect()
                 tally = regions.send(group.pg, self.layout, self.rank, local, ours)

@@ -99,7 +99,7 @@ def _span(bucket: list[tuple[TensorSpec, ...]]) -> tuple[int, int]:
     return bucket[0][0].offset, align(bucket[-1][-1].end)
 
 
-class _Group:
+class GlooGroup:
     """One membership's gloo process group, on the sender's store under the membership's secret prefix."""
 
     def __init__(self, store: Any, bind: str, rendezvous: Rendezvous, rank: int) -> None:
@@ -164,6 +164,15 @@ class _Group:
             del pg
 
 
+def member(rendezvous: Rendezvous, rank: int) -> GlooGroup:
+    """Group rank ``rank``'s side of ``rendezvous`` (a receiver, a trainer rank of a region group), not formed yet
+    (``connect``): on the store at its endpoint, bound to this host's address on the route there."""
+    if rendezvous.endpoint is None:
+        raise PermanentError(f"cpu channel: the rendezvous of group {rendezvous.group!r} names no endpoint")
+    store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.CPU)
+    return GlooGroup(store, wire.local_address_for(rendezvous.endpoint), rendezvous, rank)
+
+
 class CpuSender(Sender):
     """Rank 0 of one group per planned replica; see the module docstring."""
 
@@ -175,9 +184,9 @@ class CpuSender(Sender):
         self.host, self.timeout_s, self.bucket_bytes = host, timeout_s, bucket_bytes
         self._store = wire.serve_store(host, port, timeout_s)
         self.port = int(self._store.port)
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, GlooGroup] = {}
         """Formed groups by replica id."""
-        self._forming: dict[str, tuple[threading.Thread, _Group]] = {}
+        self._forming: dict[str, tuple[threading.Thread, GlooGroup]] = {}
         self._members: dict[str, Rendezvous] = {}
         self.failed: dict[str, str] = {}
         """Receivers lost during this version's ``send`` (replica id -> why)."""
@@ -200,7 +209,7 @@ class CpuSender(Sender):
         for rid, rdv in receivers.items():
             if rid in self.groups or rid in self._forming:
                 continue
-            group = _Group(wire.own_connection(self._store), self.host, rdv.with_timeout(self.timeout_s), 0)
+            group = GlooGroup(wire.own_connection(self._store), self.host, rdv.with_timeout(self.timeout_s), 0)
             # a daemon: a trainer that exits must not wait out the formation of a group whose receiver never came
             thread = threading.Thread(target=self._form, args=(group,), name=f"weightsync-cpu-{rdv.group}", daemon=True)
             self._members[rid] = rdv
@@ -208,7 +217,7 @@ class CpuSender(Sender):
             thread.start()
 
     @staticmethod
-    def _form(group: _Group) -> None:
+    def _form(group: GlooGroup) -> None:
         with contextlib.suppress(TransferTimeoutError):  # ``_settle`` tells it: the group has no process group
             group.connect()
 
@@ -379,9 +388,7 @@ class CpuReceiver(Receiver):
     needs = ("endpoint", "group", "secret", "generation", "world_size", "rank")
 
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
-        assert rendezvous.endpoint is not None
-        store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.CPU)
-        self._group = _Group(store, wire.local_address_for(rendezvous.endpoint), rendezvous, rank)
+        self._group = member(rendezvous, rank)
         self._group.connect()
 
     @classmethod
