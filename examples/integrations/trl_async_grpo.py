@@ -77,7 +77,8 @@ def main() -> None:
         output_dir=task.scratch_dir("trl-async-grpo-"),
         vllm_server_base_url=weightsync_trl.endpoint(),
         max_steps=args.steps,
-        per_device_train_batch_size=32,  # 4 groups of 8 buffered a step; TRL's token budget trains on about 15
+        per_device_train_batch_size=32,  # 4 prompts x 8 completions per step
+        token_budget=0,  # exactly those 32: TRL's default budget (the server's max_model_len) would pack about 15
         num_generations=8,
         max_completion_length=8,
         max_staleness=1,  # samples from the weights of this step or the one before; older ones are dropped
