@@ -171,8 +171,10 @@ def test_vllms_trainer_factory_builds_weightsync_by_name_and_its_versions_reach_
 
 def _verl_python() -> str:
     """A virtualenv with weightsync[trainer,verl] (editable, from this tree) and the pins above, cached per
-    pyproject.toml; packages are hard links into uv's cache, so a second one costs no copy of torch."""
-    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    pyproject.toml and tree; packages are hard links into uv's cache, so a second one costs no copy of torch."""
+    # keyed by this tree's path too: the install is editable, so a virtualenv made from another checkout (a removed
+    # worktree) would import that checkout's code, or nothing
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + str(ROOT).encode()).hexdigest()[:12]
     root = CACHE / f"verl-{key}"
     CACHE.mkdir(parents=True, exist_ok=True)
     with _locked(CACHE / f"verl-{key}.lock"):
