@@ -40,6 +40,7 @@ class TargetTokensEnv(BaseEnv):  # type: ignore[misc]
             total_steps=int(os.environ.get("ATROPOS_TOTAL_STEPS", "12")),
             steps_per_eval=10**9,
             max_num_workers_per_node=4,
+            max_batches_offpolicy=1,  # one batch queued ahead: samples lag the trainer by about a version, not three
             ensure_scores_are_not_same=False,
             include_messages=False,
         )

@@ -4,7 +4,8 @@
 optimizer step of ``example_trainer``) and publishes the initial weights, then one version per
 step; the batches' ``overrides`` say which weights generated each sample.
 
-    weightsync run -- python examples/integrations/atropos_trainer.py --start-api-and-env
+    weightsync run -- python examples/integrations/atropos_trainer.py --start-api-and-env            # reward rises
+    weightsync run -- python examples/integrations/atropos_trainer.py --start-api-and-env --no-sync  # stays flat
 
 starts Atropos's trajectory API (``run-api``) and ``atropos_env.py`` beside the trainer; in a
 cluster they run where you run them and ``--atropos-url`` names the API.
@@ -51,7 +52,7 @@ def main() -> None:
     try:
         config = TrainingConfig(
             model_name=str(task.model_dir()),
-            lr=2e-3,
+            lr=5e-3,
             training_steps=args.steps,
             batch_size=32,  # 4 groups of 8 completions per step, one micro-batch
             gradient_accumulation_steps=1,

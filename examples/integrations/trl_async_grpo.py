@@ -6,7 +6,8 @@ endpoint (the weightsync proxy forwards ``/v1/completions``, ``/health`` and ``/
 so samples and reward functions see which weights generated them (logged per step as
 ``weightsync/version_min`` and ``weightsync/version_max``).
 
-    weightsync run -- python examples/integrations/trl_async_grpo.py
+    weightsync run -- python examples/integrations/trl_async_grpo.py            # reward rises from ~0.13
+    weightsync run -- python examples/integrations/trl_async_grpo.py --no-sync  # stays flat: the initial policy serves
 
 TRL's rollout worker names the model by the trainer's model path: the replicas must serve the
 same name (``weightsync run`` serves ``$WEIGHTSYNC_MODEL``; in a cluster, ``--served-model-name``).
@@ -57,7 +58,7 @@ def main() -> None:
     from weightsync_trainer.integrations import trl as weightsync_trl
 
     try:
-        transfer = weightsync_trl.WeightTransfer()
+        transfer = weightsync_trl.WeightTransfer(publish=not args.no_sync)
     except frameworks.UnsupportedFramework as e:
         task.fail_clearly(e)
     import torch
@@ -76,10 +77,13 @@ def main() -> None:
         output_dir=task.scratch_dir("trl-async-grpo-"),
         vllm_server_base_url=weightsync_trl.endpoint(),
         max_steps=args.steps,
+        per_device_train_batch_size=32,  # 4 prompts x 8 completions per step
+        token_budget=0,  # exactly those 32: TRL's default budget (the server's max_model_len) would pack about 15
         num_generations=8,
         max_completion_length=8,
+        max_staleness=1,  # samples from the weights of this step or the one before; older ones are dropped
         temperature=1.0,
-        learning_rate=3e-3,
+        learning_rate=5e-3,
         lr_scheduler_type="constant",
         logging_steps=1,
         save_strategy="no",

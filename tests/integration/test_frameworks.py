@@ -10,9 +10,9 @@ transformers' on the saved final state), and the reward rises only with syncing 
 ``make test`` runs the representative set, TRL's GRPOTrainer and Atropos, on the smallest fleet
 that crosses hosts (one replica; CI's 2 cores pay for every vLLM server). ``make frameworks``
 (``WEIGHTSYNC_FRAMEWORKS=all``) runs every test on two replicas on two channels: those two, vLLM's
-factory, the rise-vs-flat comparison, AsyncGRPOTrainer, and verl, which lives in a virtualenv of
-its own (verl 0.9.1 pins transformers below what vLLM 0.32 needs), where also a framework outside
-its range is refused.
+factory, AsyncGRPOTrainer, the rise-vs-flat comparison for both TRL trainers and Atropos, and verl,
+which lives in a virtualenv of its own (verl 0.9.1 pins transformers below what vLLM 0.32 needs),
+where also a framework outside its range is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def _quarters(rewards: list[float]) -> tuple[float, float]:
     return statistics.fmean(rewards[:q]), statistics.fmean(rewards[-q:])
 
 
+def _rises_only_with_sync(what: str, rising: list[float], flat: list[float]) -> None:
+    """The reward's last quarter is clearly above its first with syncing, and above the last quarter without; without,
+    it stays where it started (the thresholds every framework's comparison shares)."""
+    first, last = _quarters(rising)
+    flat_first, flat_last = _quarters(flat)
+    print(f"{what}: reward with sync {first:.3f} -> {last:.3f}; without {flat_first:.3f} -> {flat_last:.3f}")
+    assert last > first + 0.15 and last > flat_last + 0.15, (rising, flat)
+    assert abs(flat_last - flat_first) < 0.1, flat
+
+
 # ---- TRL -------------------------------------------------------------------------------------------------------------
 
 
@@ -78,11 +88,7 @@ def test_trl_grpo_reward_rises_with_sync_and_stays_flat_without(fleet: Framework
         set(s["served"]) == {str(start)} and s["published"] is None and s["off_policy"] == 32 for s in flat["steps"]
     )
     rising, final = fleet.example("trl_grpo.py", name="trl-grpo-sync")
-    first, last = _quarters(rising["rewards"])
-    flat_first, flat_last = _quarters(flat["rewards"])
-    print(f"reward with sync {first:.3f} -> {last:.3f}; without {flat_first:.3f} -> {flat_last:.3f}")
-    assert last > first + 0.15 and last > flat_last + 0.15, (rising["rewards"], flat["rewards"])
-    assert abs(flat_last - flat_first) < 0.1, flat["rewards"]
+    _rises_only_with_sync("trl.GRPOTrainer", rising["rewards"], flat["rewards"])
     fleet.serves(final, rising["final_version"])
 
 
@@ -99,6 +105,18 @@ def test_trl_async_grpo_trainer_publishes_every_sync_and_logs_served_versions(fl
     fleet.serves(final, report["final_version"])
 
 
+@FULL
+def test_trl_async_grpo_reward_rises_with_sync_and_stays_flat_without(fleet: FrameworkFleet) -> None:
+    start = fleet.reset_weights()
+    flat, _ = fleet.example("trl_async_grpo.py", "--no-sync", name="trl-async-grpo-no-sync", timeout_s=2400)
+    assert not any(flat["published"]) and flat["final_version"] == 0, flat  # every sync drained, none published
+    assert set(flat["served_min"]) | set(flat["served_max"]) == {start}, flat  # every sample: the initial weights
+    rising, final = fleet.example("trl_async_grpo.py", name="trl-async-grpo-sync", timeout_s=2400)
+    assert all(rising["published"]), rising
+    _rises_only_with_sync("trl.AsyncGRPOTrainer", rising["rewards"], flat["rewards"])
+    fleet.serves(final, rising["final_version"])
+
+
 # ---- Atropos ---------------------------------------------------------------------------------------------------------
 
 
@@ -113,6 +131,25 @@ def test_atropos_trainer_publishes_instead_of_restarting_and_batches_carry_versi
         served = [int(v.split(",")[-1]) for v in r["served"]]
         assert r["served"] and all(served) and max(served) < r["version"], r
     fleet.serves(final, report["final_version"])
+
+
+@FULL
+def test_atropos_reward_rises_with_sync_and_stays_flat_without(fleet: FrameworkFleet) -> None:
+    steps = 16
+    start = fleet.reset_weights()
+    with fleet.atropos(steps) as url:
+        flat, _ = fleet.example(
+            "atropos_trainer.py", "--steps", str(steps), "--atropos-url", url, "--no-sync", name="atropos-no-sync"
+        )
+    # never published: every sample came from the initial weights, none provably from the trainer's current ones
+    assert all(r["version"] == 0 and set(r["served"]) == {str(start)} and r["off_policy"] == 32 for r in flat["steps"])
+    with fleet.atropos(steps) as url:
+        rising, final = fleet.example(
+            "atropos_trainer.py", "--steps", str(steps), "--atropos-url", url, name="atropos-sync"
+        )
+    assert all(r["version"] for r in rising["steps"]), rising["steps"]
+    _rises_only_with_sync("atropos", rising["rewards"], flat["rewards"])
+    fleet.serves(final, rising["final_version"])
 
 
 # ---- vLLM's trainer-side API -----------------------------------------------------------------------------------------
@@ -134,8 +171,10 @@ def test_vllms_trainer_factory_builds_weightsync_by_name_and_its_versions_reach_
 
 def _verl_python() -> str:
     """A virtualenv with weightsync[trainer,verl] (editable, from this tree) and the pins above, cached per
-    pyproject.toml; packages are hard links into uv's cache, so a second one costs no copy of torch."""
-    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    pyproject.toml and tree; packages are hard links into uv's cache, so a second one costs no copy of torch."""
+    # keyed by this tree's path too: the install is editable, so a virtualenv made from another checkout (a removed
+    # worktree) would import that checkout's code, or nothing
+    key = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + str(ROOT).encode()).hexdigest()[:12]
     root = CACHE / f"verl-{key}"
     CACHE.mkdir(parents=True, exist_ok=True)
     with _locked(CACHE / f"verl-{key}.lock"):

@@ -157,16 +157,29 @@ def test_a_declared_table_needs_no_first_pass_and_a_pass_is_consumed_once() -> N
         list(source.groups())
 
 
+def _taking(taken: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's pairs, each name appended to ``taken`` as it is taken (the framework's gather for it ran)."""
+    for name, t in _model_pairs():
+        taken.append(name)
+        yield name, t
+
+
 def test_a_stream_publisher_on_another_rank_only_drains() -> None:
     taken: list[str] = []
-
-    def pairs() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in _model_pairs():
-            taken.append(name)
-            yield name, t
-
-    assert streams.StreamPublisher(rank=1, env={}).publish(pairs(), step=0) is None
+    assert streams.StreamPublisher(rank=1, env={}).publish(_taking(taken), step=0) is None
     assert len(taken) == len(_model_pairs())
+
+
+def test_trls_weight_transfer_without_publishing_drains_each_sync_and_records_no_version() -> None:
+    from weightsync_trainer.integrations import trl as weightsync_trl
+
+    taken: list[str] = []
+    transfer = weightsync_trl.WeightTransfer(publish=False, env={})  # no coordinator: nothing may try to reach one
+    transfer.send_weights(_taking(taken))
+    transfer.send_weights(_taking(taken))
+    transfer.destroy()
+    assert transfer.versions == [0, 0] and transfer.last is None and transfer.stream.publisher is None
+    assert len(taken) == 2 * len(_model_pairs())  # TRL's gathers ran to the end on every sync
 
 
 # ---- served versions and completions ---------------------------------------------------------------------------------

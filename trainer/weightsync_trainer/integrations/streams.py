@@ -173,6 +173,13 @@ class StreamSource:
         return tensor.detach().to(device, self._wire(tensor.dtype))
 
 
+def drain(pairs: Pairs) -> None:
+    """Walk a framework's pairs without sending them: a rank that does not send still takes part in the gathers
+    (FSDP's ``full_tensor()``) that produce them."""
+    for _ in pairs:
+        pass
+
+
 class StreamPublisher:
     """One version per sync from a framework's pairs, through ``Publisher.from_env`` (the environment a trainer pod
     gets from the operator, or ``weightsync run`` locally).
@@ -198,8 +205,7 @@ class StreamPublisher:
 
     def publish(self, pairs: Pairs, step: int) -> PublishReport | None:
         if self.rank != 0:
-            for _ in pairs:
-                pass
+            drain(pairs)
             return None
         self.source.feed(pairs)
         if self.publisher is None:

@@ -60,15 +60,20 @@ class WeightTransfer:
     ``send_weights`` returns once the version is READY (every replica loaded and verified it) or failed; TRL then
     bumps its own version counter and resumes rollouts. ``pause`` and ``resume`` do nothing: each replica's agent
     pauses its own engine around the load (the job's pause mode), never the whole fleet from here. The publisher comes
-    from the environment the operator injects (``Publisher.from_env``), or ``env``.
+    from the environment the operator injects (``Publisher.from_env``), or ``env``. ``publish=False`` never syncs:
+    each sync drains TRL's pairs (its gathers) and the replicas keep their weights, the baseline an experiment compares
+    against.
     """
 
-    def __init__(self, *, env: Mapping[str, str] | None = None, wire_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self, *, publish: bool = True, env: Mapping[str, str] | None = None, wire_dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         frameworks.require("trl")
         self.stream = streams.StreamPublisher(streams.StreamSource(wire_dtype), env=env)
+        self.publish = publish
         self.syncs = 0
         self.versions: list[int] = []
-        """Per sync, the version it made READY (0 when it did not)."""
+        """Per sync, the version it made READY (0 when it did not, or did not publish)."""
 
     @property
     def last(self) -> PublishReport | None:
@@ -82,7 +87,11 @@ class WeightTransfer:
         """Replicas pause themselves around their load (the agent), never on the trainer's word."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        report = self.stream.publish(iterator, step=self.syncs)
+        report = None
+        if self.publish:
+            report = self.stream.publish(iterator, step=self.syncs)
+        else:
+            streams.drain(iterator)
         self.syncs += 1
         self.versions.append(report.version if report is not None and report.state.value == "READY" else 0)
 
