@@ -37,7 +37,8 @@ def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
 
 def through_kernel(module: Any, kernel: Any, dtype: torch.dtype) -> torch.Tensor:
     """The ``(out, in)`` weight a packed linear layer multiplies by, read through its kernel."""
-    width = int(module.input_size_per_partition)
+    # a row-parallel layer keeps a slice of the input; a replicated one (the router's gate) keeps all of it
+    width = int(getattr(module, "input_size_per_partition", None) or module.input_size)
     placeholder = module.weight  # the kernel ignores it: the packed weight is bound in ``cpu_linear``
     columns = []
     for start in range(0, width, ROWS):

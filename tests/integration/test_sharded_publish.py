@@ -208,9 +208,9 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
     _assert_received_only_their_regions(fleet, second["version"])
     reference = fleet.work / "run" / "reference-2"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    _assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
-    _assert_hold_what_vllms_loader_makes(fleet)
 
 
 @full
@@ -224,9 +224,9 @@ def test_a_4_rank_fsdp2_trainer_sends_the_replicas_only_their_regions(fleet: Fle
     _assert_received_only_their_regions(fleet, report["version"])
     reference = fleet.work / "four" / f"reference-{steps[-1]}"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    _assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
-    _assert_hold_what_vllms_loader_makes(fleet)
 
 
 def _assert_hold_what_vllms_loader_makes(fleet: Fleet) -> None:

@@ -12,13 +12,14 @@ from weightsync_inference import held
 pytestmark = pytest.mark.unit
 
 
-def _packed(weight: torch.Tensor) -> torch.nn.Module:
-    """A linear layer after vLLM's CPU post-processing: the weight in its kernel, the parameter left empty."""
+def _packed(weight: torch.Tensor, width: str = "input_size_per_partition") -> torch.nn.Module:
+    """A linear layer after vLLM's CPU post-processing: the weight in its kernel, the parameter left empty.
+    ``width``: where the layer says how wide its input is (a replicated layer, the MoE router's gate: input_size)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
-    layer.input_size_per_partition = weight.shape[1]
+    setattr(layer, width, weight.shape[1])
     dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
     assert layer.weight.numel() == 0, "the CPU backend keeps this weight: nothing to read back"
     return layer
@@ -37,6 +38,11 @@ def test_a_packed_linear_weight_reads_back_bit_for_bit(rows: int, columns: int, 
     weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(rows)).to(dtype)
     model = torch.nn.Sequential(_packed(weight))
     assert held.parameter_digests(model) == {"0.weight": digests.digest(weight)}
+
+
+def test_a_replicated_layer_reads_back_by_its_input_size() -> None:
+    weight = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert held.parameter_digests(_packed(weight, "input_size")) == {"weight": digests.digest(weight)}
 
 
 def test_one_changed_value_changes_the_digest() -> None:
