@@ -105,6 +105,11 @@ class OfflineEngine:
         )
         return answers
 
+    def parameter_digests(self) -> list[dict[str, str]]:
+        """Each worker's digests of the parameters it computes with (``held.parameter_digests``), in worker order."""
+        answers: list[dict[str, str]] = self.llm.collective_rpc("weightsync_parameter_digests")
+        return answers
+
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self.llm.collective_rpc("weightsync_stage", args=(json.dumps(update_info), str(nbytes)))
         return "; ".join(str(a.get("error", "")) for a in answers if not a.get("ok"))

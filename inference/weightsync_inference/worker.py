@@ -15,6 +15,8 @@ answer per worker:
   table travels in band: the agent records the layout against it);
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
   from every trainer rank and land them in its parameters (``sharded``);
+- ``weightsync_parameter_digests``: the digest of every parameter the worker computes with (``held``), to
+  compare two replicas of one layout bit for bit whichever path loaded them;
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
   worker's stage beside generation (``staging``), and how far it got. The stage RPC
   returns once its receive runs on a thread of its own: the engine's step loop, which
@@ -85,6 +87,13 @@ class WorkerExtension:
         receiver = self._weightsync_engine().updater.receiver
         table = receiver.table if receiver is not None else None
         return {"table": table.to_dict()} if table is not None else {}
+
+    def weightsync_parameter_digests(self) -> dict[str, str]:
+        """``name -> digest`` of every parameter this worker computes with (``held``: the CPU backend's packed
+        linear weights read back through their kernels), to compare replicas bit for bit."""
+        from weightsync_inference import held
+
+        return held.parameter_digests(self._weightsync_engine().model)
 
     def weightsync_receive_regions(self, request: str) -> dict[str, Any]:
         """``request``: JSON of ``sharded.request`` (the region group's rendezvous, the table, the replica's regions,

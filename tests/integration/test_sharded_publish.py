@@ -9,7 +9,8 @@ engine layout is registered yet); the first replica's agent then records the lay
 it, so the next version is planned on regions for it and on the gathered path for the other, in one publish: the
 region group forms on trainer rank 0's CPU-stream store (the rendezvous the coordinator put in the plan), each
 rank sends from its local shards, and the replica acks the combined digest its workers computed of what arrived
-(each region's digest checked at the receiver: the bytes that landed are the trainer's, bit for bit).
+(each region's digest checked at the receiver); each of its workers then holds, bit for bit, what the gathered
+replica's same worker holds (vLLM's own loader given the full tensors; ``held``, packed weights included).
 
 ``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions in the same versions (a third engine,
 so make test keeps two) and, on that fleet, 4 FSDP2 ranks publishing, a byte flipped on one rank's link (the
@@ -207,6 +208,7 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
     _assert_received_only_their_regions(fleet, second["version"])
     reference = fleet.work / "run" / "reference-2"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    _assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
 
@@ -222,8 +224,23 @@ def test_a_4_rank_fsdp2_trainer_sends_the_replicas_only_their_regions(fleet: Fle
     _assert_received_only_their_regions(fleet, report["version"])
     reference = fleet.work / "four" / f"reference-{steps[-1]}"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    _assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
+
+
+def _assert_hold_what_vllms_loader_makes(fleet: Fleet) -> None:
+    """Every worker of a TP=2 replica that took regions holds, bit for bit, what the same worker of the gathered
+    replica holds, which vLLM's own loader made of the trainer's full tensors: each parameter it computes with,
+    the linear weights the CPU backend packed into its kernels read back through them (``held``)."""
+    loaded = fleet.whole_engine.parameter_digests()
+    assert any(name.endswith("qkv_proj.weight") for name in loaded[0]), "the packed linear weights are compared"
+    for rid, (engine, _) in fleet.sharded.items():
+        landed = engine.parameter_digests()
+        if len(landed) == len(loaded):  # the TP=1 replica's workers hold other shapes: its tokens and digests stand
+            for worker, (mine, theirs) in enumerate(zip(landed, loaded, strict=True)):
+                differ = sorted(n for n in theirs if mine.get(n) != theirs[n])
+                assert differ == [] and mine.keys() == theirs.keys(), (rid, worker, differ)
 
 
 def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
