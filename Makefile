@@ -39,10 +39,10 @@ crds: venv  ## regenerate crds/ and the chart's CRD copy from weightsync/resourc
 proto: venv  ## regenerate the gRPC code in weightsync/coordinator/_proto from proto/
 	$(PY) -m weightsync.coordinator.codegen
 
-test: venv lint models e2e-tools  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane)
+test: venv lint models e2e-tools node-tools images  ## everything CI runs: lint, type checks, all test tiers (e2e on a real control plane, the images on its real node)
 	.venv/bin/weightsync crds --check
 	$(PY) -m weightsync.coordinator.codegen --check
-	WEIGHTSYNC_E2E=1 $(PY) -m pytest tests --durations=40
+	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=1 $(PY) -m pytest tests --durations=40
 
 e2e: venv e2e-tools  ## only the e2e tier (starts and stops the local control plane)
 	$(PY) -m pytest tests -m e2e
@@ -84,8 +84,8 @@ frameworks: venv models  ## every framework integration on a two-replica multi-h
 extras: venv  ## every component with only its own extra, in clean virtualenvs (trainer, inference: gigabytes)
 	WEIGHTSYNC_EXTRAS=all $(PY) -m pytest tests/integration/test_extras.py
 
-container-tests: venv models node-tools images  ## build the images, run each as a container and the chart + examples/rljob.yaml on a real node (not in make test: ~40 min cold)
-	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=1 $(PY) -m pytest -m "e2e or integration" \
+container-tests: venv models node-tools images  ## build the images, run each as a container and the chart + examples/rljob.yaml on a real node (make test runs all but the vLLM container's greedy completion)
+	WEIGHTSYNC_E2E=1 WEIGHTSYNC_IMAGES=all $(PY) -m pytest -m "e2e or integration" \
 		tests/integration/test_image_containers.py tests/e2e/test_containers.py
 
 containers: ## install podman, runc, containerd, the CNI plugins, debootstrap, iptables, socat (apt, once; root)

@@ -17,13 +17,19 @@ CONTAINER_VLLM_ARGS = ["--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-u
 """An RLJob's ``vllmArgs`` for the CPU images' replicas on this machine (the tiny model, a small share of memory)."""
 
 IMAGES_ENV = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync")) / "images" / "cpu.env"
+IMAGES = os.environ.get("WEIGHTSYNC_IMAGES", "")
 needs_images = pytest.mark.skipif(
-    os.environ.get("WEIGHTSYNC_IMAGES") != "1",
-    reason="container test: set WEIGHTSYNC_IMAGES=1 (`make container-tests` builds the images, then runs these); "
-    "not part of `make test`",
+    IMAGES not in ("1", "all"),
+    reason="container test: set WEIGHTSYNC_IMAGES=1 (`make test` builds the images, then runs these; "
+    "`make container-tests` runs all of them with WEIGHTSYNC_IMAGES=all)",
 )
-"""The container tests (each image as a container, the chart on the real node) run only when asked for: building
-the images and the node takes ~40 minutes cold, more than CI's budget."""
+"""The container tests (each image as a container, the chart on the real node) run only when asked for: they need
+the images and the real node built (``make images``, ``make node-tools``), root, and podman."""
+all_images = pytest.mark.skipif(
+    IMAGES != "all", reason="a longer container test: make container-tests (WEIGHTSYNC_IMAGES=all)"
+)
+"""A container test that ``make test`` leaves to ``make container-tests``: what the chart's e2e on the real node
+(tests/e2e/test_containers.py, in ``make test``) covers too, at minutes of CI's hour."""
 
 
 def built_images() -> dict[str, str]:

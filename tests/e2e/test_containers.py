@@ -242,10 +242,18 @@ def test_rljob_runs_as_containers_from_the_chart(
                       "the job's pods gone", interval=2)  # fmt: skip
         kube.helm("uninstall", release, "-n", system, "--wait", "--timeout", "3m")
         uninstalled = True
-        left = kube.kubectl("get", "all,cm,secret,sa,role,rolebinding,lease", "-n", system, "-o", "name").stdout
-        assert [
-            n for n in left.split() if not n.startswith(("configmap/kube-root-ca.crt", "serviceaccount/default"))
-        ] == [], left
+
+        # helm deletes the operator's Deployment and returns; its pod goes after it (the garbage collector, then the
+        # kubelet's graceful stop on the real node), seconds later. What is left is reported on timeout.
+        def nothing_left() -> bool:
+            names = kube.kubectl("get", "all,cm,secret,sa,role,rolebinding,lease", "-n", system, "-o", "name").stdout
+            left = [
+                n for n in names.split() if not n.startswith(("configmap/kube-root-ca.crt", "serviceaccount/default"))
+            ]
+            assert left == [], left
+            return True
+
+        kube.wait_for(nothing_left, Timeouts.DELETE, "nothing of the release left in its namespace", interval=2)
         cluster = kube.kubectl("get", "clusterrole,clusterrolebinding,validatingadmissionpolicy,"
                                "validatingadmissionpolicybinding", "-o", "name").stdout  # fmt: skip
         assert release not in cluster, cluster

@@ -4,8 +4,9 @@ answers its probe, and fails with a clear message when a mount or variable it ne
 The images are the CPU variant `make images` builds (``images/build.sh``; their names in
 ``$WEIGHTSYNC_CACHE/images/cpu.env``), run by podman with runc, no network but the container's own loopback
 (the probes are asked from inside, ``podman exec``), a read-only root and only the writable paths the chart
-mounts (``/tmp``), as the pods of an RLJob run them. Skipped unless ``WEIGHTSYNC_IMAGES=1`` (``make
-container-tests`` sets it after building them); with it, missing podman or images is a failure.
+mounts (``/tmp``), as the pods of an RLJob run them. Skipped unless ``WEIGHTSYNC_IMAGES`` is ``1``
+(``make test``, after building them: the greedy completion is left to ``make container-tests``, whose ``all`` runs
+it too); with it, missing podman or images is a failure.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def test_vllm_server_entrypoint_loads_the_plugin_and_the_cpu_kernels(images: dic
     assert proc.stdout.strip().startswith("0.32"), proc.stdout
 
 
+@support.all_images
 def test_vllm_answers_a_greedy_completion_with_logprobs(images: dict[str, str], tmp_path: Path) -> None:
     """The replica's `vllm` container, its command and environment as the operator writes them (the e2e's job), on
     the tiny model, answers the e2e's greedy request: token-id prompts with logprobs. vLLM compiles its sampler's
