@@ -28,9 +28,9 @@ With ``gang`` (the default) one ``admission.Gate`` admits jobs whole: a queued
 job asks again every ``admission.RECHECK_S`` or when a grant is released, and a
 grant made in another job's round wakes the job it admits.
 
-One daemon per job never runs two reconciles of that job at once; the blocking
-API calls run on a small thread pool (a pass's independent writes side by side,
-``reconciling._WRITES``). Deleting an RLJob cancels its daemon at
+One daemon per job never runs two reconciles of that job at once; the passes run
+on a thread pool and their writes queue in one lane, status patches that answer a
+spec change first (``writing``). Deleting an RLJob cancels its daemon at
 once (``cancellation_timeout``), so the deletion is not held by a reconcile in
 flight. kopf keeps its own bookkeeping under our group: a diff-base annotation
 ``weightsync.io/last-handled``, kept empty (``_NoSpecDiff``), and the finalizer
@@ -68,7 +68,10 @@ Kueue integration on)."""
 DEBOUNCE_S = 0.05
 """A wake-up waits this long before it reconciles, so a burst of events (a StatefulSet scaled: several pods)
 costs one pass."""
-WORKERS = 8
+WORKERS = 64
+"""Passes in flight at once. A pass mostly waits on its writes in ``reconciling.LANE``; the passes of jobs changed
+together must all have started for their status patches to queue ahead of the children's writes (with 8, the
+status of the 30th job suspended at once waited for three rounds of other jobs' whole passes)."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def build_registry(
     api: Api, options: Options, metrics: OperatorMetrics, pool: ThreadPoolExecutor
 ) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers bound to ``api``, ``options`` and ``metrics``; the blocking calls of
-    reconciles run on ``pool`` (at most ``WORKERS`` threads are useful)."""
+    reconciles run on ``pool`` (``WORKERS`` threads)."""
     registry = kopf.OperatorRegistry()
     phases = PhaseCounts(metrics)
     wakers = Wakers()
