@@ -172,7 +172,7 @@ def reconcile(
         # read, not what the children's writes return, so it goes out beside them, and ahead of other jobs' children
         # when it answers a spec change (``writing``).
         guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
-        urgency = Urgency.ANSWER if old.observed_generation != generation else Urgency.STATUS
+        urgency = Urgency.ANSWER if old.observed_generation != generation else Urgency.IN_TURN
         patching = LANE.submit(urgency, api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
 
     blocked = held is not None and held.permanent  # the same spec would be refused again: wait for a new one
@@ -211,7 +211,7 @@ def reconcile(
         seen.refusal = refused or _controllers_refusal(api, deployment, statefulset, generation, parked)
         outcome.status = status.next_status(spec, old, seen, verdict, summary)
         if outcome.status.to_wire() != new.to_wire():
-            LANE.run(Urgency.STATUS, api.patch_status, "RLJob", namespace, name, outcome.status.to_wire(), None)
+            LANE.run(Urgency.IN_TURN, api.patch_status, "RLJob", namespace, name, outcome.status.to_wire(), None)
             outcome.patched = True
     outcome.retry_after = _remember(memory, key, owner.uid, refused if not blocked else held)
     for recheck, due in (
@@ -324,7 +324,7 @@ the other they made a suspend's pass several times one write."""
 
 def _child(write: Callable[[Obj], R], obj: Obj) -> Callable[[], R]:
     """``write(obj)`` of a child, through the lane in its turn."""
-    return functools.partial(LANE.run, Urgency.CHILD, write, obj)
+    return functools.partial(LANE.run, Urgency.IN_TURN, write, obj)
 
 
 def _ready(obj: dict[str, Any] | None) -> int:
@@ -425,7 +425,7 @@ def _drive_trainer(
     if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT, status.Verdict.QUEUE):
         return 0, None
     if verdict != status.Verdict.RUN:
-        return sum(LANE.each(Urgency.CHILD, delete, [pod.name for pod in pods if not pod.deleting])), None
+        return sum(LANE.each(Urgency.IN_TURN, delete, [pod.name for pod in pods if not pod.deleting])), None
     by_name = {p.name: p for p in pods}
     bodies = {p["metadata"]["name"]: p for p in live}
     for desired in children.trainer_pods(owner, spec, node_labels):
@@ -441,7 +441,7 @@ def _drive_trainer(
             or children.containers(bodies[existing.name]) != children.containers(desired)
         ):
             # a pod's spec is immutable but for its images: replace it (the next reconcile creates it again)
-            writes += LANE.run(Urgency.CHILD, delete, existing.name)
+            writes += LANE.run(Urgency.IN_TURN, delete, existing.name)
     return writes, None
 
 
