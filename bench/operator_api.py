@@ -22,8 +22,8 @@ that (a fixed sleep used to let a suspend meet a start still reading the API, an
 At each count of ``--suspend-at`` (default: the largest) it then patches ``spec.suspend`` on every job at once
 (from a thread pool) and times, per job, the patch until the job's status says Suspended, and until its children
 say so too (the inference StatefulSet and coordinator Deployment scaled to 0, every trainer pod deleted or being
-deleted) (p50, p99); the same for resuming (status Running: every pod back and ready); it reads the operator's
-resident memory and CPU time.
+deleted) (p50, p99); the same for resuming (status Running: every pod back and ready; ``--no-resume`` leaves it out); it
+reads the operator's resident memory and CPU time.
 
 ``--resync-spread N`` adds a row for the safety net's reads: the operator restarted with ``--resync-seconds
 --resync-period``, N idle jobs, and its own requests counted every second for two periods (from a quarter period
@@ -300,7 +300,9 @@ def small(name: str) -> dict[str, Any]:
     return body
 
 
-def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: float, changes: bool) -> dict[str, Any]:
+def run_count(
+    kube: Kube, operator: Operator, jobs: int, window: float, settle: float, changes: bool, resume: bool = True
+) -> dict[str, Any]:
     namespace = f"bench-{jobs}-{uuid.uuid4().hex[:5]}"
     kube.kubectl("create", "namespace", namespace)
     kube.wait_for(lambda: kube.core.read_namespaced_service_account("default", namespace), 60, "default SA")
@@ -333,7 +335,8 @@ def run_count(kube: Kube, operator: Operator, jobs: int, window: float, settle: 
             mix, own = by_verb(counts) - by_verb(before), counts[OWN] - before[OWN]
             row["suspend"]["requests"] = {"total": sum(mix.values()), "operator": own, **dict(mix.most_common(12))}
             try:
-                row["resume"] = spec_change(kube, namespace, names, False)
+                if resume:
+                    row["resume"] = spec_change(kube, namespace, names, False)
             except TimeoutError as err:  # resume has no goal; an overloaded machine must not lose the row
                 row["resume"] = {"timed_out": str(err)}
             assert operator.proc is not None
@@ -356,6 +359,11 @@ def main() -> int:
         default=None,
         help="job counts to suspend and resume at (default: the largest of --jobs)",
     )
+    p.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="suspend only (a resume of 50 jobs takes minutes on a loaded machine: for side-by-side suspend runs)",
+    )
     p.add_argument("--resync-spread", type=int, default=0, help="idle jobs for the resync-spread row (0: none)")
     p.add_argument("--resync-period", type=float, default=60.0, help="--resync-seconds of the resync-spread row")
     p.add_argument("--window", type=float, default=60.0, help="seconds of each request-rate window")
@@ -370,7 +378,7 @@ def main() -> int:
             time.sleep(3)
             suspend_at = set(args.suspend_at if args.suspend_at is not None else sorted(args.jobs)[-1:])
             for jobs in args.jobs:
-                row = run_count(kube, operator, jobs, args.window, args.settle, jobs in suspend_at)
+                row = run_count(kube, operator, jobs, args.window, args.settle, jobs in suspend_at, not args.no_resume)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             if args.resync_spread:

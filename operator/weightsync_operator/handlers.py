@@ -4,10 +4,12 @@ Event-driven. kopf watches every kind the operator manages, filtered on the
 server to objects with the job label (``settings.watching.label_selectors``), and
 keeps each in an index keyed by ``(namespace, job)``: the children, the trainer
 pods, the job's WeightVersions. Any event on one of them, or on the RLJob, wakes
-that job's reconcile loop (one async daemon per RLJob), which reads the world
-from those indexes (no API call) and writes what differs. The indexes are filled
-from a LIST before any handler runs, and an event is indexed before its handler
-runs, so a reconcile always sees at least what woke it.
+that job's reconcile loop (one async daemon per RLJob): at once when the job's
+spec changed, after ``SETTLE_S`` otherwise (a burst of pod events costs one
+pass). The pass reads the world from those indexes (no API call) and writes what
+differs. The indexes are filled from a LIST before any handler runs, and an event
+is indexed before its handler runs, so a reconcile always sees at least what woke
+it.
 
 A job's first pass after the operator starts reads the indexes too: kopf runs no
 handler (no daemon) before every watched kind has been listed and every listed
@@ -28,9 +30,9 @@ With ``gang`` (the default) one ``admission.Gate`` admits jobs whole: a queued
 job asks again every ``admission.RECHECK_S`` or when a grant is released, and a
 grant made in another job's round wakes the job it admits.
 
-One daemon per job never runs two reconciles of that job at once; the blocking
-API calls run on a small thread pool (a pass's independent writes side by side,
-``reconciling._WRITES``). Deleting an RLJob cancels its daemon at
+One daemon per job never runs two reconciles of that job at once; the passes run
+on a thread pool and their writes queue in one lane, status patches that answer a
+spec change first (``writing``). Deleting an RLJob cancels its daemon at
 once (``cancellation_timeout``), so the deletion is not held by a reconcile in
 flight. kopf keeps its own bookkeeping under our group: a diff-base annotation
 ``weightsync.io/last-handled``, kept empty (``_NoSpecDiff``), and the finalizer
@@ -41,6 +43,7 @@ objects are gone (the coordinator may not have set ownerReferences on them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import logging
@@ -66,9 +69,15 @@ WATCHED = tuple(k for k in KINDS.values() if k.kind not in ("RLJob", "Secret"))
 """Every kind a job owns or reads, but its Secrets: watched and indexed by job (and its Kueue Workload, with the
 Kueue integration on)."""
 DEBOUNCE_S = 0.05
-"""A wake-up waits this long before it reconciles, so a burst of events (a StatefulSet scaled: several pods)
-costs one pass."""
-WORKERS = 8
+"""A wake-up for a spec change waits this long before it reconciles, so a burst of events costs one pass."""
+SETTLE_S = 0.5
+"""Any other wake-up (a child's event, the job's own status coming back, a grant) waits this long, unless the spec
+changes meanwhile: the pods of a job suspended or resumed go and come over seconds, and a pass at each of their
+events patched the status again (98 status patches suspending 30 jobs, 30 of them the answers to the spec)."""
+WORKERS = 64
+"""Passes in flight at once. A pass mostly waits on its writes in ``reconciling.LANE``; the passes of jobs changed
+together must all have started for their status patches to queue ahead of the children's writes (with 8, the
+status of the 30th job suspended at once waited for three rounds of other jobs' whole passes)."""
 
 
 @dataclass(frozen=True)
@@ -139,24 +148,44 @@ class IndexedReads:
         ]
 
 
-class Wakers:
-    """One event per job's daemon; set from the event handlers (all on kopf's loop, so no lock)."""
+class Wake:
+    """A job daemon's wake-up: ``any`` event, and ``spec``, set when the job's spec changed."""
 
     def __init__(self) -> None:
-        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self.any, self.spec = asyncio.Event(), asyncio.Event()
 
-    def register(self, key: tuple[str, str]) -> asyncio.Event:
-        event = self._events[key] = asyncio.Event()
-        return event
+    def clear(self) -> None:
+        self.any.clear()
+        self.spec.clear()
 
-    def drop(self, key: tuple[str, str], event: asyncio.Event) -> None:
-        if self._events.get(key) is event:
-            del self._events[key]
+    async def settle(self) -> None:
+        """Wait before the pass woken: ``DEBOUNCE_S`` after a spec change, else ``SETTLE_S`` (or until one)."""
+        if not self.spec.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.spec.wait(), SETTLE_S)
+        await asyncio.sleep(DEBOUNCE_S)
 
-    def wake(self, key: tuple[str, str]) -> None:
-        event = self._events.get(key)
-        if event is not None:
-            event.set()
+
+class Wakers:
+    """One ``Wake`` per job's daemon; set from the event handlers (all on kopf's loop, so no lock)."""
+
+    def __init__(self) -> None:
+        self._wakes: dict[tuple[str, str], Wake] = {}
+
+    def register(self, key: tuple[str, str]) -> Wake:
+        wake = self._wakes[key] = Wake()
+        return wake
+
+    def drop(self, key: tuple[str, str], wake: Wake) -> None:
+        if self._wakes.get(key) is wake:
+            del self._wakes[key]
+
+    def wake(self, key: tuple[str, str], spec: bool = False) -> None:
+        wake = self._wakes.get(key)
+        if wake is not None:
+            if spec:
+                wake.spec.set()
+            wake.any.set()
 
 
 def _snapshot(body: kopf.Body) -> Obj:
@@ -167,7 +196,7 @@ def build_registry(
     api: Api, options: Options, metrics: OperatorMetrics, pool: ThreadPoolExecutor
 ) -> kopf.OperatorRegistry:
     """A registry with the operator's handlers bound to ``api``, ``options`` and ``metrics``; the blocking calls of
-    reconciles run on ``pool`` (at most ``WORKERS`` threads are useful)."""
+    reconciles run on ``pool`` (``WORKERS`` threads)."""
     registry = kopf.OperatorRegistry()
     phases = PhaseCounts(metrics)
     wakers = Wakers()
@@ -216,7 +245,8 @@ def build_registry(
 
     @kopf.on.event(GROUP, VERSION, "rljobs", registry=registry, id="wake_on_rljobs")  # type: ignore[untyped-decorator,unused-ignore]
     async def job_changed(body: kopf.Body, **_: Any) -> None:
-        wakers.wake((str(body.metadata.namespace), str(body.metadata.name)))
+        spec = body.metadata.get("generation") != body.get("status", {}).get("observedGeneration")
+        wakers.wake((str(body.metadata.namespace), str(body.metadata.name)), spec)
 
     def record(body: kopf.Body, key: tuple[str, str], outcome: Outcome, started: float) -> None:
         changed = outcome.patched or outcome.writes
@@ -266,11 +296,11 @@ def build_registry(
                     metrics.reconcile_seconds.labels(KIND).observe(time.monotonic() - started)
                 quiet = options.resync_seconds * random.uniform(0.5, 1.5)  # spreads load; not a secret
                 try:
-                    await asyncio.wait_for(wake.wait(), timeout=backoff or retry_after or quiet)
+                    await asyncio.wait_for(wake.any.wait(), timeout=backoff or retry_after or quiet)
                     from_api = False
+                    await wake.settle()
                 except TimeoutError:
                     from_api = not (backoff or retry_after)  # a quiet period ended: the safety-net pass reads the API
-                await asyncio.sleep(DEBOUNCE_S)
         finally:
             wakers.drop(key, wake)
 

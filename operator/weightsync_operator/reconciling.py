@@ -29,19 +29,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from weightsync.resources.conditions import find, is_true
 from weightsync.resources.rljob import ConditionType, PlacementMode, RLJobSpec, RLJobStatus
-from weightsync_operator import admission, children, kueue, names, refusals, status, versions
+from weightsync_operator import admission, children, kueue, names, refusals, status, versions, writing
 from weightsync_operator.kubeapi import Api, Obj
 from weightsync_operator.names import Component
 from weightsync_operator.refusals import Refusal
+from weightsync_operator.writing import Urgency
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 R = TypeVar("R")
 
 
@@ -170,10 +169,11 @@ def reconcile(
     patching = None
     if new.to_wire() != old.to_wire():
         # Only a restart must not be counted twice; other fields are recomputed every time. The status is what was
-        # read, not what the children's writes return, so it goes out beside them: on a busy API server one write
-        # takes hundreds of milliseconds.
+        # read, not what the children's writes return, so it goes out beside them, and ahead of other jobs' children
+        # when it answers a spec change (``writing``).
         guard = meta.get("resourceVersion") if verdict == status.Verdict.RESTART else None
-        patching = _WRITES.submit(api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
+        urgency = Urgency.ANSWER if old.observed_generation != generation else Urgency.IN_TURN
+        patching = LANE.submit(urgency, api.patch_status, "RLJob", namespace, name, new.to_wire(), guard)
 
     blocked = held is not None and held.permanent  # the same spec would be refused again: wait for a new one
     node_labels = seen.admission.node_labels if seen.admission is not None else {}
@@ -211,7 +211,7 @@ def reconcile(
         seen.refusal = refused or _controllers_refusal(api, deployment, statefulset, generation, parked)
         outcome.status = status.next_status(spec, old, seen, verdict, summary)
         if outcome.status.to_wire() != new.to_wire():
-            api.patch_status("RLJob", namespace, name, outcome.status.to_wire(), None)
+            LANE.run(Urgency.IN_TURN, api.patch_status, "RLJob", namespace, name, outcome.status.to_wire(), None)
             outcome.patched = True
     outcome.retry_after = _remember(memory, key, owner.uid, refused if not blocked else held)
     for recheck, due in (
@@ -316,16 +316,15 @@ def _remember(memory: Memory, key: tuple[str, str], uid: str, refused: Refusal |
     return None if refused.permanent else delay
 
 
-_WRITES = ThreadPoolExecutor(max_workers=32, thread_name_prefix="write")
-"""Where a pass's independent writes run side by side: on a busy API server each takes hundreds of milliseconds,
-and one after the other they made a suspend's pass several times one write."""
+LANE = writing.Lane()
+"""Every reconcile's status patches and children's writes, the most urgent first (``writing``); a pass's
+independent writes go out side by side: on a busy API server each takes hundreds of milliseconds, and one after
+the other they made a suspend's pass several times one write."""
 
 
-def _each(write: Callable[[T], R], items: list[T]) -> list[R]:
-    """``write`` of every item, concurrently when there are several; the first error is raised."""
-    if len(items) < 2:
-        return [write(item) for item in items]
-    return list(_WRITES.map(write, items))
+def _child(write: Callable[[Obj], R], obj: Obj) -> Callable[[], R]:
+    """``write(obj)`` of a child, through the lane in its turn."""
+    return functools.partial(LANE.run, Urgency.IN_TURN, write, obj)
 
 
 def _ready(obj: dict[str, Any] | None) -> int:
@@ -359,7 +358,7 @@ def _ensure_children(
             continue
         if reads.get("Secret", owner.namespace, secret_name) is None:
             obj = secret(owner)
-            created, refusal = refusals.attempt(functools.partial(api.create, obj), obj, generation)
+            created, refusal = refusals.attempt(_child(api.create, obj), obj, generation)
             if refusal is not None:
                 return writes, refusal
             writes += bool(created)
@@ -378,7 +377,7 @@ def _ensure_children(
             continue
         stale.append((obj, key))
     for obj, key in stale:  # in order: a workload's PersistentVolumeClaim and ConfigMap exist before its pods
-        applied, refusal = refusals.attempt(functools.partial(api.apply, obj), obj, generation)
+        applied, refusal = refusals.attempt(_child(api.apply, obj), obj, generation)
         if refusal is not None:
             return writes, refusal
         meta = obj["metadata"]
@@ -426,14 +425,14 @@ def _drive_trainer(
     if verdict in (status.Verdict.SUCCEED, status.Verdict.WAIT, status.Verdict.QUEUE):
         return 0, None
     if verdict != status.Verdict.RUN:
-        return sum(_each(delete, [pod.name for pod in pods if not pod.deleting])), None
+        return sum(LANE.each(Urgency.IN_TURN, delete, [pod.name for pod in pods if not pod.deleting])), None
     by_name = {p.name: p for p in pods}
     bodies = {p["metadata"]["name"]: p for p in live}
     for desired in children.trainer_pods(owner, spec, node_labels):
         existing = by_name.get(desired["metadata"]["name"])
         if existing is None:
             desired["metadata"].setdefault("annotations", {})[names.RESTART_ANNOTATION] = str(restarts)
-            created, refusal = refusals.attempt(functools.partial(api.create, desired), desired, generation)
+            created, refusal = refusals.attempt(_child(api.create, desired), desired, generation)
             if refusal is not None:
                 return writes, refusal
             writes += bool(created)
@@ -442,7 +441,7 @@ def _drive_trainer(
             or children.containers(bodies[existing.name]) != children.containers(desired)
         ):
             # a pod's spec is immutable but for its images: replace it (the next reconcile creates it again)
-            writes += delete(existing.name)
+            writes += LANE.run(Urgency.IN_TURN, delete, existing.name)
     return writes, None
 
 

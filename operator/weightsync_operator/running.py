@@ -21,6 +21,7 @@ import kopf
 from kubernetes import client, config
 
 from weightsync.metrics import OperatorMetrics, serve
+from weightsync_operator import writing
 from weightsync_operator.handlers import WORKERS, Options, build_registry
 from weightsync_operator.kubeapi import Api
 from weightsync_operator.leader import Election
@@ -41,8 +42,8 @@ def api_client() -> client.ApiClient:
                 "run it from the chart (in-cluster ServiceAccount) or set KUBECONFIG"
             ) from outside
     configuration = client.Configuration.get_default_copy()
-    # a connection for every reconcile thread and every concurrent write (handlers.WORKERS, reconciling._WRITES)
-    configuration.connection_pool_maxsize = 64
+    # a connection for every reconcile thread and every write in flight
+    configuration.connection_pool_maxsize = WORKERS + writing.WIDTH
     return client.ApiClient(configuration)
 
 
