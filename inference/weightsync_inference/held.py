@@ -28,24 +28,23 @@ def parameter_digests(model: torch.nn.Module) -> dict[str, str]:
     held = {name: digests.digest(p.detach().contiguous()) for name, p in model.named_parameters() if p.numel() > 0}
     with torch.no_grad():
         for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            kernel = getattr(module, "cpu_linear", None)
+            weight, kernel = getattr(module, "weight", None), getattr(module, "cpu_linear", None)
             if callable(kernel) and isinstance(weight, torch.Tensor) and weight.numel() == 0:
-                held[f"{name}.weight".lstrip(".")] = digests.digest(through_kernel(module, kernel, weight.dtype))
+                held[f"{name}.weight".lstrip(".")] = digests.digest(_through_kernel(module))
     return held
 
 
-def through_kernel(module: Any, kernel: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The ``(out, in)`` weight a packed linear layer multiplies by, read through its kernel."""
+def _through_kernel(module: Any) -> torch.Tensor:
+    """The ``(out, in)`` weight a packed linear layer multiplies by, read through its kernel (``cpu_linear``, which
+    ignores the empty ``weight`` it is handed: the packed weight is bound in it)."""
     # a row-parallel layer keeps a slice of the input; a replicated one (the router's gate) keeps all of it
     width = int(getattr(module, "input_size_per_partition", None) or module.input_size)
-    placeholder = module.weight  # the kernel ignores it: the packed weight is bound in ``cpu_linear``
-    columns = []
+    transposed = []
     for start in range(0, width, ROWS):
-        probe = torch.zeros(min(ROWS, width - start), width, dtype=dtype)
+        probe = torch.zeros(min(ROWS, width - start), width, dtype=module.weight.dtype)
         probe[:, start : start + probe.shape[0]].fill_diagonal_(1.0)
-        columns.append(kernel(probe, placeholder, None))  # rows of the weight's transpose
-    return torch.cat(columns).t().contiguous()
+        transposed.append(module.cpu_linear(probe, module.weight, None))  # rows of the weight's transpose
+    return torch.cat(transposed).t().contiguous()
 
 
-__all__ = ["parameter_digests", "through_kernel"]
+__all__ = ["parameter_digests"]
