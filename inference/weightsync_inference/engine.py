@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 RENAMES = ("prefix", "substr", "suffix", "regex", "renaming")
 """``WeightsMapper`` rules that rename checkpoint tensors (the model's names then differ from the checkpoint's)."""
 _RELOAD_LOG = "vllm.model_executor.model_loader.reload.layerwise"
+PREPACKS = "weightsync_prepacks_moe"
+"""Marks a MoE layer's post-processing that ``VllmModel`` made prepack the experts again (installed once)."""
 
 
 @dataclass
@@ -76,7 +78,6 @@ class VllmModel:
     def __init__(self, engine: WeightsyncEngine) -> None:
         self.engine = engine
         self._reloading = False
-        self._moe_prepack_fixed = False
 
     @property
     def _model(self) -> Any:
@@ -148,12 +149,12 @@ class VllmModel:
         A reload runs the layer's ``process_weights_after_loading`` with the loaded (unpacked) weights, which sets
         the kernel format up but prepacks only on a layer's first load; the unpacked result is then copied over
         the prepacked parameters the CPU kernel reads. Running the experts' own prepack step there again, where
-        vLLM would on a first load, gives the kernel what it expects. Installed once, before the first reload."""
+        vLLM would on a first load, gives the kernel what it expects. Installed once per layer, however many
+        adapters a worker makes (recording a layout makes its own): prepacking twice scrambles the experts."""
         from vllm.platforms import current_platform
 
-        if self._moe_prepack_fixed or not current_platform.is_cpu():
+        if not current_platform.is_cpu():
             return
-        self._moe_prepack_fixed = True
         for module in self._model.modules():
             method = getattr(module, "quant_method", None)
             kernel = getattr(method, "moe_kernel", None)
@@ -161,11 +162,14 @@ class VllmModel:
             if method is None or experts is None or not type(experts).__module__.endswith(".cpu_moe"):
                 continue
             process = method.process_weights_after_loading
+            if getattr(process, PREPACKS, False):
+                continue
 
             def process_and_prepack(layer: Any, process: Any = process, experts: Any = experts) -> None:
                 process(layer)
                 experts.process_weights_after_loading(layer)
 
+            setattr(process_and_prepack, PREPACKS, True)
             method.process_weights_after_loading = process_and_prepack
 
     def _refresh_tied_layers(self) -> None:

@@ -57,9 +57,7 @@ def record(model: Any, table: TensorTable, rank: int) -> WorkerLayout:
 
 def record_live(engine: Any, table: TensorTable) -> WorkerLayout:
     """``record`` inside a running worker: the layerwise reload puts the parameters on meta, then back."""
-    from weightsync_inference.engine import VllmModel
-
-    model = VllmModel(engine)
+    model = engine.updater.model  # the engine's own adapter, as an update uses it
     model.begin_load(table)  # refuses a table that does not fit the model, having changed nothing
     try:
         return record(engine.model, table, engine.updater.ctx.rank)

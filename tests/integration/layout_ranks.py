@@ -1,9 +1,10 @@
 """One rank of a real gloo trainer that reads its layout: ``python -m tests.integration.layout_ranks``.
 
-``RANK`` and ``WORLD_SIZE`` come from the environment. The rank shards the tiny Qwen2 model (a real
+``RANK`` and ``WORLD_SIZE`` come from the environment. The rank shards a tiny model (``--model``; a real
 optimizer step first) and a small odd-shaped ``extra`` module beside it, reads the trainer's layout
-(``weightsync_trainer.layouts``), and checks it against torch's own view of every tensor: the box the
-layout gives this rank must hold exactly this rank's local shard of the gathered full tensor. It writes
+(``weightsync_trainer.layouts``), and checks it against what the gathered path publishes of every tensor: the
+box the layout gives this rank must hold exactly what this rank sends from (``local_shards``: its local shard,
+or for an expert transformers fuses into one parameter, the expert's box cut from it). It writes
 what it found as JSON to ``--out/rank<N>.json`` (nothing pickled).
 
 Modes: ``fsdp`` (FSDP2 on a 1-D mesh of every rank), ``fsdp-tp`` (a 2 x 2 mesh: tensor parallel
@@ -78,26 +79,26 @@ def main() -> None:
 
     source = ModuleSource(model)
     layout = trainer_layout(source)
+    full: dict[str, Any] = {}
+    for specs, tensors in zip(layout.table.groups(), source.groups(), strict=True):  # collective: every rank
+        full.update({s.name: t for s, t in zip(specs, tensors, strict=True)})
+    shards_held = local_shards(source, layout, rank) if not layout.unsupported else []
     checked, held, placements = 0, 0, set()
     for t, spec in enumerate(layout.table):
-        param = source.parameter(spec.name)
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param  # collective: every rank, in order
         if layout.unsupported:
             continue
-        box = layout.shard(t, rank)
-        local = param.to_local() if hasattr(param, "to_local") else (param if rank == 0 else None)
+        box, local = layout.shard(t, rank), shards_held[t]
         if box is None:
             assert local is None or local.numel() == 0, f"{spec.name}: rank {rank} holds {local.shape}, layout none"
         else:
             assert local is not None, f"{spec.name}: the layout gives rank {rank} {box}, it holds nothing"
-            region = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-            assert torch.equal(region, local.detach()), f"{spec.name}: rank {rank}'s shard is not the layout's {box}"
+            region = full[spec.name][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+            assert torch.equal(region, local), f"{spec.name}: rank {rank}'s shard is not the layout's {box}"
             held += 1
         cells = layout.holders(t)
-        assert sum(b.numel for b, _ in cells) == full.numel() and Box.whole(spec.shape).numel == full.numel()
+        assert sum(b.numel for b, _ in cells) == full[spec.name].numel() == Box.whole(spec.shape).numel
         placements.add(str(layout.placements[t]).split(" ", 2)[-1])
         checked += 1
-    shards_held = local_shards(source, layout, rank) if not layout.unsupported else []
     sent_from = sum(1 for t in shards_held if t is not None)
     ours = agreed(layout)  # collective: every rank
     odd = agreed(shards.TrainerLayout(layout.table, world, unsupported=f"rank {rank} sees it otherwise"))

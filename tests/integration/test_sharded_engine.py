@@ -6,8 +6,11 @@ sender threads, one per trainer rank, each send only from their own shard over t
 ``weightsync_receive_regions`` has each worker receive only its regions and land them inside vLLM's layerwise
 reload. Checked: each worker received exactly the bytes its layout needs (less than the table), the senders'
 and workers' digests combine alike in plan order, and the engine generates what transformers predicts for the
-trained weights. The same engine driven by the publisher, its agent and the coordinator:
-``test_sharded_publish.py`` (in make test; this one, the engine alone, in make sharded).
+trained weights. For the tiny Qwen2 and the tiny Qwen2-MoE (its experts land by expert and TP shard: recording
+the layout in the live worker once installed vLLM's CPU expert prepack a second time, and the landed experts were
+prepacked twice, generating other tokens). The same engine driven by the publisher, its agent and the
+coordinator: ``test_sharded_publish.py`` (in make test) and ``test_sharded_moe.py`` (this one, the engine alone,
+and that one in make sharded).
 """
 
 from __future__ import annotations
@@ -38,15 +41,16 @@ pytestmark = [
 RANKS, TP = 2, 2
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen2-moe"])
 def test_a_tp2_engine_takes_only_its_regions_from_two_ranks_and_generates_like_transformers(
-    monkeypatch: pytest.MonkeyPatch,
+    preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from weightsync_inference import sharded
     from weightsync_inference.offline import OfflineEngine
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    folder = support.tiny_model()
+    folder = support.tiny_model(preset)
     model = support.hf_trainer(folder, seed=61)
     source = ModuleSource(model)
     table = source.table()
@@ -60,7 +64,7 @@ def test_a_tp2_engine_takes_only_its_regions_from_two_ranks_and_generates_like_t
         )
         replica = plan(trainer, [Member("r", layout)]).replica("r")
         assert replica.sharded, replica.gathered
-        full = [source.tensor(s.name).detach().to(wire.TORCH_DTYPES[s.dtype]) for s in table]
+        full = [t.contiguous() for group in source.groups() for t in group]  # as published: experts one by one
         rdv = Rendezvous(
             Channel.CPU,
             endpoint=Endpoint("127.0.0.1", store.port),

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ class Fleet:
     """The replica that cannot take regions (``WholeOnly``): it gets the gathered path in the same versions."""
     whole_agent: Any
     work: Path
+    model: Path
 
 
 class WholeOnly:
@@ -100,6 +102,14 @@ def _mint(folder: Path, address: str) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    with running(tmp_path_factory.mktemp("sharded-publish"), support.tiny_model(), (2, 2, 1) if ALL else (2, 2)) as f:
+        yield f
+
+
+@contextmanager
+def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
+    """The fleet for ``model``: a replica taking regions at TP ``sizes[0]``, the ``WholeOnly`` one at ``sizes[1]``,
+    and one more taking regions at ``sizes[2]`` where given (the TP=1 replica of make sharded)."""
     from prometheus_client import CollectorRegistry
 
     from weightsync.coordinator import jobs, server
@@ -110,7 +120,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     from weightsync_inference.offline import OfflineEngine
 
     netns.require()
-    work = tmp_path_factory.mktemp("sharded-publish")
     # two CPU workers on one NUMA node (as in test_tensor_parallel): no OpenMP binding per worker
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -123,10 +132,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         tls = ServerTls(str(work / "server.crt"), str(work / "server.key"))
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
-        sizes = (2, 2, 1) if ALL else (2, 2)
-        engines = [OfflineEngine(support.tiny_model(), Channel.CPU, tensor_parallel_size=tp) for tp in sizes]
+        engines = [OfflineEngine(model, Channel.CPU, tensor_parallel_size=tp) for tp in sizes]
         replicas: list[tuple[str, Any]] = [(REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))]
-        replicas += [(TP1, engines[2])] if ALL else []
+        replicas += [(TP1, engine) for engine in engines[2:]]
         agents, threads = [], []
         for rid, control in replicas:
             client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
@@ -140,7 +148,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 time.sleep(0.1)  # each watches from its registration on
             sharded = {rid: (e, a) for (rid, e), a in zip(replicas, agents, strict=True) if rid != WHOLE}
             yield Fleet(
-                hosts, coordinator.target, work / "ca.crt", engines[0], agents[0], sharded, engines[1], agents[1], work
+                hosts,
+                coordinator.target,
+                work / "ca.crt",
+                engines[0],
+                agents[0],
+                sharded,
+                engines[1],
+                agents[1],
+                work,
+                model,
             )
         finally:
             for agent in agents:
@@ -162,7 +179,7 @@ def _registered(client: Any) -> bool:
         return False
 
 
-def _publish(
+def publish(
     fleet: Fleet, name: str, steps: list[int], *extra: str, ranks: int = 2, codes: dict[int, int] | None = None
 ) -> list[dict[str, Any]]:
     """Run ``ranks`` trainer ranks, each on its host, publishing ``steps``; rank 0's reports. ``codes``: the exit
@@ -173,7 +190,7 @@ def _publish(
     procs = []
     for rank in range(ranks):
         cmd = [sys.executable, "-m", "tests.integration.sharded_publish_ranks", "--coordinator", fleet.target]
-        cmd += ["--ca", str(fleet.ca), "--model", str(support.tiny_model()), "--port", str(port)]
+        cmd += ["--ca", str(fleet.ca), "--model", str(fleet.model), "--port", str(port)]
         cmd += ["--master", fleet.hosts.address("rank-0"), "--host", fleet.hosts.address(f"rank-{rank}")]
         cmd += ["--steps", *map(str, steps), "--timeout", str(TIMEOUT_S), "--out", str(out), *extra]
         env = {**support.env_without_proxies(), "RANK": str(rank), "WORLD_SIZE": str(ranks), "WEIGHTSYNC_TOKEN": TOKEN}
@@ -191,9 +208,16 @@ def _publish(
 
 
 def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publisher_and_agent(fleet: Fleet) -> None:
+    assert_the_second_version_moves_as_regions(fleet, "run")
+
+
+def assert_the_second_version_moves_as_regions(fleet: Fleet, name: str) -> None:
+    """Two versions from 2 FSDP2 ranks: the first whole (no engine layout yet), the second as regions to the
+    replicas that take them and gathered to the other, each worker receiving only its regions and then holding
+    what vLLM's loader makes of the full tensors; every replica generates what transformers does."""
     import transformers
 
-    first, second = _publish(fleet, "run", [1, 2])
+    first, second = publish(fleet, name, [1, 2])
     channels = {rid: "cpu" for rid in (WHOLE, *fleet.sharded)}
     assert first["state"] == "READY" and first["channels"] == channels, first
     assert "regions" not in first["seconds"], "no engine layout was registered yet: the first version goes whole"
@@ -205,10 +229,10 @@ def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publis
         ("assign", first["version"], "ok"),
         ("assign", second["version"], "ok"),
     ]
-    _assert_received_only_their_regions(fleet, second["version"])
-    reference = fleet.work / "run" / "reference-2"
+    assert_received_only_their_regions(fleet, second["version"])
+    assert_hold_what_vllms_loader_makes(fleet)
+    reference = fleet.work / name / "reference-2"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
-    _assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
 
@@ -219,17 +243,17 @@ def test_a_4_rank_fsdp2_trainer_sends_the_replicas_only_their_regions(fleet: Fle
 
     # a version reaches the replicas whole first when they have registered no layout yet (this test run alone)
     steps = [5] if fleet.agent.engine_layout is not None else [4, 5]
-    report = _publish(fleet, "four", steps, ranks=4)[-1]
+    report = publish(fleet, "four", steps, ranks=4)[-1]
     assert report["state"] == "READY" and "regions" in report["seconds"] and report["failed"] == {}, report
-    _assert_received_only_their_regions(fleet, report["version"])
+    assert_received_only_their_regions(fleet, report["version"])
     reference = fleet.work / "four" / f"reference-{steps[-1]}"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
-    _assert_hold_what_vllms_loader_makes(fleet)
+    assert_hold_what_vllms_loader_makes(fleet)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)
 
 
-def _assert_hold_what_vllms_loader_makes(fleet: Fleet) -> None:
+def assert_hold_what_vllms_loader_makes(fleet: Fleet) -> None:
     """Every worker of a TP=2 replica that took regions holds, bit for bit, what the same worker of the gathered
     replica holds, which vLLM's own loader made of the trainer's full tensors: each parameter it computes with,
     the linear weights the CPU backend packed into its kernels read back through them (``held``)."""
@@ -243,7 +267,7 @@ def _assert_hold_what_vllms_loader_makes(fleet: Fleet) -> None:
                 assert differ == [] and mine.keys() == theirs.keys(), (rid, worker, differ)
 
 
-def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
+def assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
     """Each worker of each region-taking replica received exactly the bytes its layout needs of ``version``: less
     than the table at TP=2, every region of its layout (the table's bytes, less what vLLM never reads) at TP=1."""
     for rid, (engine, agent) in fleet.sharded.items():
@@ -263,7 +287,7 @@ def _assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
 def test_a_byte_flipped_on_one_ranks_link_fails_the_version_naming_tensor_and_rank(fleet: Fleet) -> None:
     # a version reaches the replica whole first when it has registered no layout yet (this test run alone)
     steps = [3] if fleet.agent.engine_layout is not None else [2, 3]
-    report = _publish(fleet, "flip", steps, "--flip", "1")[-1]
+    report = publish(fleet, "flip", steps, "--flip", "1")[-1]
     assert "regions" in report["seconds"] and report["state"] == "FAILED", report
     assert "from trainer rank 1 arrived with digest" in report["reason"], report["reason"]
     assert "of tensor '" in report["reason"], report["reason"]
@@ -276,9 +300,9 @@ def test_a_rank_that_dies_mid_send_fails_the_version_and_leaves_the_region_repli
     # the region replicas: the gathered one is not asserted, its in-place load can finish before the death is known
     engines = {rid: e for rid, (e, _) in fleet.sharded.items()}
     if fleet.agent.engine_layout is None:  # this test run alone: a first version registers the layouts
-        assert _publish(fleet, "before", [6])[-1]["state"] == "READY"
+        assert publish(fleet, "before", [6])[-1]["state"] == "READY"
     previous = {rid: e.weight_version() for rid, e in engines.items()}
-    results = _publish(fleet, "die", [7], "--die", "1", codes={1: -9})
+    results = publish(fleet, "die", [7], "--die", "1", codes={1: -9})
     assert len(results) == 1, results
     result = results[0]
     assert result.get("state", "FAILED") == "FAILED", result

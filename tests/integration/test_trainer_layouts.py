@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,10 +28,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(mode: str, world: int, out: Path) -> list[dict[str, object]]:
+def _run(mode: str, world: int, out: Path, preset: str = "tiny-qwen2") -> list[dict[str, Any]]:
     out.mkdir()
     port = _free_port()
-    args = ["--mode", mode, "--model", str(support.tiny_model()), "--port", str(port), "--out", str(out)]
+    args = ["--mode", mode, "--model", str(support.tiny_model(preset)), "--port", str(port), "--out", str(out)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.integration.layout_ranks", *args],
@@ -71,6 +72,21 @@ def test_fsdp2_ranks_read_one_layout_that_is_their_shards(world: int, tmp_path: 
     assert reports[0]["extra_rows"] == ([3, 2] if world == 2 else [2, 2, 1])  # 5 rows: rank 3 holds none
     # of 4 ranks, rank 3 holds nothing of extra.0 (5 rows: 2, 2, 1, 0) nor of extra.1 (6 rows: 2, 2, 2, 0)
     assert [r["held"] for r in reports] == ([28, 28] if world == 2 else [28, 28, 28, 26])
+
+
+def test_fsdp2_ranks_send_each_fused_expert_from_the_rank_that_holds_it(tmp_path: Path) -> None:
+    """Qwen2-MoE in transformers 5 fuses a layer's experts into one parameter (``experts.gate_up_proj``) that it
+    publishes per expert (``experts.<e>.gate_proj.weight``): FSDP2 cuts the fused parameter by expert, so each
+    published expert lies whole on one rank, which sends it, cut from its shard."""
+    reports = _run("fsdp", 2, tmp_path / "out", "tiny-qwen2-moe")
+    assert len({r["digest"] for r in reports}) == 1
+    for r in reports:
+        assert r["unsupported"] == "" and r["checked"] == r["tensors"], r
+        assert r["meshes"] == [[[2], [0, 1]], [[1], [0]], [[1], [1]]], r["meshes"]  # 4 experts: 0-1 on 0, 2-3 on 1
+        assert r["agreed"] and r["local_shards"] == r["held"], r
+    # of 56 tensors, 24 are experts (gate, up, down of 4 experts in 2 layers): 12 on each rank; the 32 others are
+    # FSDP2's on both ranks, but for each layer's one-row shared_expert_gate, which rank 0 holds alone
+    assert [r["tensors"] for r in reports] == [56, 56] and [r["held"] for r in reports] == [44, 42], reports
 
 
 @pytest.mark.skipif(

@@ -114,6 +114,34 @@ def test_moe_models_publish_the_checkpoints_names_and_tensors(preset: str) -> No
     assert len(table.groups()) == 2 + model.config.num_hidden_layers  # one group per layer, as for dense models
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_each_published_expert_is_a_box_of_its_fused_parameter(preset: str) -> None:
+    """What the sharded path sends an expert from: its box of the fused parameter (``naming.View``), probed through
+    transformers' own conversion, cuts exactly the tensor the gathered path publishes."""
+    model = _pretrained(preset)
+    source = ModuleSource(model)
+    table = source.table()
+    sent = {
+        s.name: t
+        for specs, g in zip(table.groups(), source.groups(), strict=True)
+        for s, t in zip(specs, g, strict=True)
+    }
+    experts = [s for s in table if ".experts." in s.name]
+    assert len(experts) == 3 * model.config.num_hidden_layers * tiny_models.PRESETS[preset].num_experts
+    for spec in experts:
+        view = source.view(spec.name)
+        assert view is not None and view.param.endswith(("gate_up_proj", "down_proj")), (spec.name, view)
+        assert torch.equal(view.cut(source.parameter(view.param).detach(), (0, 0, 0), spec.shape), sent[spec.name])
+
+
+def test_coordinates_that_are_no_box_give_no_view() -> None:
+    rows, columns = torch.arange(4).view(4, 1).expand(4, 3), torch.arange(3).view(1, 3).expand(4, 3)
+    assert naming._box("p", [rows.int(), columns.int()]) == naming.View("p", (0, 0), (0, 1))
+    assert naming._box("p", [rows.t().int(), columns.t().int()]) == naming.View("p", (0, 0), (1, 0))  # transposed
+    assert naming._box("p", [rows.flip(0).int(), columns.int()]) is None  # reversed
+    assert naming._box("p", [(rows * 2).int(), columns.int()]) is None  # every other row
+
+
 def test_dense_models_need_no_conversion() -> None:
     assert naming.Conversion.of(_pretrained("tiny-qwen2")) is None
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from weightsync.errors import PermanentError
 from weightsync.sharding import shards
+from weightsync.sharding.boxes import Box
 from weightsync.tensors import TensorTable
 from weightsync_trainer.sources import ModuleSource
 
@@ -48,26 +49,52 @@ def _read(source: ModuleSource, table: TensorTable, world: int) -> shards.Traine
     placements = []
     for spec in table:
         try:
-            param = source.parameter(spec.name)
+            mesh, placement = _placed(spec.name, source.parameter(spec.name))
         except KeyError:
-            raise PermanentError(
-                f"tensor {spec.name!r} is no parameter of the trainer: the source converts it from others "
-                "(fused experts published per expert)"
-            ) from None
-        if getattr(param, "device_mesh", None) is None:
-            mesh, placement = shards.Mesh((1,), (0,)), shards.Placement(0, (shards.REPLICATE,))
-        else:
-            root, torch_placements = _on_root(spec.name, param)
-            mesh = shards.Mesh(tuple(root.mesh.shape), tuple(int(r) for r in root.mesh.flatten()))
-            kinds = [_kind(spec.name, p) for p in torch_placements]
-            try:
-                placement = shards.placement_of(0, mesh.shape, kinds)
-            except PermanentError as e:
-                raise PermanentError(f"tensor {spec.name!r}: {e}") from None
-            _check(spec.name, param, root, torch_placements, mesh, placement)
+            mesh, placement = _viewed(source, spec.name, spec.shape)
         index = meshes.setdefault(mesh, len(meshes))
         placements.append(shards.Placement(index, placement.shard_dims, placement.order))
     return shards.TrainerLayout(table, world, tuple(meshes), tuple(placements))
+
+
+def _placed(name: str, param: Any) -> tuple[shards.Mesh, shards.Placement]:
+    """The mesh and placement of a parameter published as itself (checked against DTensor's own cut)."""
+    if getattr(param, "device_mesh", None) is None:
+        return shards.Mesh((1,), (0,)), shards.Placement(0, (shards.REPLICATE,))
+    root, torch_placements = _on_root(name, param)
+    mesh = shards.Mesh(tuple(root.mesh.shape), tuple(int(r) for r in root.mesh.flatten()))
+    kinds = [_kind(name, p) for p in torch_placements]
+    try:
+        placement = shards.placement_of(0, mesh.shape, kinds)
+    except PermanentError as e:
+        raise PermanentError(f"tensor {name!r}: {e}") from None
+    _check(name, param, root, torch_placements, mesh, placement)
+    return mesh, placement
+
+
+def _viewed(source: ModuleSource, name: str, shape: tuple[int, ...]) -> tuple[shards.Mesh, shards.Placement]:
+    """A tensor the source cuts from one parameter (an expert of a fused expert parameter): held whole by the ranks
+    whose shard of that parameter holds its whole box, which must be every rank holding any of it."""
+    view = source.view(name)
+    if view is None:
+        raise PermanentError(
+            f"tensor {name!r} is no parameter of the trainer and no box of one: the source computes it from others"
+        )
+    param = source.parameter(view.param)
+    mesh, placement = _placed(view.param, param)
+    box = Box(view.offsets, view.lengths(shape))
+    whole: list[int] = []
+    part: list[int] = []
+    for rank, coord in mesh.coordinates():
+        held = shards.local_box(tuple(param.shape), mesh.shape, coord, placement)
+        (whole if held.intersect(box) == box else part if held.overlaps(box) else []).append(rank)
+    if part or not whole:
+        raise PermanentError(
+            f"tensor {name!r}, a box of {view.param!r}, is split across the trainer's shards of it (ranks "
+            f"{sorted(part)} hold part of it): the sharded path sends tensors each rank holds whole or as its "
+            "own placement cuts them"
+        )
+    return shards.Mesh((len(whole),), tuple(sorted(whole))), shards.Placement(0, (shards.REPLICATE,))
 
 
 def _on_root(name: str, param: Any) -> tuple[Any, list[Any]]:
@@ -166,13 +193,30 @@ def local_shards(source: ModuleSource, layout: shards.TrainerLayout, rank: int) 
 
     out: list[Any] = []
     for t, spec in enumerate(layout.table):
-        if layout.shard(t, rank) is None:
-            out.append(None)
-            continue
-        param = source.parameter(spec.name).detach()
-        local = param.to_local() if hasattr(param, "to_local") else param
-        out.append(local.to(TORCH_DTYPES[spec.dtype]))
+        held = None if layout.shard(t, rank) is None else local_tensor(source, spec.name, spec.shape)
+        out.append(None if held is None else held.to(TORCH_DTYPES[spec.dtype]))
     return out
+
+
+def local_tensor(source: ModuleSource, name: str, shape: tuple[int, ...]) -> Any:
+    """What this rank holds of published tensor ``name`` (the layout says it holds some), neither gathered nor
+    cast: its shard of the parameter, or the tensor's box cut from its shard of the parameter it is cut from."""
+    view = None
+    try:
+        param: Any = source.parameter(name).detach()
+    except KeyError:
+        view = source.view(name)
+        if view is None:
+            raise PermanentError(f"tensor {name!r} is no parameter of the trainer and no box of one") from None
+        param = source.parameter(view.param).detach()
+    if not hasattr(param, "to_local"):  # a plain tensor: rank 0's, whole
+        return param if view is None else view.cut(param, (0,) * param.dim(), shape)
+    if view is None:
+        return param.to_local()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return view.cut(param.to_local(), tuple(int(o) for o in offsets), shape)
 
 
 def _world_size() -> int:
@@ -181,4 +225,4 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-__all__ = ["agreed", "local_shards", "trainer_layout"]
+__all__ = ["agreed", "local_shards", "local_tensor", "trainer_layout"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import PermanentError
@@ -120,6 +121,124 @@ class Conversion:
                 ) from None
             out.append(sorted(converted.items(), key=lambda item: _natural(item[0])))
         return out
+
+    def views(self, groups: list[dict[str, torch.Tensor]]) -> dict[str, View | None]:
+        """Every published tensor the conversion computes, as a box of one parameter (``View``; None where it is
+        not one). Groups of the same shapes under the same names but for their layer index convert alike: the
+        first of each is probed, the others renamed."""
+        out: dict[str, View | None] = {}
+        probed: dict[tuple[tuple[str, tuple[int, ...]], ...], tuple[str, dict[str, View | None]]] = {}
+        for group in groups:
+            index = _layer_index(next(iter(group), ""))
+            key = tuple((_unindexed(n, index), tuple(t.shape)) for n, t in group.items())
+            if key not in probed:
+                probed[key] = (index, _views(self, group))
+            first, views = probed[key]
+            for name, view in views.items():
+                renamed = None if view is None else View(_reindexed(view.param, first, index), view.offsets, view.axes)
+                out[_reindexed(name, first, index)] = renamed
+        return out
+
+
+def _layer_index(name: str) -> str:
+    return next((p for p in name.split(".") if p.isdigit()), "")
+
+
+def _unindexed(name: str, index: str) -> str:
+    return _reindexed(name, index, "#")
+
+
+def _reindexed(name: str, old: str, new: str) -> str:
+    """``name`` with its layer index (its first integer segment, ``layer_groups``' key) ``old`` made ``new``."""
+    if not old:
+        return name
+    parts = name.split(".")
+    at = next(i for i, p in enumerate(parts) if p.isdigit())
+    return ".".join([*parts[:at], new, *parts[at + 1 :]]) if parts[at] == old else name
+
+
+@dataclass(frozen=True)
+class View:
+    """A published tensor that is a box of one trainer parameter (an expert's ``gate_proj`` of the fused
+    ``gate_up_proj``): its dimension ``i`` runs along the parameter's dimension ``axes[i]``, from ``offsets`` (one
+    per parameter dimension); a parameter dimension no axis runs along is one long there (the expert's index)."""
+
+    param: str
+    offsets: tuple[int, ...]
+    axes: tuple[int, ...]
+
+    def lengths(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The box's lengths in the parameter, for the published ``shape``."""
+        return tuple(shape[self.axes.index(d)] if d in self.axes else 1 for d in range(len(self.offsets)))
+
+    def cut(self, local: torch.Tensor, local_offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The published tensor from ``local``, a shard of the parameter starting at ``local_offsets`` that holds
+        the whole box (a view where the axes keep their order, as they do for the experts transformers fuses)."""
+        box = tuple(
+            slice(o - lo, o - lo + n) for o, lo, n in zip(self.offsets, local_offsets, self.lengths(shape), strict=True)
+        )
+        rest = tuple(d for d in range(len(self.offsets)) if d not in self.axes)
+        return local[box].permute(*self.axes, *rest).reshape(shape)
+
+
+def _views(conversion: Conversion, group: Mapping[str, torch.Tensor]) -> dict[str, View | None]:
+    """Each checkpoint tensor the group converts to, as a box of one parameter (None where it is not one).
+
+    Found by converting index probes with transformers' own conversion: one probe per parameter dimension whose
+    values are the coordinate along it, one whose values say which parameter; broadcast views, so only what the
+    conversion copies takes memory (int32, the size of the group's published tensors)."""
+    import torch
+
+    params = list(group)
+    ndim = max(t.dim() for t in group.values())
+
+    def probe(k: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, (name, t) in enumerate(group.items()):
+            shape = tuple(t.shape)
+            if k < len(shape):
+                v = torch.arange(shape[k], dtype=torch.int32).view([-1 if d == k else 1 for d in range(len(shape))])
+            else:  # k == ndim: which parameter; past a parameter's own dimensions: 0
+                v = torch.full((1,) * len(shape), i if k == ndim else 0, dtype=torch.int32)
+            out[name] = v.expand(shape)
+        return out
+
+    coords = [conversion.convert(probe(k)) for k in range(ndim + 1)]
+    views: dict[str, View | None] = {}
+    for name, which in coords[ndim].items():
+        source = int(which.flatten()[0])
+        views[name] = _box(params[source], [c[name] for c in coords[: group[params[source]].dim()]])
+        if views[name] is not None and not bool((which == source).all()):
+            views[name] = None
+    return views
+
+
+def _box(param: str, coords: list[torch.Tensor]) -> View | None:
+    """The view whose coordinates ``coords`` (one tensor per parameter dimension, of the published shape) are."""
+    import torch
+
+    shape = tuple(coords[0].shape)
+    offsets = tuple(int(c.flatten()[0]) if c.numel() else 0 for c in coords)
+    axes: list[int] = []
+    for a, n in enumerate(shape):  # the parameter dimension that steps by one along each published axis
+        step = [0] * len(shape)
+        step[a] = 1 if n > 1 else 0
+        moved = [d for d, c in enumerate(coords) if n > 1 and int(c[tuple(step)]) != offsets[d]]
+        free = [d for d in range(len(coords)) if d not in axes and d not in moved]
+        if len(moved) > 1 or not (moved or free):
+            return None
+        axes.append(moved[0] if moved else free[-1])
+    if len(set(axes)) != len(axes):
+        return None
+    view = View(param, offsets, tuple(axes))
+    for d, c in enumerate(coords):  # every element where the view says: a box, not merely its corners
+        expected = torch.full(shape, offsets[d], dtype=torch.int32)
+        if d in axes:
+            a = axes.index(d)
+            expected += torch.arange(shape[a], dtype=torch.int32).view([-1 if i == a else 1 for i in range(len(shape))])
+        if not torch.equal(c, expected):
+            return None
+    return view
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from weightsync.coordinator.client import CoordinatorClient
 from weightsync.errors import WeightsyncError
 from weightsync.sharding.shards import TrainerLayout
 from weightsync.tensors import manifest_checksum
+from weightsync_trainer import layouts
 from weightsync_trainer.durable import Snapshot, VolumeCopies
 from weightsync_trainer.sources import ModuleSource, WeightSource
 
@@ -51,8 +52,7 @@ def local_shards(source: ModuleSource, layout: TrainerLayout, rank: int) -> dict
     with torch.no_grad():
         for t, _box in sharded_volume.writes(layout, rank):
             spec = layout.table.tensors[t]
-            param = source.parameter(spec.name).detach()
-            local = param.to_local() if hasattr(param, "to_local") else param  # a plain tensor: rank 0's, whole
+            local = layouts.local_tensor(source, spec.name, spec.shape)
             out[t] = local.to(device="cpu", dtype=TORCH_DTYPES[spec.dtype], copy=True)
     return out
 
@@ -72,9 +72,7 @@ def sharded_copies(
         return None
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return None
-    from weightsync_trainer.layouts import trainer_layout
-
-    layout = trainer_layout(source)
+    layout = layouts.trainer_layout(source)
     if layout.unsupported:
         log.info("the volume copy is gathered (v1): %s", layout.unsupported)
         return None

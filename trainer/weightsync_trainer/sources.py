@@ -62,6 +62,7 @@ class ModuleSource:
         self._conversion = self._converter()
         self._published: list[list[tuple[str, torch.Tensor]]] | None = None
         """With a conversion: per group, the checkpoint names and (meta) tensors it publishes."""
+        self._views: dict[str, naming.View | None] | None = None
         if self._conversion is not None:
             self._published = self._conversion.layout([{n: self._params[n] for n in g} for g in self._groups])
 
@@ -92,6 +93,15 @@ class ModuleSource:
         """The trainer's own tensor published as ``name``: a DTensor on a sharded trainer, neither gathered nor
         cast (``weightsync_trainer.layouts`` reads its placements)."""
         return self._params[name]
+
+    def view(self, name: str) -> naming.View | None:
+        """How published tensor ``name``, which no parameter is, is cut from one (``naming.View``: an expert of a
+        fused expert parameter), or None when it is not a box of one. Probed once, on first use."""
+        if self._conversion is None:
+            return None
+        if self._views is None:
+            self._views = self._conversion.views([{n: self._params[n] for n in g} for g in self._groups])
+        return self._views.get(name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """One parameter by its model name, whole (gathered), in its own dtype."""
