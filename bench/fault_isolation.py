@@ -339,6 +339,7 @@ def fleet_mode() -> list[dict[str, Any]]:
         report, loads = isolation.timed(run)
         base = dict(loads.at)
         for name, fault in isolation.FAULTS.items():
+            faultrun.on_their_channels(run)  # the last fault's replica back on its channel
             faulty, report, loads = fault(run)
             healthy = [r for r in hostfleet.REPLICAS if r != faulty]
             worst = max(loads.at.get(r, float("inf")) for r in healthy)
@@ -356,7 +357,6 @@ def fleet_mode() -> list[dict[str, Any]]:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-            faultrun.converge(run)
     return rows
 
 

@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.hostfleet import JOB, LEASE_TTL_S, REPLICAS, Fleet
+from tests.hostfleet import CHANNELS, JOB, LEASE_TTL_S, REPLICAS, Fleet
 from weightsync.channels import manifests
 from weightsync.channels.volume import verify_version
 from weightsync.coordinator.client import CoordinatorClient
+from weightsync.coordinator.jobs import FAILED_CHANNEL_RETRY_S
 from weightsync.vocabulary import ReplicaState, VersionState
 
 
@@ -111,6 +112,21 @@ def converge(run: Run) -> tuple[float, float, dict[str, Any]]:
             )
         time.sleep(0.25)
     return time.monotonic() - run.cleared_at, bound, report
+
+
+def on_their_channels(run: Run) -> None:
+    """Publish until one version plans every replica on its own channel, then converge: a fault keeps its replica
+    off its channel for a while (``FAILED_CHANNEL_RETRY_S``, as it should), which must not count against the next
+    fault's healthy replicas. Each publish waits a few seconds; the backoff ends within its first wait."""
+    deadline = time.monotonic() + 2 * FAILED_CHANNEL_RETRY_S + 30
+    while True:
+        report = run.publish()
+        if report["state"] == VersionState.READY.value and report["channels"] == CHANNELS:
+            break
+        assert time.monotonic() < deadline, f"no version on every replica's channel: {report['channels']}"
+        time.sleep(5)
+    run.cleared()
+    converge(run)
 
 
 def check_invariants(run: Run) -> None:

@@ -103,6 +103,7 @@ def test_one_replicas_fault_stays_its_own(
     seeds, base = baseline
     with host_fleet.client(timeout_s=30) as client:
         run = faultrun.Run(host_fleet, client, seeds)
+        faultrun.on_their_channels(run)  # the last fault's replica back on its channel: every replica healthy
         faulty, report, loads = FAULTS[name](run)
         took, fault_free, bound = _isolated(run, faulty, report, loads, base)
         _, _, after = faultrun.converge(run)

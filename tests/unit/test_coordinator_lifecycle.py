@@ -424,6 +424,19 @@ def test_replica_reconnect_keeps_its_place_restart_loses_it() -> None:
     assert statuses(latest(core))["r1"] is ReplicaState.DROPPED and v == 1
 
 
+def test_a_replica_dropped_from_a_version_that_catches_it_up_shows_the_volume_not_its_plan() -> None:
+    # found by the fleet's killed-mid-transfer fault: the restarted replica's catch-up read as "loaded over nccl"
+    core, t, (r0, _) = fleet(2)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    new = core.register("job", Role.REPLICA, "r1", "new", CPU).lease_id  # killed and restarted: dropped from v
+    sent(core, t, v)
+    core.ack(r0, ok(v))
+    assert core.ack(new, ok(v)) is VersionState.READY  # its catch-up, from the volume
+    info = latest(core)
+    assert statuses(info) == {"r0": ReplicaState.LOADED, "r1": ReplicaState.LOADED}
+    assert {r.replica_id: r.channel for r in info.replicas} == {"r0": Channel.CPU, "r1": Channel.VOLUME}
+
+
 def test_metrics_after_a_sync() -> None:
     registry = CollectorRegistry()
     core, t, (r0, r1) = fleet(2, registry=registry)

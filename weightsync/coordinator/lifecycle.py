@@ -72,7 +72,8 @@ class VersionRecord:
     settled_at: float = 0.0
     status: dict[str, ReplicaState] = field(default_factory=dict)
     outside: dict[str, Channel] = field(default_factory=dict)
-    """Replicas that loaded it outside any plan (catch-up, recovery), with the channel they loaded it over."""
+    """Replicas that loaded it outside any plan (catch-up, recovery), with the channel they loaded it over: shown
+    over what their plan said, where they had one (a replica dropped from the version, restarted, caught up)."""
     errors: dict[str, str] = field(default_factory=dict)
     content: dict[str, str] = field(default_factory=dict)
     counts: dict[ReplicaState, int] = field(default_factory=dict)
@@ -137,8 +138,7 @@ class VersionRecord:
         status = ReplicaState.LOADED if ok else ReplicaState.FAILED
         old = self.status.get(replica_id)
         changed = old is not status or self.errors.get(replica_id, "") != error
-        if replica_id not in self.plans:
-            self.outside[replica_id] = Channel.VOLUME
+        self.outside[replica_id] = Channel.VOLUME
         if old is not None:
             self.counts[old] -= 1
         self.status[replica_id] = status
@@ -234,7 +234,7 @@ class VersionRecord:
             tuple(
                 ReplicaStatus(
                     rid,
-                    self.plans[rid].channel if rid in self.plans else self.outside.get(rid),
+                    self.outside[rid] if rid in self.outside else self.plans[rid].channel,
                     self.status[rid],
                     self.errors.get(rid, ""),
                     self.content.get(rid, ""),
