@@ -7,7 +7,9 @@ For each fleet, first a fault-free version, then one version per fault with exac
 each time the trainer's gather stalls ``STALL_S`` after its first group (so a fault lands mid-version),
 and the time that counts is publish -> each healthy replica's ack (LOADED), read from the coordinator every
 0.1 s. The table gives the slowest healthy replica against the fault-free slowest, their ratio, and the goal
-(1.2x the fault-free time plus the join deadline), and where the faulty one ended (the volume, or dropped).
+(1.2x the fault-free time plus the join deadline), and where the faulty one ended (light: its channel in the
+publisher's report, or dropped; fleet: its channel and state as the coordinator records that version, once the
+fleet converged after the fault).
 
 ``--light N``: N lightweight replicas on loopback: real coordinator (its own process), real ``Publisher`` (this
 process; the CPU stream and the volume), and replicas that are real clients with real CPU-stream receivers
@@ -341,6 +343,10 @@ def fleet_mode() -> list[dict[str, Any]]:
         for name, fault in isolation.FAULTS.items():
             faultrun.on_their_channels(run)  # the last fault's replica back on its channel
             faulty, report, loads = fault(run)
+            faultrun.converge(run)  # the faulty replica back: what it did with the version is on record
+            info = client.version_info(report["version"], job=hostfleet.JOB)
+            ended = next((r for r in info.replicas if r.replica_id == faulty), None)
+            where = "-" if ended is None or ended.channel is None else ended.channel.value
             healthy = [r for r in hostfleet.REPLICAS if r != faulty]
             worst = max(loads.at.get(r, float("inf")) for r in healthy)
             fault_free = max(base[r] for r in healthy)
@@ -352,7 +358,7 @@ def fleet_mode() -> list[dict[str, Any]]:
                 "fault_free_s": round(fault_free, 2),
                 "ratio": round(worst / fault_free, 2),
                 "goal_s": round(1.2 * fault_free + isolation.JOIN_S, 2),
-                "faulty_ended": report["channels"].get(faulty, "dropped"),
+                "faulty_ended": "dropped" if ended is None else f"{where} {ended.state.value}",
                 "state": report["state"],
             }
             rows.append(row)
