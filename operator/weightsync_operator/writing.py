@@ -9,8 +9,10 @@ whose pass started late had its status land behind dozens of other jobs' writes
 (status p99 5-12 s for 30 jobs on a loaded machine). Every write of a pass now
 goes through one ``Lane``, at most ``WIDTH`` in flight, and a free writer takes
 a status patch that answers a new ``metadata.generation`` before any other write
-waiting; the others go in the order they came. So the statuses of jobs changed
-together land first and their children follow. Only the answers jump the queue
+waiting; the others go in the order they came, and none starts while an answer is
+being written (suspending 50 jobs, the answers shared the API server with up to 16
+children's writes; status p99 1.78-2.28 s on a quiet 2-core machine). So the
+statuses of jobs changed together land first and their children follow. Only the answers jump the queue
 (at most one per spec change): a job's other status patches, for pods coming and
 going, keep their turn. While many jobs resume those never stop coming, and put
 ahead of every child's write they could hold back the very pods being waited for
@@ -52,14 +54,21 @@ class Lane:
 
     def __init__(self, width: int = WIDTH, name: str = "write") -> None:
         self._width, self._name = width, name
-        self._queue: queue.PriorityQueue[tuple[int, int, Callable[[], Any], Future[Any]]] = queue.PriorityQueue()
+        self._queue: queue.PriorityQueue[tuple[Urgency, int, Callable[[], Any], Future[Any]]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._lock = threading.Lock()
         self._writers = 0
+        self._queued = 0  # answers waiting for a writer
+        self._flying = 0  # answers being written
+        self._answered = threading.Condition(self._lock)
 
     def submit(self, urgency: Urgency, write: Callable[..., R], *args: Any) -> Future[R]:
         """Queue ``write(*args)``; its future holds what it returned or raised."""
         future: Future[R] = Future()
+        with self._lock:
+            if urgency is Urgency.ANSWER:
+                self._queued += 1
+                self._answered.notify_all()  # a writer holding a child's write takes this one instead
         self._queue.put((urgency, next(self._order), functools.partial(write, *args), future))
         with self._lock:
             if self._writers < self._width:
@@ -79,10 +88,35 @@ class Lane:
 
     def _work(self) -> None:
         while True:
-            _, _, write, future = self._queue.get()
+            item = self._queue.get()
+            urgency, _, write, future = item
+            if not self._may_start(urgency):
+                self._queue.put(item)  # its place kept (its order number); the answer waiting goes first
+                continue
             if not future.set_running_or_notify_cancel():
+                self._done(urgency)
                 continue
             try:
                 future.set_result(write())
             except BaseException as err:  # noqa: BLE001 - handed to the waiting pass, which raises it
                 future.set_exception(err)
+            finally:
+                self._done(urgency)
+
+    def _may_start(self, urgency: Urgency) -> bool:
+        """Whether this write goes out now. An answer does; a child's write waits while answers are being written
+        (so the statuses changed together have the API server to themselves) and yields to an answer queued
+        meanwhile (False: the caller puts it back and takes the answer)."""
+        with self._answered:
+            if urgency is Urgency.ANSWER:
+                self._queued -= 1
+                self._flying += 1
+                return True
+            self._answered.wait_for(lambda: self._queued > 0 or self._flying == 0)
+            return self._queued == 0
+
+    def _done(self, urgency: Urgency) -> None:
+        if urgency is Urgency.ANSWER:
+            with self._answered:
+                self._flying -= 1
+                self._answered.notify_all()

@@ -38,6 +38,20 @@ def test_a_free_writer_takes_the_answers_to_a_spec_change_first_then_the_rest_in
     ]
 
 
+def test_no_childs_write_starts_while_an_answer_is_being_written() -> None:
+    lane = Lane(width=4)
+    answering, started = threading.Event(), threading.Event()
+    answer = lane.submit(Urgency.ANSWER, answering.wait, 10)
+    child = lane.submit(Urgency.IN_TURN, started.set)
+    assert not started.wait(0.3), "a child's write went out beside the answer"
+    answering.set()
+    assert answer.result(10) is True and started.wait(10)
+    child.result(10)
+    # with no answer out, children's writes go out together (the width)
+    barrier = threading.Barrier(4, timeout=10)
+    assert lane.each(Urgency.IN_TURN, lambda i: barrier.wait() >= 0 and i, [1, 2, 3, 4]) == [1, 2, 3, 4]
+
+
 def test_writes_of_one_call_go_out_together_and_an_error_reaches_the_caller() -> None:
     lane = Lane(width=3)
     barrier = threading.Barrier(3, timeout=10)  # passes only if all three are in flight at once
