@@ -12,11 +12,12 @@ a status patch that answers a new ``metadata.generation`` before any other write
 waiting; the others go in the order they came, and none starts while an answer is
 being written (suspending 50 jobs, the answers shared the API server with up to 16
 children's writes; status p99 1.78-2.28 s on a quiet 2-core machine). So the
-statuses of jobs changed together land first and their children follow. Only the answers jump the queue
-(at most one per spec change): a job's other status patches, for pods coming and
-going, keep their turn. While many jobs resume those never stop coming, and put
-ahead of every child's write they could hold back the very pods being waited for
-(tried: 4 of 30 jobs were not Running 300 s after a resume on a loaded machine).
+statuses of jobs changed together land first and their children follow. Only the
+answers jump the queue (at most one per spec change): a job's other status
+patches, for pods coming and going, keep their turn. While many jobs resume those
+never stop coming, and put ahead of every child's write they could hold back the
+very pods being waited for (tried: 4 of 30 jobs were not Running 300 s after a
+resume on a loaded machine).
 
 Nothing is dropped or reordered within a pass: a pass waits on its own writes
 (``run``), so the order a pass needs (a gang restart's count before the ranks'
@@ -65,12 +66,11 @@ class Lane:
     def submit(self, urgency: Urgency, write: Callable[..., R], *args: Any) -> Future[R]:
         """Queue ``write(*args)``; its future holds what it returned or raised."""
         future: Future[R] = Future()
-        with self._lock:
+        with self._lock:  # counted before a writer can take it (``_may_start`` uncounts it)
             if urgency is Urgency.ANSWER:
                 self._queued += 1
                 self._answered.notify_all()  # a writer holding a child's write takes this one instead
-        self._queue.put((urgency, next(self._order), functools.partial(write, *args), future))
-        with self._lock:
+            self._queue.put((urgency, next(self._order), functools.partial(write, *args), future))
             if self._writers < self._width:
                 self._writers += 1
                 name = f"{self._name}-{self._writers}"

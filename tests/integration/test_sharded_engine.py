@@ -6,11 +6,11 @@ sender threads, one per trainer rank, each send only from their own shard over t
 ``weightsync_receive_regions`` has each worker receive only its regions and land them inside vLLM's layerwise
 reload. Checked: each worker received exactly the bytes its layout needs (less than the table), the senders'
 and workers' digests combine alike in plan order, and the engine generates what transformers predicts for the
-trained weights. For the tiny Qwen2 and the tiny Qwen2-MoE (its experts land by expert and TP shard: recording
-the layout in the live worker once installed vLLM's CPU expert prepack a second time, and the landed experts were
-prepacked twice, generating other tokens). The same engine driven by the publisher, its agent and the
-coordinator: ``test_sharded_publish.py`` (in make test) and ``test_sharded_moe.py`` (this one, the engine alone,
-and that one in make sharded).
+trained weights. Run for the tiny Qwen2 and the tiny Qwen2-MoE, whose experts land by expert and TP shard (it
+caught recording the layout in the live worker installing vLLM's CPU expert prepack a second time: the landed
+experts were prepacked twice and generated other tokens). The same engine driven by the publisher, its agent and
+the coordinator: ``test_sharded_publish.py`` (in make test) and ``test_sharded_moe.py``; this test and that one
+run in make sharded.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from weightsync.errors import PermanentError
 from weightsync.sharding import shards
 from weightsync.sharding.boxes import Box
 from weightsync.tensors import TensorTable
+from weightsync_trainer.naming import View
 from weightsync_trainer.sources import ModuleSource
 
 
@@ -48,10 +49,8 @@ def _read(source: ModuleSource, table: TensorTable, world: int) -> shards.Traine
     meshes: dict[shards.Mesh, int] = {}
     placements = []
     for spec in table:
-        try:
-            mesh, placement = _placed(spec.name, source.parameter(spec.name))
-        except KeyError:
-            mesh, placement = _viewed(source, spec.name, spec.shape)
+        param, view = _parameter_of(source, spec.name)
+        mesh, placement = _placed(spec.name, param) if view is None else _viewed(view, param, spec.name, spec.shape)
         index = meshes.setdefault(mesh, len(meshes))
         placements.append(shards.Placement(index, placement.shard_dims, placement.order))
     return shards.TrainerLayout(table, world, tuple(meshes), tuple(placements))
@@ -72,15 +71,23 @@ def _placed(name: str, param: Any) -> tuple[shards.Mesh, shards.Placement]:
     return mesh, placement
 
 
-def _viewed(source: ModuleSource, name: str, shape: tuple[int, ...]) -> tuple[shards.Mesh, shards.Placement]:
-    """A tensor the source cuts from one parameter (an expert of a fused expert parameter): held whole by the ranks
-    whose shard of that parameter holds its whole box, which must be every rank holding any of it."""
-    view = source.view(name)
-    if view is None:
-        raise PermanentError(
-            f"tensor {name!r} is no parameter of the trainer and no box of one: the source computes it from others"
-        )
-    param = source.parameter(view.param)
+def _parameter_of(source: ModuleSource, name: str) -> tuple[Any, View | None]:
+    """The trainer's parameter published as ``name`` (view None), or the one ``name`` is cut from and how (an
+    expert of a fused expert parameter)."""
+    try:
+        return source.parameter(name), None
+    except KeyError:
+        view = source.view(name)
+        if view is None:
+            raise PermanentError(
+                f"tensor {name!r} is no parameter of the trainer and no box of one: the source computes it from others"
+            ) from None
+        return source.parameter(view.param), view
+
+
+def _viewed(view: View, param: Any, name: str, shape: tuple[int, ...]) -> tuple[shards.Mesh, shards.Placement]:
+    """A tensor cut from one parameter (``view`` of ``param``): held whole by the ranks whose shard of that
+    parameter holds its whole box, which must be every rank holding any of it."""
     mesh, placement = _placed(view.param, param)
     box = Box(view.offsets, view.lengths(shape))
     whole: list[int] = []
@@ -201,14 +208,8 @@ def local_shards(source: ModuleSource, layout: shards.TrainerLayout, rank: int) 
 def local_tensor(source: ModuleSource, name: str, shape: tuple[int, ...]) -> Any:
     """What this rank holds of published tensor ``name`` (the layout says it holds some), neither gathered nor
     cast: its shard of the parameter, or the tensor's box cut from its shard of the parameter it is cut from."""
-    view = None
-    try:
-        param: Any = source.parameter(name).detach()
-    except KeyError:
-        view = source.view(name)
-        if view is None:
-            raise PermanentError(f"tensor {name!r} is no parameter of the trainer and no box of one") from None
-        param = source.parameter(view.param).detach()
+    held, view = _parameter_of(source, name)
+    param = held.detach()
     if not hasattr(param, "to_local"):  # a plain tensor: rank 0's, whole
         return param if view is None else view.cut(param, (0,) * param.dim(), shape)
     if view is None:

@@ -64,7 +64,10 @@ class ModuleSource:
         """With a conversion: per group, the checkpoint names and (meta) tensors it publishes."""
         self._views: dict[str, naming.View | None] | None = None
         if self._conversion is not None:
-            self._published = self._conversion.layout([{n: self._params[n] for n in g} for g in self._groups])
+            self._published = self._conversion.layout(self._group_params())
+
+    def _group_params(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: self._params[n] for n in g} for g in self._groups]
 
     def _converter(self) -> naming.Conversion | None:
         return naming.Conversion.of(self.module)
@@ -100,7 +103,7 @@ class ModuleSource:
         if self._conversion is None:
             return None
         if self._views is None:
-            self._views = self._conversion.views([{n: self._params[n] for n in g} for g in self._groups])
+            self._views = self._conversion.views(self._group_params())
         return self._views.get(name)
 
     def tensor(self, name: str) -> torch.Tensor:
