@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,55 @@ def assert_generates_like(engine: Any, model: torch.nn.Module) -> None:
 
     result = reference.agreement(model, PROMPTS, engine.greedy(PROMPTS, TOKENS), LOGPROB_TOLERANCE)
     assert result.ok, "\n".join(result.mismatches)
+
+
+Output = tuple[list[int], list[float]]
+"""A greedy completion: its token ids and their log-probabilities."""
+
+
+def assert_agrees(model: torch.nn.Module, prompt: list[int], outputs: list[Output], what: str) -> None:
+    """``outputs`` are what ``model`` generates for ``prompt``, teacher-forced (``reference.agreement``), so a near-tie
+    that bf16 rounding in another batch flips is no mismatch."""
+    from weightsync_trainer import reference
+
+    result = reference.agreement(model, [prompt] * len(outputs), outputs, LOGPROB_TOLERANCE)
+    assert result.ok, f"{what}: {result.mismatches}"
+
+
+def assert_attributed(
+    models: Mapping[str, torch.nn.Module], prompt: list[int], made: Iterable[tuple[str, Output]], minimum: int
+) -> None:
+    """Completions of ``prompt`` with the proxy's versions label: each labelled with one version is what that
+    version's model generates (``assert_agrees``); a label naming two versions names known versions in order; at
+    least ``minimum`` ran within one version; and the check bites: for most versions, the version before it (in
+    ``models``' order) generates something else.
+
+    Never token for token against a reference the engine generated beside them: batches of other sizes round
+    differently, and a CI run had a completion equal to transformers' output for its version while the reference
+    flipped a near-tie (top-two margin 0.016)."""
+    from weightsync_trainer import reference
+
+    made = list(made)
+    within = sum(1 for label, _ in made if "," not in label)
+    assert within >= minimum, f"only {within} completions ran within one version"
+    single: dict[str, list[Output]] = {}
+    for label, (ids, lps) in dict.fromkeys((label, (tuple(i), tuple(lp))) for label, (i, lp) in made):  # once each
+        if "," in label:
+            first, last = label.split(",")
+            assert int(first) < int(last) and first in models and last in models, label
+        else:
+            assert label in models, f"a completion names version {label}, which never loaded"
+            single.setdefault(label, []).append((list(ids), list(lps)))
+    order = list(models)
+    bites = []
+    for label, outputs in single.items():
+        assert_agrees(
+            models[label], prompt, outputs, f"a completion attributed to version {label} is not what it generates"
+        )
+        if order.index(label) > 0:
+            before = models[order[order.index(label) - 1]]
+            bites.append(not reference.agreement(before, [prompt] * len(outputs), outputs, LOGPROB_TOLERANCE).ok)
+    assert sum(bites) * 2 > len(bites), f"only {sum(bites)} of {len(bites)} versions generate unlike the one before"
 
 
 def env_without_proxies() -> dict[str, str]:

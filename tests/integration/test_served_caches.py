@@ -1,7 +1,8 @@
 """What a served replica answers after a switch of weights is what the new weights compute, and it says so.
 
 One real served vLLM (tiny Qwen2, prefix caching at vLLM's default: on; the CPU backend caches
-KV per full block of 128 tokens) behind the real proxy, driven through every sync mode x pause
+KV per full block of 128 tokens) behind the real proxy (``served_server``, shared with
+test_served_engine), driven through every sync mode x pause
 mode. GRPO sends the same prompts many times per step and across steps, so each mode's test
 sends one 300-token prompt twice under the serving version (the second hits its two cached
 blocks), switches a new version in, and then checks that the repeated prompt hits no block from
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,16 +85,14 @@ class Answer:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    work = tmp_path_factory.mktemp("caches")
-    folder = support.tiny_model()
-    with servers.running(work, folder, extension="weightsync_inference.worker.WorkerExtension") as server:
-        replica = Replica(HttpEngine(server.url), board=server.board)
-        replica.adopt()
-        replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(work / "volume")).to_dict())
-        generator = torch.Generator().manual_seed(23)
-        prompt = [1, *torch.randint(3, 500, (PROMPT_TOKENS - 1,), generator=generator).tolist()]
-        yield Live(server, work / "volume", folder, prompt)
+def live(served_server: servers.Server, tmp_path_factory: pytest.TempPathFactory) -> Live:
+    root = tmp_path_factory.mktemp("caches") / "volume"
+    replica = Replica(HttpEngine(served_server.url), board=served_server.board)
+    replica.adopt()
+    replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
+    generator = torch.Generator().manual_seed(23)
+    prompt = [1, *torch.randint(3, 500, (PROMPT_TOKENS - 1,), generator=generator).tolist()]
+    return Live(served_server, root, support.tiny_model(), prompt)
 
 
 def _settled(url: str) -> tuple[float, float]:

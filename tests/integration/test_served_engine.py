@@ -1,9 +1,9 @@
 """A served vLLM (its OpenAI server, dev mode, on 127.0.0.1) updated over HTTP, and fenced by the proxy.
 
-One real server and one real ``weightsync proxy`` process serve the whole module
-(starting vLLM costs 30-60 s here); the tests run in order and each leaves the server
-serving a whole, known version. The agent's side is ``Replica(HttpEngine(url))``; the
-client's side is plain HTTP to the proxy.
+One real server and one real ``weightsync proxy`` process (``served_server``, shared with
+test_served_caches: starting vLLM costs 30-60 s here) serve the whole module; the tests run
+in order and each leaves the server serving a whole, known version. The agent's side is
+``Replica(HttpEngine(url))``; the client's side is plain HTTP to the proxy.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests import support
-from tests.integration import faulty_worker, servers
+from tests.integration import servers
 from weightsync.channels import manifests
 from weightsync.channels.base import Offer, Rendezvous, UpdateTicket
 from weightsync.coordinator import server
@@ -77,17 +77,15 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    work = tmp_path_factory.mktemp("served")
-    folder = support.tiny_model()
-    with servers.running(work, folder, extension=faulty_worker.QUALNAME) as server:
-        engine = HttpEngine(server.url)
-        replica = Replica(engine, board=server.board)
-        replica.adopt()  # what an agent does first: the proxy reads the board from here on
-        root = work / "volume"
-        replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
-        yield Served(root, folder, server.url, server.proxy_url, engine, replica, server.log, server.board)
-        engine.close()
+def served(served_server: servers.Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    server = served_server
+    engine = HttpEngine(server.url)
+    replica = Replica(engine, board=server.board)
+    replica.adopt()  # what an agent does first: the proxy reads the board from here on
+    root = tmp_path_factory.mktemp("served-engine") / "volume"
+    replica.init_transfer(Rendezvous(Channel.VOLUME, root=str(root)).to_dict())
+    yield Served(root, support.tiny_model(), server.url, server.proxy_url, engine, replica, server.log, server.board)
+    engine.close()
 
 
 def test_replica_loads_a_volume_version_over_http(served: Served) -> None:
@@ -251,11 +249,11 @@ def test_pause_wait_finishes_a_generation_on_the_old_weights_and_abort_ends_it(s
 
 def _updates_under_load(served: Served, count: int, update: Callable[[UpdateTicket], UpdateOutcome]) -> None:
     """A steady stream of completions through the proxy while ``count`` versions load with ``update``: every
-    completion the proxy attributes to one version has exactly the tokens that version gives (its greedy output,
-    taken right after it loaded); completions across an update name two versions, in order."""
+    completion the proxy attributes to one version is what that version generates; completions across an update name
+    two versions, in order (``support.assert_attributed``)."""
     body = {"prompt": support.PROMPTS[1], "max_tokens": 24, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    made: list[tuple[str, list[int]]] = []
+            "return_token_ids": True, "logprobs": 0}  # fmt: skip
+    made: list[tuple[str, support.Output]] = []
     stop = threading.Event()
 
     failed: list[str] = []
@@ -267,13 +265,14 @@ def _updates_under_load(served: Served, count: int, update: Callable[[UpdateTick
                 if r.status_code != 200:
                     failed.append(f"{r.status_code}: {r.text}")
                     return
-                made.append((r.headers[proxy.VERSIONS_HEADER], [int(t) for t in r.json()["choices"][0]["token_ids"]]))
-
-    def greedy() -> list[int]:
-        return served.engine.greedy([support.PROMPTS[1]], 24)[0][0]
+                choice = r.json()["choices"][0]
+                made.append(
+                    (r.headers[proxy.VERSIONS_HEADER], (choice["token_ids"], choice["logprobs"]["token_logprobs"]))
+                )
 
     serving = served.engine.weight_version()
-    expected = {serving if serving.isdigit() else "0": greedy()}  # vLLM's initial weights are version 0
+    assert served.serving is not None, "needs the version loaded by the previous tests"
+    models = {serving: served.serving}
     # every version is trained and written before the load starts: the updates under load are what is tested, and
     # a trainer competing with the server for 2 cores made one run take more than ten times as long as another
     published = [served.publish(seed=100 + served.version) for _ in range(count)]
@@ -282,7 +281,7 @@ def _updates_under_load(served: Served, count: int, update: Callable[[UpdateTick
     try:
         for ticket, served.serving in published:
             update(ticket)
-            expected[str(ticket.version)] = greedy()
+            models[str(ticket.version)] = served.serving
             # the second completion to end after the update started after it: one that ran within this version
             after = len(made) + 2
             deadline = time.monotonic() + 60
@@ -292,15 +291,7 @@ def _updates_under_load(served: Served, count: int, update: Callable[[UpdateTick
         stop.set()
         client.join(60)
     assert not failed, f"a completion through the proxy failed: {failed[0]}"
-    single = [(label, ids) for label, ids in made if "," not in label]
-    mixed = [label for label, _ in made if "," in label]
-    assert len(single) >= count, f"only {len(single)} of {len(made)} completions ran within one version"
-    for label, ids in single:
-        assert ids == expected[label], f"a completion attributed to version {label} is not what {label} generates"
-    for label in mixed:
-        first, last = (int(v) for v in label.split(","))
-        assert first < last and str(first) in expected and str(last) in expected, label
-    assert len({tuple(ids) for ids in expected.values()}) > count // 2  # the versions differ: the check bites
+    support.assert_attributed(models, support.PROMPTS[1], made, count)
 
 
 def test_no_completion_is_attributed_to_the_wrong_version_through_20_updates(served: Served) -> None:
