@@ -35,6 +35,9 @@ NAMESPACE_ANNOTATIONS = {
 """Every pod of a namespace so annotated runs on the real node, whatever its spec says (the API server's
 PodNodeSelector and PodTolerationRestriction admission plugins, which e2e/cluster.sh enables): the operator,
 the coordinator and the uninstall hook included, which have no GPU placement of their own."""
+COMPONENTS = frozenset({"containerd", "kubelet", "kube-proxy", "coredns", "apiserver-link"})
+"""The real node's processes (e2e/node.sh's NODE_COMPONENTS): their pid files sit beside the control plane's in the
+cluster's state dir, and they listen on the node's own addresses, in its network namespace, by design."""
 UP_TIMEOUT = 900  # the first `up` builds kubelet, kube-proxy and CoreDNS when `make e2e-tools` did not
 LOAD_TIMEOUT = 1800  # the trainer and inference images are gigabytes each
 
