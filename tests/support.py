@@ -59,60 +59,55 @@ def hf_trainer(folder: Path, seed: int = 0, lr: float = 1e-2, steps: int = 1) ->
     return model
 
 
-def assert_generates_like(engine: Any, model: torch.nn.Module) -> None:
-    """The engine's greedy continuation is what transformers predicts for the model's weights."""
-    from weightsync_trainer import reference
-
-    result = reference.agreement(model, PROMPTS, engine.greedy(PROMPTS, TOKENS), LOGPROB_TOLERANCE)
-    assert result.ok, "\n".join(result.mismatches)
-
-
 Output = tuple[list[int], list[float]]
 """A greedy completion: its token ids and their log-probabilities."""
 
 
-def assert_agrees(model: torch.nn.Module, prompt: list[int], outputs: list[Output], what: str) -> None:
-    """``outputs`` are what ``model`` generates for ``prompt``, teacher-forced (``reference.agreement``), so a near-tie
-    that bf16 rounding in another batch flips is no mismatch."""
+def disagreements(model: torch.nn.Module, prompts: list[list[int]], outputs: list[Output]) -> list[str]:
+    """How ``outputs`` (one per prompt) differ from what ``model`` generates, teacher-forced (``reference.agreement``):
+    a near-tie that bf16 rounding in another batch flips is no mismatch. Empty when they agree."""
     from weightsync_trainer import reference
 
-    result = reference.agreement(model, [prompt] * len(outputs), outputs, LOGPROB_TOLERANCE)
-    assert result.ok, f"{what}: {result.mismatches}"
+    return reference.agreement(model, prompts, outputs, LOGPROB_TOLERANCE).mismatches
+
+
+def assert_generates_like(engine: Any, model: torch.nn.Module) -> None:
+    """The engine's greedy continuation is what transformers predicts for the model's weights."""
+    mismatches = disagreements(model, PROMPTS, engine.greedy(PROMPTS, TOKENS))
+    assert not mismatches, "\n".join(mismatches)
 
 
 def assert_attributed(
     models: Mapping[str, torch.nn.Module], prompt: list[int], made: Iterable[tuple[str, Output]], minimum: int
 ) -> None:
     """Completions of ``prompt`` with the proxy's versions label: each labelled with one version is what that
-    version's model generates (``assert_agrees``); a label naming two versions names known versions in order; at
-    least ``minimum`` ran within one version; and the check bites: for most versions, the version before it (in
+    version's model generates (``disagreements``); a label naming two versions names known versions in order; at least
+    ``minimum`` ran within one version; and the check bites: for most versions, the version before it (in
     ``models``' order) generates something else.
 
     Never token for token against a reference the engine generated beside them: batches of other sizes round
     differently, and a CI run had a completion equal to transformers' output for its version while the reference
     flipped a near-tie (top-two margin 0.016)."""
-    from weightsync_trainer import reference
-
-    made = list(made)
-    within = sum(1 for label, _ in made if "," not in label)
-    assert within >= minimum, f"only {within} completions ran within one version"
     single: dict[str, list[Output]] = {}
-    for label, (ids, lps) in dict.fromkeys((label, (tuple(i), tuple(lp))) for label, (i, lp) in made):  # once each
+    within = 0
+    for label, output in made:
         if "," in label:
             first, last = label.split(",")
             assert int(first) < int(last) and first in models and last in models, label
-        else:
-            assert label in models, f"a completion names version {label}, which never loaded"
-            single.setdefault(label, []).append((list(ids), list(lps)))
+            continue
+        assert label in models, f"a completion names version {label}, which never loaded"
+        within += 1
+        outputs = single.setdefault(label, [])
+        if output not in outputs:  # each distinct output once: most repeat exactly
+            outputs.append(output)
+    assert within >= minimum, f"only {within} completions ran within one version"
     order = list(models)
     bites = []
     for label, outputs in single.items():
-        assert_agrees(
-            models[label], prompt, outputs, f"a completion attributed to version {label} is not what it generates"
-        )
+        mismatches = disagreements(models[label], [prompt] * len(outputs), outputs)
+        assert not mismatches, f"a completion attributed to version {label} is not what it generates: {mismatches}"
         if order.index(label) > 0:
-            before = models[order[order.index(label) - 1]]
-            bites.append(not reference.agreement(before, [prompt] * len(outputs), outputs, LOGPROB_TOLERANCE).ok)
+            bites.append(bool(disagreements(models[order[order.index(label) - 1]], [prompt] * len(outputs), outputs)))
     assert sum(bites) * 2 > len(bites), f"only {sum(bites)} of {len(bites)} versions generate unlike the one before"
 
 
