@@ -258,7 +258,9 @@ class HttpEngine:
         long as the rendezvous' join deadline and transfer timeout together (the workers' own bounded waits)."""
         rdv = request["rendezvous"]
         timeout = float(rdv.get("join_timeout_s", 0)) + float(rdv.get("timeout_s", self.transfer_timeout_s))
-        return self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
+        return receipts.regions_answers(
+            self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
+        )
 
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self._workers("weightsync_stage", json.dumps(update_info), str(nbytes))

@@ -358,8 +358,9 @@ class Replica:
         self, ticket: UpdateTicket, error: Exception, restore: Callable[[], None], pause: bool = False
     ) -> UpdateFailed:
         """The failure of ``ticket``'s update: TORN when bytes reached the parameters (paused first with ``pause``:
-        the engine refuses to step until then), else ``restore`` the serving version."""
-        if self._torn():
+        the engine refuses to step until then) or it was torn before (a recovery that changed nothing leaves the
+        torn weights of the update before it), else ``restore`` the serving version."""
+        if self.state is EngineState.TORN or self._torn():
             self.state = EngineState.TORN
             self._show(self.version, ticket.version, EngineState.TORN)
             if pause:

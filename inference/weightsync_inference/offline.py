@@ -100,10 +100,9 @@ class OfflineEngine:
 
     def receive_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """Every worker receives its regions of a sharded update (``sharded.request``); one answer per worker."""
-        answers: list[dict[str, Any]] = self.llm.collective_rpc(
-            "weightsync_receive_regions", args=(json.dumps(request),)
+        return receipts.regions_answers(
+            self.llm.collective_rpc("weightsync_receive_regions", args=(json.dumps(request),))
         )
-        return answers
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """Each worker's digests of the parameters it computes with (``held.parameter_digests``), in worker order."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, WeightsyncError
 from weightsync.tensors import TensorTable, content_digest
 from weightsync.vocabulary import Channel, SyncPhase
 
@@ -137,3 +137,16 @@ def last_table(answers: Sequence[Mapping[str, Any]]) -> TensorTable | None:
     if len(digests) != 1:
         raise IntegrityError(f"engine workers last received different tables ({sorted(digests)})")
     return tables[0]
+
+
+def regions_answers(replies: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The workers' replies to ``weightsync_receive_regions``; ``WeightsyncError`` naming every worker that failed
+    (whether it was left torn is its receipt's to say).
+
+    A worker answers its failure instead of raising it: vLLM 0.32's multiprocess executor stops reading replies at
+    the first worker that raised, so the others' replies stayed queued and the engine's next call (the receipt, a
+    recovery's load) read a stale one; a trainer rank that dies mid-send fails every worker at once."""
+    failed = [r for r in replies if "error" in r]
+    if failed:
+        raise WeightsyncError("; ".join(f"worker {r.get('worker')}: {r['error']}" for r in failed))
+    return [dict(r) for r in replies]

@@ -14,7 +14,8 @@ answer per worker:
 - ``weightsync_table``: the table of the last version the worker received whole (the trainer's
   table travels in band: the agent records the layout against it);
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
-  from every trainer rank and land them in its parameters (``sharded``);
+  from every trainer rank and land them in its parameters (``sharded``); a failure is answered, not raised
+  (``receipts.regions_answers`` says why), and a worker it left torn refuses to step as after a failed switch;
 - ``weightsync_parameter_digests``: the digest of every parameter the worker computes with (``held``), to
   compare two replicas of one layout bit for bit whichever path loaded them;
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
@@ -101,7 +102,13 @@ class WorkerExtension:
         vLLM's layerwise reload; answers bytes and per-region digests (``sharded.receive``)."""
         from weightsync_inference import sharded
 
-        answer: dict[str, Any] = sharded.from_request(self._weightsync_engine(), json.loads(request))
+        engine = self._weightsync_engine()
+        try:
+            answer: dict[str, Any] = sharded.from_request(engine, json.loads(request))
+        except Exception as e:  # noqa: BLE001 - answered, not raised: ``receipts.regions_answers`` says why
+            if engine.updater.torn:
+                self._refuse_steps_while_torn(engine)
+            return {"worker": engine.updater.ctx.rank, "error": f"{type(e).__name__}: {e}"}
         return answer
 
     def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ with FSDP2 and, for each of ``--steps``, takes a real optimizer step and publish
 to the coordinator at ``--coordinator`` (TLS with ``--ca``, the bearer token from ``$WEIGHTSYNC_TOKEN``) and,
 before each publish, writes the gathered weights it publishes to ``--out/reference-<step>`` (config.json +
 model.safetensors: what the replica must generate like). Rank 0 writes its reports to ``--out/rank0.json``.
+``--checkpoint DIR``: the job's checkpoint volume; every rank writes its own shards of each version there.
 
 ``--flip R``: rank R's region sends corrupt the first byte of their first message on the way (the wire is
 wrapped, as in ``region_ranks``: a flipped bit that TCP lets through cannot be caused for real). ``--die R``: rank
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--die", type=int, default=-1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", required=True)
+    p.add_argument("--checkpoint", default="", help="the checkpoint volume (every rank writes its shards there)")
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=world)
@@ -94,14 +96,16 @@ def main() -> None:
         tls = TlsConfig(ca_file=args.ca)
         client = CoordinatorClient(args.coordinator, token=os.environ["WEIGHTSYNC_TOKEN"], tls=tls, timeout_s=30)
     verdict_s = 2 * args.timeout  # the version's timeout must exceed the transfer's
-    config = jobconfig.JobConfig("job", (Channel.CPU,), transfer_timeout_s=args.timeout, timeout_s=verdict_s)
+    channels = (Channel.CPU, Channel.VOLUME) if args.checkpoint else (Channel.CPU,)
+    config = jobconfig.JobConfig("job", channels, transfer_timeout_s=args.timeout, timeout_s=verdict_s)
     publisher = Publisher(
         source,
         client,
         job="job",
         rank=rank,
-        channels_=(Channel.CPU,),
+        channels_=channels,
         host=args.host,
+        checkpoint_dir=args.checkpoint or None,
         config=config,
         timeout_s=args.timeout,
         version_timeout_s=verdict_s,

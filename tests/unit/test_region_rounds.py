@@ -137,3 +137,22 @@ def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the
         engine.close()
     assert [c["method"] for c in calls] == ["weightsync_table", "weightsync_receive_regions"]
     assert calls[1]["timeout"] == 60.0 and json.loads(calls[1]["args"][0]) == request  # the workers' own bounds
+
+
+def test_workers_answer_a_failed_sharded_update_and_the_engine_raises_naming_each() -> None:
+    """A worker's failure comes back as its answer (``{"worker", "error"}``: vLLM's executor would leave the other
+    workers' replies queued after one raised); the engine's call raises naming every worker that failed."""
+    from weightsync.errors import WeightsyncError
+    from weightsync_inference.receipts import regions_answers
+
+    ok = [{"worker": 0, "nbytes": 4}, {"worker": 1, "nbytes": 4}]
+    assert regions_answers(ok) == ok
+    died = [
+        {"worker": 0, "error": "RuntimeError: Connection closed by peer [10.0.0.2]:1234"},
+        {"worker": 1, "error": "IntegrityError: region 3 from trainer rank 1 arrived with digest 1, sent 2"},
+    ]
+    with pytest.raises(WeightsyncError, match=r"worker 0: RuntimeError: Connection closed.*; worker 1: Integrity"):
+        regions_answers(died)
+    with pytest.raises(WeightsyncError, match="worker 1: ") as failed:
+        regions_answers([ok[0], died[1]])
+    assert "worker 0" not in str(failed.value)

@@ -38,3 +38,32 @@ def test_an_update_whose_engine_cannot_give_its_receipt_leaves_the_replica_torn_
     assert failed.value.state is lifecycle.EngineState.TORN and replica.state is lifecycle.EngineState.TORN
     assert "failed after bytes reached the parameters" in str(failed.value)
     assert "receipt" in engine.calls and "resume" not in engine.calls  # torn: stays paused
+
+
+class RefusingEngine(FailingEngine):
+    """An engine that refuses an update before touching a parameter: its receipt says so (not torn)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "receipt":
+            from weightsync_inference.receipts import Receipt
+
+            def receipt() -> Receipt:
+                self.calls.append(name)
+                return Receipt(1, Channel.VOLUME, ok=False, torn=False, error="refused")
+
+            return receipt
+        return super().__getattr__(name)
+
+
+def test_a_torn_replica_whose_recovery_is_refused_untouched_stays_torn_and_paused() -> None:
+    """The refused load changed nothing, but the weights are still the torn ones of the update before it: the
+    replica must not resume (seen when a stale reply made a recovery's load fail untouched)."""
+    replica = lifecycle.Replica(FailingEngine(), version=1)  # type: ignore[arg-type]
+    with pytest.raises(lifecycle.UpdateFailed):
+        replica.apply(UpdateTicket(2, Channel.CPU, timeout_s=5))
+    assert replica.state is lifecycle.EngineState.TORN
+    engine = replica.control = RefusingEngine()  # type: ignore[assignment]
+    with pytest.raises(lifecycle.UpdateFailed) as failed:
+        replica.apply(UpdateTicket(1, Channel.VOLUME, timeout_s=5))
+    assert failed.value.state is lifecycle.EngineState.TORN and replica.state is lifecycle.EngineState.TORN
+    assert "resume" not in engine.calls and "pause" not in engine.calls
