@@ -66,6 +66,19 @@ def _weightsync(*args: str) -> list[str]:
     return _py("-m", "weightsync.cli.main", *args)
 
 
+def vllm_server(model: Path, backend: Channel, *, tensor_parallel: int = 1) -> list[str]:
+    """A replica's vLLM as a pod runs it (docs/serving.md): the OpenAI server on its host's loopback
+    (``VLLM_PORT``), the weightsync engine of ``backend`` and the worker extension; run it with
+    ``VLLM_SERVER_DEV_MODE=1`` (the agent's routes)."""
+    return _py(
+        "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+        "--port", str(VLLM_PORT), "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.06",
+        "--max-model-len", "256", "--seed", "0", "--tensor-parallel-size", str(tensor_parallel),
+        "--weight-transfer-config", json.dumps({"backend": backend.engine_name}),
+        "--worker-extension-cls", "weightsync_inference.worker.WorkerExtension",
+    )  # fmt: skip
+
+
 @dataclass
 class Fleet:
     hosts: netns.Hosts
@@ -149,14 +162,7 @@ class Fleet:
         )  # fmt: skip
 
     def start_replica(self, host: str) -> None:
-        vllm = _py(
-            "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model), "--host", "127.0.0.1",
-            "--port", str(VLLM_PORT), "--dtype", "bfloat16", "--enforce-eager", "--gpu-memory-utilization", "0.06",
-            "--max-model-len", "256", "--seed", "0", "--weight-transfer-config",
-            json.dumps({"backend": Channel.NCCL.engine_name}),
-            "--worker-extension-cls", "weightsync_inference.worker.WorkerExtension",
-        )  # fmt: skip
-        self.spawn(host, vllm, f"{host}-vllm", VLLM_SERVER_DEV_MODE="1")
+        self.spawn(host, vllm_server(self.model, Channel.NCCL), f"{host}-vllm", VLLM_SERVER_DEV_MODE="1")
         self.start_agent(host)
         listen = f"{self.hosts.address(host)}:{PROXY_PORT}"
         proxy = _weightsync("proxy", "--listen", listen, "--upstream", f"http://127.0.0.1:{VLLM_PORT}")

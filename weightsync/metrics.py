@@ -15,6 +15,7 @@ bytes moved per channel; each agent exports only its own version and lag.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -135,6 +136,9 @@ class AgentMetrics:
     version_lag: Gauge
     sync_seconds: Histogram
     failures_total: Counter
+    region_bytes_total: Counter
+    """Bytes each worker received on the sharded path (its regions only), by worker index: what shows, from outside
+    the agent, that a tensor-parallel worker took its own part and not the whole table."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry = REGISTRY) -> AgentMetrics:
@@ -158,7 +162,18 @@ class AgentMetrics:
                 ["channel"],
                 registry=registry,
             ),
+            region_bytes_total=Counter(
+                "weightsync_agent_region_received_bytes",
+                "Bytes this replica's workers received as regions (the sharded path), by worker.",
+                ["worker"],
+                registry=registry,
+            ),
         )
+
+    def observe_regions(self, nbytes: Mapping[int, int]) -> None:
+        """One version received as regions: ``nbytes`` is worker -> bytes it received."""
+        for worker, n in nbytes.items():
+            self.region_bytes_total.labels(str(worker)).inc(n)
 
 
 @dataclass(frozen=True)

@@ -309,6 +309,8 @@ class Agent:
             received.nbytes,
             table.total_bytes,
         )
+        if self.metrics is not None:
+            self.metrics.observe_regions(received.nbytes)
         self._loaded(a.version, plan.channel, outcome, "assign", content_digest=received.content_digest)
 
     def _regions_request(

@@ -262,6 +262,13 @@ class HttpEngine:
             self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
         )
 
+    def parameter_digests(self) -> list[dict[str, str]]:
+        """Each worker's digests of the parameters it computes with (``held.parameter_digests``), in worker order: two
+        replicas of one layout holding the same weights answer alike, whichever path loaded them. Reads every
+        parameter (packed ones through their kernels), so it is bounded like a transfer, not like a query."""
+        answers = self._workers("weightsync_parameter_digests", timeout_s=self.transfer_timeout_s)
+        return [{str(name): str(digest) for name, digest in a.items()} for a in answers]
+
     def stage(self, update_info: dict[str, Any], nbytes: int) -> str:
         answers = self._workers("weightsync_stage", json.dumps(update_info), str(nbytes))
         return "; ".join(str(a.get("error", "")) for a in answers if not a.get("ok"))

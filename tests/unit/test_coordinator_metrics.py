@@ -66,3 +66,14 @@ def test_serve_exposes_the_registry() -> None:
         server.close()
     assert 'weightsync_versions{state="READY"} 0.0' in body
     assert server.url.startswith("http://127.0.0.1:")
+
+
+def test_an_agent_counts_each_workers_region_bytes_by_worker() -> None:
+    registry = CollectorRegistry()
+    agent = metrics.AgentMetrics.create(registry)
+    agent.observe_regions({0: 1314304, 1: 1314304})
+    agent.observe_regions({0: 10, 1: 20})
+    by_worker = {
+        w: registry.get_sample_value("weightsync_agent_region_received_bytes_total", {"worker": w}) for w in "01"
+    }
+    assert by_worker == {"0": 1314314, "1": 1314324}
