@@ -109,7 +109,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
         ca = work / "ca.crt"
-        fleet = sharded_publish.Fleet(hosts, coordinator.target, ca, None, None, {}, None, None, work, model)
+        volume = work / "volume"  # the ranks' sharded copies (the replica here loads none)
+        volume.mkdir()
+        fleet = sharded_publish.Fleet(hosts, coordinator.target, ca, None, None, {}, None, None, work, model, volume)
         client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
         s = Served(fleet, client)
         logs = {name: work / f"{name}.log" for name in ("vllm", "agent", "proxy")}
