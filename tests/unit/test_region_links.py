@@ -60,6 +60,9 @@ class _Near:
                 view[0] ^= 0x10
             self.copied += 1
 
+    def settle(self) -> None:
+        pass
+
     def release(self) -> None:
         self.released = True
 

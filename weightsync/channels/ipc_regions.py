@@ -4,23 +4,26 @@ The sharded path's co-located links (``sharding.links.colocated``: a trainer ran
 NCCL refuses two ranks of one communicator). The rank exports the storages of its local shards once
 (``ipc.Exports``, as the whole-tensor IPC channel does: kept alive, reused while the shard stays in the same
 memory) and publishes where each shard lies in them (export id, byte offset, the shard's box, its strides) when
-that changes; each version it publishes, per co-located worker, the digest word of each of that link's regions,
-computed on the device from the shard (``regions.send`` hands it the regions' views: ``Exporter.link``). The
-worker maps the rank's exports once (``ipc.Mappings``) and, inside ``regions.receive``'s walk, copies each bucket's
-regions from the mapped shard into the bucket and the rank's words after them (``Importer.link``): the bucket is
-then what the wire would have delivered, and the walk checks every region's digest against the rank's word before
-it yields it, failing naming tensor, box, rank and worker, as for any link. Bytes are counted by the walk: a
-worker copies exactly its regions' bytes.
+that changes; each version (``publish``) it says which placement holds, once its shards are written, and then,
+per co-located worker, the digest word of each of that link's regions, computed on the device from the shard
+(``regions.send`` hands it the regions' views: ``Exporter.link``). The worker maps the rank's exports once
+(``ipc.Mappings``) and, inside ``regions.receive``'s walk, copies each bucket's regions from the mapped shard into
+the bucket as soon as the version's placement is out (``Importer.link``), so its copies overlap the rank's digests;
+before the walk checks a round it writes the rank's words after the regions (``settle``): the bucket is then what
+the wire would have delivered, and the walk checks every region's digest against the rank's word before it yields
+it, failing naming tensor, box, rank and worker, as for any link. Bytes are counted by the walk: a worker copies
+exactly its regions' bytes.
 
 The rank must not change its shards while a worker reads them: ``Exporter.release`` waits (bounded) until every
 co-located worker of the version said it is done (``done`` keys, set after the worker's copies finished on the
-device, also when its walk failed). A worker waits for a rank's words at most the join deadline plus the transfer
-timeout: a rank that died before publishing fails the worker with ``TransferTimeoutError`` naming it.
+device, also when its walk failed). A worker waits for a rank's placement and words at most the join deadline plus
+the transfer timeout each: a rank that died before it shared them fails the worker with ``TransferTimeoutError``
+naming it.
 
 Everything on the store is JSON (ids, integers, hex handles), nothing pickled, under a prefix per rank
 (``r<rank>/``): ``buf/<id>`` (an export), ``places/<epoch>`` (per table tensor: null, or [export id, byte offset,
-the shard's box offsets, its lengths, its strides]), ``v<version>/w<worker>`` (``{"places": epoch, "words":
-[...]}``), ``v<version>/done/w<worker>``.
+the shard's box offsets, its lengths, its strides]), ``v<version>/places`` (the epoch of the version's placement),
+``v<version>/w<worker>`` (``{"places": epoch, "words": [...]}``), ``v<version>/done/w<worker>``.
 
     exporter = Exporter(store, rank, timeout_s)                   # a trainer rank, once
     exporter.publish(version, layout, local)                      # each version, once the shards are written
@@ -43,7 +46,7 @@ import torch
 
 from weightsync.channels import digests, gpu, ipc
 from weightsync.channels.wire import TORCH_DTYPES, dist, wait_key
-from weightsync.errors import IntegrityError, PermanentError
+from weightsync.errors import IntegrityError, PermanentError, RetryableError
 from weightsync.sharding.boxes import Box
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
@@ -85,9 +88,15 @@ class Exporter:
                 "still read the shards (call Exporter.release first)"
             )
         same = (layout, [None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in local])
-        if self._layout is not None and same[0] is self._layout[0] and same[1] == self._layout[1]:
-            self._version = version  # the steady state: the same shards in the same memory, nothing to publish
-            return
+        if self._layout is None or same[0] is not self._layout[0] or same[1] != self._layout[1]:
+            self._place(layout, local)  # else the steady state: the same shards in the same memory
+        self._version, self._layout = version, same
+        for device in {t.device for t in local if t is not None and t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the workers read only finished shards
+        # the workers start copying now; the words follow (``link``'s share) while they copy
+        self._store.set(f"v{version}/places", str(self._epoch))
+
+    def _place(self, layout: TrainerLayout, local: Sequence[torch.Tensor | None]) -> None:
         places: list[list[Any] | None] = []
         held: list[torch.Tensor] = []
         for t, spec in enumerate(layout.table):
@@ -113,7 +122,6 @@ class Exporter:
             # a worker reads the epoch its version names before it says done, and ``release`` waits for that
             self._store.delete_key(f"places/{self._epoch - 1}")
             self._places = text
-        self._version, self._layout = version, same
 
     def link(self, worker: int) -> _Shared:
         """The sending end of the link to ``worker`` for the version last published (``regions.send``'s links)."""
@@ -142,6 +150,7 @@ class Exporter:
                 log.warning(
                     "ipc regions: worker %d failed reading rank %d's v%s: %s", w, self.rank, self._version, said
                 )
+        self._store.delete_key(f"v{self._version}/places")
         for w in workers:
             self._store.delete_key(f"v{self._version}/w{w}")
             self._store.delete_key(f"v{self._version}/done/w{w}")
@@ -212,42 +221,58 @@ class Importer:
 
 
 class _Copied:
-    """``regions.Copied`` for one rank and version of an ``Importer``: the rank's words fetched on the first fill,
-    then consumed link by link in plan order (the walk fills a link's buckets in order)."""
+    """``regions.Copied`` for one rank and version of an ``Importer``: copies start once the rank published where its
+    shards lie (``publish``); the rank's words, computed meanwhile, are fetched when the walk first checks, then
+    consumed in plan order (the walk fills a link's buckets in order)."""
 
     def __init__(self, importer: Importer, version: int, rank: int, table: TensorTable) -> None:
         self._importer, self.version, self.rank, self._table = importer, version, rank, table
+        self._store = _prefixed(importer._store, rank)
         self._words: torch.Tensor | None = None
-        self._shards: Mapping[int, tuple[torch.Tensor, Box]] = {}
+        self._shards: Mapping[int, tuple[torch.Tensor, Box]] | None = None
+        self._pending: list[tuple[torch.Tensor, int]] = []  # (a bucket's word slots, how many) not yet written
         self._at = 0
         self.nbytes = 0
 
-    def _start(self) -> torch.Tensor:
-        imp = self._importer
-        store = _prefixed(imp._store, self.rank)
-        what = f"trainer rank {self.rank}'s regions of v{self.version} for worker {imp.worker}"
+    def _wait(self, key: str, what: str) -> bytes:
         # published when the rank starts sending: the join deadline, then the transfer timeout
-        raw = wait_key(store, f"v{self.version}/w{imp.worker}", imp.join_timeout_s + imp.timeout_s, what, Channel.IPC)
-        meta = json.loads(raw)
-        try:
-            epoch, words = int(meta["places"]), [int(w) for w in meta["words"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise PermanentError(f"ipc regions: malformed {what}: {raw[:120]!r} ({e})") from None
-        self._shards = imp._shards_of(self.rank, epoch, self._table)
-        self._words = torch.tensor(words, dtype=torch.int64).to(imp.device, non_blocking=True)
+        imp = self._importer
+        return wait_key(self._store, key, imp.join_timeout_s + imp.timeout_s, what, Channel.IPC)
+
+    def _places(self) -> Mapping[int, tuple[torch.Tensor, Box]]:
+        if self._shards is None:
+            what = f"trainer rank {self.rank}'s shards of v{self.version}"
+            raw = self._wait(f"v{self.version}/places", what)
+            try:
+                epoch = int(raw)
+            except ValueError:
+                raise PermanentError(f"ipc regions: {what}: malformed epoch {raw[:40]!r}") from None
+            try:
+                self._shards = self._importer._shards_of(self.rank, epoch, self._table)
+            except RuntimeError as e:  # CUDA refuses the handles of a process that exited or freed them
+                raise RetryableError(
+                    f"worker {self._importer.worker}: {what} could not be mapped ({str(e).splitlines()[0]}): the rank "
+                    "exited or freed them before this worker was done; the version fails"
+                ) from e
+        return self._shards
+
+    def _sent(self) -> torch.Tensor:
+        if self._words is None:
+            what = f"trainer rank {self.rank}'s regions of v{self.version} for worker {self._importer.worker}"
+            raw = self._wait(f"v{self.version}/w{self._importer.worker}", what)
+            try:
+                words = [int(w) for w in json.loads(raw)["words"]]
+            except (KeyError, TypeError, ValueError) as e:
+                raise PermanentError(f"ipc regions: malformed {what}: {raw[:120]!r} ({e})") from None
+            self._words = torch.tensor(words, dtype=torch.int64).to(self._importer.device, non_blocking=True)
         return self._words
 
     def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
-        sent = self._words if self._words is not None else self._start()
-        if self._at + len(regions) > sent.numel():
-            raise IntegrityError(
-                f"worker {self._importer.worker}: trainer rank {self.rank} published {sent.numel()} region digests "
-                f"for v{self.version}; the plan gives this link more: the two ends planned differently"
-            )
+        shards = self._places()
         srcs, dsts = [], []
         for r, view in zip(regions, into, strict=True):
             spec = self._table.tensors[r.tensor]
-            shard, box = self._shards.get(r.tensor, (None, None))
+            shard, box = shards.get(r.tensor, (None, None))
             if shard is None or box is None or box.intersect(r.source) != r.source:
                 raise PermanentError(
                     f"worker {self._importer.worker}: region {r.source} of tensor {spec.name!r} is planned from "
@@ -261,8 +286,22 @@ class _Copied:
             self.nbytes += r.nbytes
         if srcs:
             torch._foreach_copy_(dsts, srcs)
-        words.copy_(sent[self._at : self._at + len(regions)])
-        self._at += len(regions)
+        self._pending.append((words, len(regions)))
+
+    def settle(self) -> None:
+        """Write the rank's words into the buckets filled so far (waiting for them, bounded)."""
+        if not self._pending:
+            return
+        sent = self._sent()
+        for words, n in self._pending:
+            if self._at + n > sent.numel():
+                raise IntegrityError(
+                    f"worker {self._importer.worker}: trainer rank {self.rank} published {sent.numel()} region "
+                    f"digests for v{self.version}; the plan gives this link more: the two ends planned differently"
+                )
+            words.copy_(sent[self._at : self._at + n])
+            self._at += n
+        self._pending = []
 
     def release(self) -> None:
         """Say done once this worker's copies from the rank's memory have finished (and when the walk failed)."""

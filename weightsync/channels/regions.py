@@ -100,8 +100,13 @@ class Copied(Protocol):
     """The receiving end of a co-located link (``ipc_regions``): fills buckets from the rank's shard."""
 
     def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
-        """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (flat uint8 views of a bucket) and
-        the rank's digest words for them into ``words``; kernels queued on the current stream."""
+        """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (flat uint8 views of a bucket), and
+        the rank's digest words for them into ``words`` now or at the latest in ``settle``; kernels queued on the
+        current stream."""
+        ...
+
+    def settle(self) -> None:
+        """Write the words of every bucket filled so far: the walk calls it before it checks a round."""
         ...
 
     def release(self) -> None:
@@ -370,6 +375,8 @@ def receive(
                         f"({e}); the version fails and the group must be rebuilt"
                     ) from e
             post()
+            for peer in dict.fromkeys(b.peer for b in rnd if b.peer in copied):
+                copied[peer].settle()
             checked = _check(worker, table, rnd, buffers)
             for b, buffer in zip(rnd, buffers, strict=True):
                 for (i, r), data in zip(b.regions, b.views(buffer), strict=True):
