@@ -239,13 +239,13 @@ def _ipc_pair(rank: int, plans: Any, fp32: bool) -> dict[str, Any]:
             if version == 2:  # the second version reuses the exports of the first
                 _step(sources)
                 sender.take_plan({REPLICA: rdv})
-                results["exports"] = sender._next_id
+                results["exports"] = sender._exports.exported
             if version == 3:  # a tensor moved to new memory (``param.data = ...``): exported, its location sent again
                 sources[0] = sources[0] + 1
             report = sender.send(_sender_ticket(version, Channel.IPC), _groups(sources))
             results[f"sent{version}"], results[f"failed{version}"] = report.digests, report.failed
             sender.release(version, TIMEOUT_S)  # the replica copied it: the trainer may change its tensors
-        results["exports_after"] = sender._next_id
+        results["exports_after"] = sender._exports.exported
         sender.close()
         return results
     receiver = ipc.IpcReceiver.start(_rendezvous(plans), WorkerContext(0, 1, str(device)))

@@ -4,8 +4,8 @@ of a TP=2 replica receives only its regions on its GPU, bit-exact, digests check
 The same seeded job as the CPU test (``tests.integration.region_ranks.job``: 2 ranks holding ``Shard(0)``
 shards, a replica whose workers keep tensors column-, row-wise, fused, padded, as experts and whole), over one
 NCCL group of 4 ranks: trainer ranks on GPUs 0 and 1, the workers on GPUs 2 and 3 (NCCL refuses two ranks of
-one communicator on one GPU, so the issue's 2-GPU row, trainer and replica on the same two GPUs, needs the
-co-located pairs copied in place of NCCL: not built yet).
+one communicator on one GPU, so the issue's 2-GPU row, trainer and replica on the same two GPUs, copies the
+co-located pairs over CUDA IPC: ``test_ipc_regions_gpu.py``).
 
 Run on the GPU host (4 GPUs): ``bash tools/gpu-host.sh python3 -m pytest -m gpu -v tests/gpu/test_regions_gpu.py``.
 """

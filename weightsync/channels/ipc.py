@@ -123,6 +123,62 @@ class Export:
         return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
 
 
+class Exports:
+    """The storages one process shares, each exported once (``buf/<id>`` on ``store``, JSON) and kept alive while
+    shared: the sender's half of the export cache, used by this channel and by the sharded path's co-located
+    region links (``ipc_regions``)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        # storage (data_ptr, nbytes) -> (storage kept alive, its export id)
+        self._exports: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
+        self._next_id = 0
+
+    def id_of(self, tensor: torch.Tensor) -> int:
+        """The id of the export of ``tensor``'s storage, exporting it (once) when new."""
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        cached = self._exports.get(key)
+        if cached is None:
+            cached = (storage, self._next_id)
+            self._store.set(f"buf/{self._next_id}", json.dumps(Export.of(storage).to_dict()))
+            self._exports[key] = cached
+            self._next_id += 1
+        return cached[1]
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Drop (and unpublish) every export no tensor of ``tensors`` lives in."""
+        live = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+        for key in [k for k in self._exports if k not in live]:
+            self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
+
+    @property
+    def exported(self) -> int:
+        """Exports made so far (one per new storage)."""
+        return self._next_id
+
+
+class Mappings:
+    """The other side: another process's exports mapped in this one, each once, kept open while used."""
+
+    def __init__(self, store: Any, channel: Channel = Channel.IPC) -> None:
+        self._store, self._channel = store, channel
+        self._mapped: dict[int, torch.Tensor] = {}
+
+    def map(self, used: Iterable[int], timeout_s: float, whose: str = "") -> Mapping[int, torch.Tensor]:
+        """Export id -> the storage as a flat uint8 tensor, for the ids in ``used``: new ones mapped (waiting up to
+        ``timeout_s`` for their handles), ones no longer used closed."""
+        wanted = set(used)
+        for buf in sorted(wanted - self._mapped.keys()):
+            raw = wait_key(self._store, f"buf/{buf}", timeout_s, f"{whose}buffer {buf}'s handle", self._channel)
+            self._mapped[buf] = Export.from_dict(json.loads(raw)).open()
+        self._mapped = {k: v for k, v in self._mapped.items() if k in wanted}
+        return self._mapped
+
+    def clear(self) -> None:
+        self._mapped = {}
+
+
 class _Shared(NamedTuple):
     """What the sender shares for one of the trainer's tensors."""
 
@@ -159,9 +215,7 @@ class IpcSender(Sender):
         self._refresh: list[_Shared] = []  # the sender's buffers, refreshed every version in one call
         self._epoch = 0  # of the published locations, one more each time they change
         self._cast: dict[str, torch.Tensor] = {}
-        # storage (data_ptr, nbytes) -> (storage kept alive, its export id)
-        self._exports: dict[tuple[int, int], tuple[torch.UntypedStorage, int]] = {}
-        self._next_id = 0
+        self._exports = Exports(None)
 
     @classmethod
     def create(cls, config: SenderConfig) -> Self:
@@ -177,7 +231,7 @@ class IpcSender(Sender):
             return
         self._membership = wanted
         self._store = dist.PrefixStore(wanted.prefix, self._base)
-        self._located, self._exports, self._next_id, self._tables = {}, {}, 0, wire.Tables()
+        self._located, self._exports, self._tables = {}, Exports(self._store), wire.Tables()
         self._layout, self._addresses, self._refresh = "", [], []
 
     def _wire(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
@@ -194,18 +248,6 @@ class IpcSender(Sender):
         if buf is None:
             buf = self._cast[spec.name] = torch.empty(spec.shape, dtype=TORCH_DTYPES[spec.dtype], device=self.device)
         return buf.copy_(t, non_blocking=True)
-
-    def _export(self, tensor: torch.Tensor) -> int:
-        """The id of the export of ``tensor``'s storage, exporting it (once) when new."""
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        cached = self._exports.get(key)
-        if cached is None:
-            cached = (storage, self._next_id)
-            self._store.set(f"buf/{self._next_id}", json.dumps(Export.of(storage).to_dict()))
-            self._exports[key] = cached
-            self._next_id += 1
-        return cached[1]
 
     def send(self, ticket: UpdateTicket, groups: Iterable[Sequence[torch.Tensor]]) -> SendReport:
         if ticket.table is None or self._store is None:
@@ -251,11 +293,9 @@ class IpcSender(Sender):
                 continue
             wire = self._wire(spec, tensor)
             offset = int(wire.storage_offset()) * wire.element_size()
-            loc = [self._export(wire), offset] if wire.numel() else None
+            loc = [self._exports.id_of(wire), offset] if wire.numel() else None
             located[spec.name] = _Shared(tensor, wire, loc, tensor.data_ptr(), wire.data_ptr() != tensor.data_ptr())
-        live = {(s.wire.untyped_storage().data_ptr(), s.wire.untyped_storage().nbytes()) for s in located.values()}
-        for key in [k for k in self._exports if k not in live]:
-            self._store.delete_key(f"buf/{self._exports.pop(key)[1]}")
+        self._exports.keep(s.wire for s in located.values())
         self._located, self._layout = located, table.layout_digest()
         self._addresses = [t.data_ptr() for t in tensors]
         self._refresh = [s for s in located.values() if s.buffered]
@@ -271,7 +311,7 @@ class IpcSender(Sender):
             wire.await_consumed(self._store, version, self._membership.world_size, timeout_s, Channel.IPC)
 
     def close(self) -> None:
-        self._located, self._exports, self._cast = {}, {}, {}
+        self._located, self._exports, self._cast = {}, Exports(None), {}
 
 
 @dataclass(frozen=True)
@@ -298,7 +338,7 @@ class IpcReceiver(Receiver):
         self.rank, self.device = rank, gpu.cuda_device(device)
         base = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, rendezvous.timeout_s, Channel.IPC)
         self._store = dist.PrefixStore(rendezvous.prefix, base)
-        self._mapped: dict[int, torch.Tensor] = {}
+        self._mappings = Mappings(self._store)
         self._prepared: _Prepared | None = None
         self._tables = wire.Tables()
 
@@ -316,11 +356,7 @@ class IpcReceiver(Receiver):
         if not isinstance(locations, list) or len(locations) != len(table):
             got = f"{len(locations)} tensors" if isinstance(locations, list) else repr(locations)[:80]
             raise PermanentError(f"ipc channel: v{ticket.version}'s locations give {got}, the table has {len(table)}")
-        used = {loc[0] for loc in locations if loc is not None}
-        for buf in used - self._mapped.keys():
-            raw = wait_key(self._store, f"buf/{buf}", ticket.timeout_s, f"buffer {buf}'s handle", Channel.IPC)
-            self._mapped[buf] = Export.from_dict(json.loads(raw)).open()
-        self._mapped = {k: v for k, v in self._mapped.items() if k in used}
+        mapped = self._mappings.map({loc[0] for loc in locations if loc is not None}, ticket.timeout_s)
         views: dict[str, torch.Tensor] = {}
         for spec, loc in zip(table, locations, strict=True):
             dtype = TORCH_DTYPES[spec.dtype]
@@ -328,7 +364,7 @@ class IpcReceiver(Receiver):
                 views[spec.name] = torch.empty(spec.shape, dtype=dtype, device=self.device)
                 continue
             buf, offset = loc
-            views[spec.name] = self._mapped[buf][offset : offset + spec.nbytes].view(dtype).view(spec.shape)
+            views[spec.name] = mapped[buf][offset : offset + spec.nbytes].view(dtype).view(spec.shape)
         return views
 
     def _prepare(
@@ -404,7 +440,8 @@ class IpcReceiver(Receiver):
             log.warning("ipc channel: the ack of v%d did not reach the trainer: %s", ticket.version, e)
 
     def close(self) -> None:
-        self._mapped, self._prepared = {}, None
+        self._mappings.clear()
+        self._prepared = None
 
 
 SENDER = IpcSender

@@ -26,6 +26,13 @@ plan order; ``combine`` puts a replica's digests (all its workers', or all ranks
 digest, the sender's and the engine's side alike. Every wait is bounded by the group's timeout (gloo's
 point-to-point calls take the one the group was formed with, NCCL's watchdog its own): a rank that dies
 mid-send makes its peers' receives fail at once or at that timeout.
+
+Each link takes its bytes from its own transport (``links``, keyed by the other end: worker on the sending side,
+trainer rank on the receiving side): a ``Wire`` (a group and the other end's rank in it; by default the one
+``pg``, group ranks as above), or, where the link's two ends share a GPU (``sharding.links.colocated``), a CUDA IPC
+copy (``ipc_regions``): the rank publishes the link's digest words (a ``Shared`` end) and the worker copies the
+regions out of the rank's shard into the same buckets the wire would have filled (a ``Copied`` end), checked the
+same way. So one version can move some links by IPC and the others over NCCL, and the walk is the same.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import collections
 import hashlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +77,41 @@ class Tally:
 
     digests: list[str] = field(default_factory=list)
     nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class Wire:
+    """A link over a torch.distributed group: ``peer`` is the other end's rank in ``pg``."""
+
+    pg: Any
+    peer: int
+
+
+class Shared(Protocol):
+    """The sending end of a co-located link (``ipc_regions``): the worker reads the regions itself."""
+
+    def share(self, regions: Sequence[Region], cuts: Sequence[torch.Tensor]) -> list[int]:
+        """Publish ``regions`` (the link's, in plan order; ``cuts`` their views of the rank's shard) for the
+        worker; return each region's digest word, computed where the shard lives."""
+        ...
+
+
+class Copied(Protocol):
+    """The receiving end of a co-located link (``ipc_regions``): fills buckets from the rank's shard."""
+
+    def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
+        """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (flat uint8 views of a bucket), and
+        the rank's digest words for them into ``words`` now or at the latest in ``settle``; kernels queued on the
+        current stream."""
+        ...
+
+    def settle(self) -> None:
+        """Write the words of every bucket filled so far: the walk calls it before it checks a round."""
+        ...
+
+    def release(self) -> None:
+        """Tell the rank this worker is done reading its shard (after the copies finished), whatever happened."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -109,14 +151,19 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _rounds(regions: Sequence[Region], peer: Callable[[Region], int], bucket: int) -> list[list[_Bucket]]:
-    """``regions`` (one side's, in plan order) cut into buckets per link (``peer``: the other end's group rank),
-    each link's in order; round ``k`` holds the ``k``-th bucket of every link that has one. Sender and receiver
-    cut the same buckets, so each pair of ranks exchanges its messages in the same order."""
+def _rounds(
+    regions: Sequence[Region], peer: Callable[[Region], int], bucket: int, skip: frozenset[int] = frozenset()
+) -> list[list[_Bucket]]:
+    """``regions`` (one side's, in plan order) cut into buckets per link (``peer``: the other end, the key of its
+    link), each link's in order, leaving out the links in ``skip``; round ``k`` holds the ``k``-th bucket of every
+    link that has one. Sender and receiver cut the same buckets, so each pair of ranks exchanges its messages in
+    the same order."""
     links: dict[int, list[list[tuple[int, Region]]]] = {}
     filled: dict[int, int] = {}  # bytes in each link's last bucket
     for i, r in enumerate(regions):
         p, n = peer(r), _aligned(r.nbytes)
+        if p in skip:
+            continue
         own = links.setdefault(p, [[]])
         if own[-1] and filled[p] + n > bucket:
             own.append([])
@@ -142,6 +189,20 @@ def _post(pg: Any, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Any]:
     return [pg.send([t], peer, _TAG) if kind == "send" else pg.recv([t], peer, _TAG) for kind, t, peer in ops]
 
 
+def _post_links(ops: Sequence[tuple[str, torch.Tensor, Wire]]) -> list[tuple[Any, list[int]]]:
+    """Post ops whose links may be over several groups (one batch per group): each work with the indices of the
+    ops it stands for (one each, or the whole batch of its group)."""
+    by_group: dict[int, list[int]] = {}
+    for k, (_, _, link) in enumerate(ops):
+        by_group.setdefault(id(link.pg), []).append(k)
+    out: list[tuple[Any, list[int]]] = []
+    for ks in by_group.values():
+        pg = ops[ks[0]][2].pg
+        works = _post(pg, [(ops[k][0], ops[k][1], ops[k][2].peer) for k in ks])
+        out += [(w, [k]) for w, k in zip(works, ks, strict=True)] if len(works) == len(ks) else [(w, ks) for w in works]
+    return out
+
+
 def _coalesces(pg: Any, device: torch.device) -> bool:
     return isinstance(pg, dist.ProcessGroup) and bool(pg._get_backend(device).supports_coalescing)
 
@@ -159,14 +220,25 @@ def send(
     regions: Sequence[Region],
     window: int = WINDOW,
     bucket: int = BUCKET,
+    links: Mapping[int, Wire | Shared] | None = None,
 ) -> Tally:
     """Send trainer ``rank``'s ``regions`` (its ``sends``, in plan order, one replica's) from its local shards.
 
     ``local[i]`` is the rank's local shard of table tensor ``i`` (None where it holds none). Each link's regions
     go packed in buckets of about ``bucket`` bytes with their digest words; the links of a round go at once.
+    ``links`` maps a worker to its link's transport (default: ``Wire(pg, layout.world_size + worker)``); a
+    ``Shared`` link's regions are handed to it whole, before the wire's rounds start.
     """
     got: list[str] = [""] * len(regions)
     tally = Tally()
+    route = _routes(links, lambda w: Wire(pg, layout.world_size + w), (r.worker for r in regions), "worker")
+    shared = {w: link for w, link in route.items() if not isinstance(link, Wire)}
+    for w, link in shared.items():
+        own = [(i, r) for i, r in enumerate(regions) if r.worker == w]
+        words = link.share([r for _, r in own], [_cut(layout, rank, local, r) for _, r in own])
+        for (i, r), word in zip(own, words, strict=True):
+            got[i] = _digest(r.nbytes, word)
+            tally.nbytes += r.nbytes
     posted: collections.deque[tuple[list[_Bucket], list[Any], list[torch.Tensor]]] = collections.deque()
 
     def done() -> None:
@@ -178,11 +250,10 @@ def send(
             tally.nbytes += r.nbytes
 
     try:
-        for rnd in _rounds(regions, lambda r: layout.world_size + r.worker, bucket):
+        for rnd in _rounds(regions, worker_of, bucket, frozenset(shared)):
             buffers = [_pack(layout, rank, local, b) for b in rnd]
-            posted.append(
-                (rnd, _post(pg, [("send", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)]), buffers)
-            )
+            ops = [("send", buf, route[b.peer]) for b, buf in zip(rnd, buffers, strict=True)]
+            posted.append((rnd, [w for w, _ in _post_links(ops)], buffers))
             while len(posted) > window:
                 done()
         while posted:
@@ -194,6 +265,20 @@ def send(
         ) from e
     tally.digests = got
     return tally
+
+
+def _routes(links: Mapping[int, Any] | None, default: Callable[[int], Wire], ends: Any, what: str) -> dict[int, Any]:
+    """Each other end's link: ``links``' (which must name every end the regions have), or the default wire."""
+    wanted = sorted(set(ends))
+    if links is None:
+        return {e: default(e) for e in wanted}
+    missing = [e for e in wanted if e not in links]
+    if missing:
+        raise PermanentError(
+            f"regions: no link given for {what} {', '.join(map(str, missing))} (links name {sorted(links)}); every "
+            f"{what} the regions name needs a transport (a Wire, or an IPC end where both are on one GPU)"
+        )
+    return {e: links[e] for e in wanted}
 
 
 def _pack(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None], b: _Bucket) -> torch.Tensor:
@@ -238,57 +323,73 @@ def receive(
     device: torch.device | str = "cpu",
     window: int = WINDOW,
     bucket: int = BUCKET,
+    links: Mapping[int, Wire | Copied] | None = None,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Receive ``worker``'s ``regions`` (its replica's, in plan order) from ``trainers`` trainer ranks; yield each
     as a ``(Fill, tensor)`` piece once its digest checked, bucket by bucket (the links of a round interleaved, not
     in plan order). ``tally`` gets each region's digest (in plan order, once all arrived) and bytes. ``bucket``
-    must be the senders' (``send``)."""
+    must be the senders' (``send``) on wire links. ``links`` maps a trainer rank to its link's transport (default:
+    ``Wire(pg, rank)``); a ``Copied`` link fills its buckets by copying, is checked like the rest, and is released
+    when the walk ends, however it ends."""
     mine = [r for r in regions if r.worker == worker]
     got: list[str] = [""] * len(mine)
+    route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
+    copied = {r: link for r, link in route.items() if not isinstance(link, Wire)}
     rounds = iter(_rounds(mine, rank_of, bucket))
-    posted: collections.deque[tuple[list[_Bucket], list[Any], list[torch.Tensor]]] = collections.deque()
+    posted: collections.deque[tuple[list[_Bucket], list[tuple[Any, list[int]]], list[torch.Tensor]]]
+    posted = collections.deque()
 
     def post() -> None:
         rnd = next(rounds, None)
         if rnd is None:
             return
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
+        wired = [k for k, b in enumerate(rnd) if b.peer not in copied]
+        for b, buf in zip(rnd, buffers, strict=True):
+            if b.peer in copied:
+                copied[b.peer].fill([r for _, r in b.regions], b.views(buf), b.words(buf))
         try:  # gloo refuses to post on a pair its peer already closed
-            works = _post(pg, [("recv", buf, b.peer) for b, buf in zip(rnd, buffers, strict=True)])
+            works = _post_links([("recv", buffers[k], route[rnd[k].peer]) for k in wired])
         except RuntimeError as e:
             raise TransferTimeoutError(
                 f"worker {worker}: posting the receives from trainer rank {', '.join(str(b.peer) for b in rnd)} "
                 f"failed ({e}); the version fails and the group must be rebuilt"
             ) from e
-        posted.append((rnd, works, buffers))
+        posted.append((rnd, [(w, [wired[k] for k in ks]) for w, ks in works], buffers))
 
-    for _ in range(window):
-        post()
-    while posted:
-        rnd, works, buffers = posted.popleft()
-        # one work per bucket (gloo), or one for the round's batch (NCCL): name the ranks it waited for
-        for k, work in enumerate(works):
-            late = rnd[k : k + 1] if len(works) == len(rnd) else rnd
-            try:
-                work.wait()
-            except RuntimeError as e:
-                first = late[0].regions[0][1]
-                raise TransferTimeoutError(
-                    f"worker {worker}: the regions from trainer rank {', '.join(str(b.peer) for b in late)} (from "
-                    f"region {first.source} of {table.tensors[first.tensor].name!r} on) did not arrive ({e}); the "
-                    "version fails and the group must be rebuilt"
-                ) from e
-        post()
-        checked = _check(worker, table, rnd, buffers)
-        for b, buffer in zip(rnd, buffers, strict=True):
-            for (i, r), data in zip(b.regions, b.views(buffer), strict=True):
-                got[i] = checked[i]
-                tally.nbytes += r.nbytes
-                spec = table.tensors[r.tensor]
-                yield (
-                    Fill(r.tensor, r.source, r.param, r.dest),
-                    data.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths),
-                )
+    try:
+        for _ in range(window):
+            post()
+        while posted:
+            rnd, works, buffers = posted.popleft()
+            # one work per bucket (gloo), or one for a group's batch (NCCL): name the ranks it waited for
+            for work, ks in works:
+                late = [rnd[k] for k in ks]
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    first = late[0].regions[0][1]
+                    raise TransferTimeoutError(
+                        f"worker {worker}: the regions from trainer rank {', '.join(str(b.peer) for b in late)} "
+                        f"(from region {first.source} of {table.tensors[first.tensor].name!r} on) did not arrive "
+                        f"({e}); the version fails and the group must be rebuilt"
+                    ) from e
+            post()
+            for peer in dict.fromkeys(b.peer for b in rnd if b.peer in copied):
+                copied[peer].settle()
+            checked = _check(worker, table, rnd, buffers)
+            for b, buffer in zip(rnd, buffers, strict=True):
+                for (i, r), data in zip(b.regions, b.views(buffer), strict=True):
+                    got[i] = checked[i]
+                    tally.nbytes += r.nbytes
+                    spec = table.tensors[r.tensor]
+                    yield (
+                        Fill(r.tensor, r.source, r.param, r.dest),
+                        data.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths),
+                    )
+    finally:
+        for link in copied.values():
+            link.release()
     tally.digests.extend(got)
 
 
@@ -345,4 +446,4 @@ def _slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
-__all__ = ["Tally", "combine", "rank_of", "receive", "send", "worker_of"]
+__all__ = ["Copied", "Shared", "Tally", "Wire", "combine", "rank_of", "receive", "send", "worker_of"]

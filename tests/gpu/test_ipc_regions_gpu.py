@@ -1,0 +1,300 @@
+"""Regions over CUDA IPC where trainer ranks and workers share a GPU (``weightsync.channels.ipc_regions``).
+
+The same seeded job as ``test_regions_gpu.py`` (``tests.integration.region_ranks.job``: 2 ranks holding
+``Shard(0)`` shards, a TP=2 replica whose workers keep tensors column-, row-wise, fused, padded, as experts and
+whole), with all four processes on GPU 0: every link is co-located (decided from the ends' GPU UUIDs,
+``sharding.links.colocated``), so each worker copies its regions out of the ranks' shards inside
+``regions.receive``'s walk, in buckets of 4 KiB (many buckets and rounds per link). Two versions: the second
+written in place into the same shards after the first was released, so its exports are reused, none made.
+
+Faults: a byte of a region changed in rank 1's shard after its digest was published (a real fault: the worker
+reads the changed memory) fails the workers reading it, naming tensor and rank 1; rank 1 exiting after it
+published its shards' placement but before its digest words fails both workers within their timeout, naming it
+(CUDA refuses to map the handles of a process that exited: at once).
+
+``test_mixed_links_on_two_gpus`` is the issue's 2-GPU row: trainer ranks and workers on GPUs 0 and 1, the
+co-located pairs by IPC and the crossing links over NCCL groups that hold no GPU twice, in the same version.
+
+Run on the GPU host: ``bash tools/gpu-host.sh python3 -m pytest -m gpu -v tests/gpu/test_ipc_regions_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from tests.gpu.test_gpu_channels import _need_gpus, _run
+
+pytestmark = pytest.mark.gpu
+RANKS, WORKERS = 2, 2
+BUCKET = 4096
+TIMEOUT_S = 5.0
+
+
+def _store(idx: int, port: int) -> Any:
+    from weightsync.channels import wire
+    from weightsync.channels.base import Endpoint
+    from weightsync.vocabulary import Channel
+
+    if idx == 0:
+        return wire.serve_store("127.0.0.1", port, 60.0)
+    return wire.join_store(Endpoint("127.0.0.1", port), 30.0, 60.0, Channel.IPC)
+
+
+def _land(layout: Any, table: Any, pieces: Any, device: torch.device) -> tuple[list[Any], dict[int, Any]]:
+    """Write each piece where the worker's layout says: into its parameter, or the whole tensor for the loader."""
+    from tests.integration.region_ranks import _slices
+    from weightsync.channels.wire import TORCH_DTYPES
+    from weightsync.sharding.fills import WHOLE
+
+    params = [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype], device=device) for s in layout.params]
+    wholes: dict[int, Any] = {}
+    for fill, data in pieces:
+        if fill.param == WHOLE:
+            spec = table.tensors[fill.tensor]
+            target = wholes.setdefault(fill.tensor, torch.zeros(spec.shape, dtype=data.dtype, device=device))
+        else:
+            target = params[fill.param]
+        target[_slices(fill.dest)] = data.reshape(fill.dest.lengths)
+    return params, wholes
+
+
+def _wrong(layout: Any, table: Any, full: list[Any], params: list[Any], wholes: dict[int, Any]) -> list[str]:
+    """Parameters (and whole tensors) that differ from the full tensors where the layout says."""
+    from tests.integration.region_ranks import _slices
+    from weightsync.sharding.fills import WHOLE
+
+    expected = [torch.zeros_like(p) for p in params]
+    wrong = []
+    for f in layout.fills:
+        if f.param == WHOLE:
+            if not torch.equal(wholes.get(f.tensor, torch.empty(0, device=params[0].device)), full[f.tensor]):
+                wrong.append(table.tensors[f.tensor].name)
+        else:
+            expected[f.param][_slices(f.dest)] = full[f.tensor][_slices(f.source)].reshape(f.dest.lengths)
+    return wrong + [
+        s.name for s, got, want in zip(layout.params, params, expected, strict=True) if not torch.equal(got, want)
+    ]
+
+
+def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
+    from tests.integration.region_ranks import _slices, job
+    from weightsync.channels import gpu, ipc_regions, regions
+    from weightsync.sharding import links
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    store = _store(idx, port)
+    trainer, result, members, full = job(24, RANKS)
+    full = [t.to(device) for t in full]
+    replica = result.replica("tp2")
+    table = trainer.table
+    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
+    store.set(f"gpu/{role}", gpu.uuid(device))
+    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
+    near = links.colocated(
+        replica.regions,
+        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
+        {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
+    )
+    out: dict[str, Any] = {"near": sorted(near)}
+    versions = (1, 2) if fault == "" else (1,)
+    if idx < RANKS:
+        rank = idx
+        local = [
+            None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)].clone() for t in range(len(full))
+        ]
+        mine = [r for r in replica.regions if r.rank == rank]
+        exporter = ipc_regions.Exporter(store, rank, timeout_s=30.0)
+        for v in versions:
+            if v == 2:  # in place, as an optimizer step writes: the same storages, so no new export
+                for t in local:
+                    if t is not None:
+                        t.mul_(2)
+            exporter.publish(v, trainer, local)
+            if fault == "die" and rank == 1:
+                os._exit(3)  # placed, the workers copy from it, but never its words: they wait for them
+            tally = regions.send(None, trainer, rank, local, mine, links={w: exporter.link(w) for w in range(WORKERS)})
+            if fault == "corrupt" and rank == 1:  # after the digests went out: the workers read changed bytes
+                first = next(r for r in mine if r.worker == 0)
+                cut = regions._cut(trainer, rank, local, first)
+                cut[(0,) * cut.dim()] += 1
+                torch.cuda.synchronize(device)
+                out["corrupted"] = [table.tensors[first.tensor].name, str(first.source)]
+                store.set("corrupted", "1")
+            exporter.release()
+            out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
+            out[f"exported{v}"] = exporter.exported
+        if rank == 0:  # the store lives in this process: keep it until the workers are done with it
+            store.wait([f"end/worker{w}" for w in range(WORKERS)], datetime.timedelta(seconds=60))
+        return out
+    worker = idx - RANKS
+    layout = members[0].layout.workers[worker]
+    importer = ipc_regions.Importer(store, worker, device, timeout_s=TIMEOUT_S)
+    if fault == "corrupt":
+        store.wait(["corrupted"])
+    try:
+        for v in versions:
+            want = full if v == 1 else [t * 2 for t in full]
+            tally = regions.Tally()
+            start = time.monotonic()
+            pieces = regions.receive(
+                None, RANKS, worker, table, replica.regions, tally, device=device, bucket=BUCKET,
+                links={r: importer.link(v, r, table) for r in range(RANKS)},
+            )  # fmt: skip
+            try:
+                params, wholes = _land(layout, table, pieces, device)
+            except Exception as e:  # noqa: BLE001 - the parent asserts on the message
+                out.update(error_type=type(e).__name__, raised=str(e), elapsed=time.monotonic() - start)
+                break
+            torch.cuda.synchronize(device)
+            out[f"wrong{v}"] = _wrong(layout, table, want, params, wholes)
+            out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
+        out["needed"] = layout.bytes_needed(table)
+    finally:
+        store.set(f"end/worker{worker}", "1")
+    return out
+
+
+def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_own() -> None:
+    _need_gpus(1)
+    from tests.integration.region_ranks import job
+    from weightsync.channels import regions
+
+    got = _run(_colocated, RANKS + WORKERS, 29631, "")
+    assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
+    assert all("raised" not in g for g in got), got
+    _, result, _, _ = job(24, RANKS)
+    replica = result.replica("tp2")
+    every = sorted({(r.rank, r.worker) for r in replica.regions})
+    for v in (1, 2):
+        for g in got[RANKS:]:
+            assert g["near"] == [list(link) for link in every]  # one GPU: every link is co-located
+            assert g[f"wrong{v}"] == [] and g[f"nbytes{v}"] == g["needed"] > 0, g
+        by_rank = {r: got[r][f"digests{v}"] for r in range(RANKS)}
+        by_worker = {w: got[RANKS + w][f"digests{v}"] for w in range(WORKERS)}
+        assert regions.combine(replica.regions, by_rank, regions.rank_of) == regions.combine(
+            replica.regions, by_worker, regions.worker_of
+        )
+        assert sum(got[r][f"nbytes{v}"] for r in range(RANKS)) == sum(g[f"nbytes{v}"] for g in got[RANKS:])
+    assert got[0]["digests1"] != got[0]["digests2"]
+    for r in range(RANKS):  # one export per storage, none when the second version is written in place
+        assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
+
+
+def test_a_region_changed_in_the_ranks_memory_fails_naming_tensor_and_rank() -> None:
+    _need_gpus(1)
+    got = _run(_colocated, RANKS + WORKERS, 29632, "corrupt")
+    assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
+    name, box = got[1]["corrupted"]
+    failed = got[RANKS]  # worker 0 reads the changed region; worker 1 may or may not
+    assert failed.get("error_type") == "IntegrityError", failed
+    assert f"region {box} of tensor {name!r} from trainer rank 1" in failed["raised"], failed
+    assert "worker 0" in failed["raised"], failed
+
+
+def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout() -> None:
+    _need_gpus(1)
+    got = _run(_colocated, RANKS + WORKERS, 29633, "die")
+    assert [g["rank"] for g in got] == [0, 2, 3], got  # rank 1 exited
+    assert [g.get("error") for g in got] == [None] * 3, got
+    for g in got[1:]:
+        # mapping a dead rank's memory fails at once; a rank whose memory was mapped before it died leaves the wait
+        # for its words to time out
+        assert g.get("error_type") in ("RetryableError", "TransferTimeoutError"), g
+        assert "trainer rank 1's" in g["raised"] and " v1" in g["raised"], g
+        assert g["elapsed"] < TIMEOUT_S + 5.0, g
+
+
+def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:
+    """Trainer rank i and worker i on GPU i: (i, i) by IPC, the crossing links over a 2-rank NCCL group each
+    (NCCL refuses two ranks of one communicator on one GPU, so no group holds a GPU twice)."""
+    import torch.distributed as dist
+
+    from tests.integration.region_ranks import _slices, job
+    from weightsync.channels import gpu, ipc_regions, regions
+    from weightsync.sharding import links
+
+    gpu_of = idx % RANKS  # ranks 0, 1 then workers 0, 1
+    device = torch.device("cuda", gpu_of)
+    torch.cuda.set_device(device)
+    store = _store(idx, port)
+    trainer, result, members, full = job(24, RANKS)
+    full = [t.to(device) for t in full]
+    replica = result.replica("tp2")
+    table = trainer.table
+    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
+    store.set(f"gpu/{role}", gpu.uuid(device))
+    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
+    near = links.colocated(
+        replica.regions,
+        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
+        {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
+    )
+    far = sorted({(r.rank, r.worker) for r in replica.regions} - near)
+
+    def pair(rank: int, worker: int) -> Any:  # group rank 0: the trainer rank, 1: the worker
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=60)
+        me = 0 if idx == rank else 1
+        return dist.ProcessGroupNCCL(dist.PrefixStore(f"pair{rank}-{worker}", store), me, 2, opts)
+
+    out: dict[str, Any] = {"near": sorted(near), "far": far}
+    if idx < RANKS:
+        rank = idx
+        local = [
+            None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)].clone() for t in range(len(full))
+        ]
+        exporter = ipc_regions.Exporter(store, rank, timeout_s=30.0)
+        exporter.publish(1, trainer, local)
+        route: dict[int, Any] = {w: exporter.link(w) for r, w in near if r == rank}
+        route |= {w: regions.Wire(pair(rank, w), 1) for r, w in far if r == rank}
+        mine = [r for r in replica.regions if r.rank == rank]
+        tally = regions.send(None, trainer, rank, local, mine, links=route)
+        exporter.release()
+        torch.cuda.synchronize(device)
+        out.update(digests=tally.digests, nbytes=tally.nbytes)
+        if rank == 0:
+            store.wait([f"end/worker{w}" for w in range(WORKERS)], datetime.timedelta(seconds=60))
+        return out
+    worker = idx - RANKS
+    layout = members[0].layout.workers[worker]
+    importer = ipc_regions.Importer(store, worker, device, timeout_s=30.0)
+    route = {r: importer.link(1, r, table) for r, w in near if w == worker}
+    route |= {r: regions.Wire(pair(r, worker), 0) for r, w in far if w == worker}
+    tally = regions.Tally()
+    try:
+        pieces = regions.receive(None, RANKS, worker, table, replica.regions, tally, device=device, links=route)
+        params, wholes = _land(layout, table, pieces, device)
+        torch.cuda.synchronize(device)
+        out.update(
+            wrong=_wrong(layout, table, full, params, wholes), digests=tally.digests, nbytes=tally.nbytes,
+            needed=layout.bytes_needed(table),
+        )  # fmt: skip
+    finally:
+        store.set(f"end/worker{worker}", "1")
+    return out
+
+
+def test_mixed_links_on_two_gpus() -> None:
+    _need_gpus(2)
+    from tests.integration.region_ranks import job
+    from weightsync.channels import regions
+
+    got = _run(_mixed, RANKS + WORKERS, 29634)
+    assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
+    _, result, _, _ = job(24, RANKS)
+    replica = result.replica("tp2")
+    assert got[0]["near"] == [[0, 0], [1, 1]] and got[0]["far"] == [[0, 1], [1, 0]], got[0]
+    for g in got[RANKS:]:
+        assert g["wrong"] == [] and g["nbytes"] == g["needed"] > 0, g
+    by_rank = {r: got[r]["digests"] for r in range(RANKS)}
+    by_worker = {w: got[RANKS + w]["digests"] for w in range(WORKERS)}
+    assert regions.combine(replica.regions, by_rank, regions.rank_of) == regions.combine(
+        replica.regions, by_worker, regions.worker_of
+    )
