@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.gpu.test_gpu_channels import _need_gpus, _run
+from tests.gpu.test_regions_gpu import assert_landed
 
 pytestmark = pytest.mark.gpu
 RANKS, WORKERS = 2, 2
@@ -44,6 +45,29 @@ def _store(idx: int, port: int) -> Any:
     if idx == 0:
         return wire.serve_store("127.0.0.1", port, 60.0)
     return wire.join_store(Endpoint("127.0.0.1", port), 30.0, 60.0, Channel.IPC)
+
+
+def _placed(idx: int, gpu_index: int, port: int) -> tuple[Any, ...]:
+    """Process ``idx`` (ranks, then workers) on GPU ``gpu_index``: its device, the job's store, the seeded job (its
+    tensors on the device) and the links whose two ends share a GPU, from the UUIDs every process posted."""
+    from tests.integration.region_ranks import job
+    from weightsync.channels import gpu
+    from weightsync.sharding import links
+
+    device = torch.device("cuda", gpu_index)
+    torch.cuda.set_device(device)
+    store = _store(idx, port)
+    trainer, result, members, full = job(24, RANKS)
+    replica = result.replica("tp2")
+    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
+    store.set(f"gpu/{role}", gpu.uuid(device))
+    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
+    near = links.colocated(
+        replica.regions,
+        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
+        {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
+    )
+    return device, store, trainer, members, replica, [t.to(device) for t in full], near
 
 
 def _land(layout: Any, table: Any, pieces: Any, device: torch.device) -> tuple[list[Any], dict[int, Any]]:
@@ -83,25 +107,11 @@ def _wrong(layout: Any, table: Any, full: list[Any], params: list[Any], wholes: 
 
 
 def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
-    from tests.integration.region_ranks import _slices, job
-    from weightsync.channels import gpu, ipc_regions, regions
-    from weightsync.sharding import links
+    from tests.integration.region_ranks import _slices
+    from weightsync.channels import ipc_regions, regions
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    store = _store(idx, port)
-    trainer, result, members, full = job(24, RANKS)
-    full = [t.to(device) for t in full]
-    replica = result.replica("tp2")
+    device, store, trainer, members, replica, full, near = _placed(idx, 0, port)
     table = trainer.table
-    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
-    store.set(f"gpu/{role}", gpu.uuid(device))
-    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
-    near = links.colocated(
-        replica.regions,
-        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
-        {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
-    )
     out: dict[str, Any] = {"near": sorted(near)}
     versions = (1, 2) if fault == "" else (1,)
     if idx < RANKS:
@@ -164,7 +174,6 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
 def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_own() -> None:
     _need_gpus(1)
     from tests.integration.region_ranks import job
-    from weightsync.channels import regions
 
     got = _run(_colocated, RANKS + WORKERS, 29631, "")
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
@@ -172,16 +181,9 @@ def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_ow
     _, result, _, _ = job(24, RANKS)
     replica = result.replica("tp2")
     every = sorted({(r.rank, r.worker) for r in replica.regions})
-    for v in (1, 2):
-        for g in got[RANKS:]:
-            assert g["near"] == [list(link) for link in every]  # one GPU: every link is co-located
-            assert g[f"wrong{v}"] == [] and g[f"nbytes{v}"] == g["needed"] > 0, g
-        by_rank = {r: got[r][f"digests{v}"] for r in range(RANKS)}
-        by_worker = {w: got[RANKS + w][f"digests{v}"] for w in range(WORKERS)}
-        assert regions.combine(replica.regions, by_rank, regions.rank_of) == regions.combine(
-            replica.regions, by_worker, regions.worker_of
-        )
-        assert sum(got[r][f"nbytes{v}"] for r in range(RANKS)) == sum(g[f"nbytes{v}"] for g in got[RANKS:])
+    assert all(g["near"] == [list(link) for link in every] for g in got[RANKS:])  # one GPU: every link co-located
+    for v in ("1", "2"):
+        assert_landed(got, replica, v)
     assert got[0]["digests1"] != got[0]["digests2"]
     for r in range(RANKS):  # one export per storage, none when the second version is written in place
         assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
@@ -216,26 +218,11 @@ def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:
     (NCCL refuses two ranks of one communicator on one GPU, so no group holds a GPU twice)."""
     import torch.distributed as dist
 
-    from tests.integration.region_ranks import _slices, job
-    from weightsync.channels import gpu, ipc_regions, regions
-    from weightsync.sharding import links
+    from tests.integration.region_ranks import _slices
+    from weightsync.channels import ipc_regions, regions
 
-    gpu_of = idx % RANKS  # ranks 0, 1 then workers 0, 1
-    device = torch.device("cuda", gpu_of)
-    torch.cuda.set_device(device)
-    store = _store(idx, port)
-    trainer, result, members, full = job(24, RANKS)
-    full = [t.to(device) for t in full]
-    replica = result.replica("tp2")
+    device, store, trainer, members, replica, full, near = _placed(idx, idx % RANKS, port)  # ranks 0, 1; workers 0, 1
     table = trainer.table
-    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
-    store.set(f"gpu/{role}", gpu.uuid(device))
-    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
-    near = links.colocated(
-        replica.regions,
-        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
-        {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
-    )
     far = sorted({(r.rank, r.worker) for r in replica.regions} - near)
 
     def pair(rank: int, worker: int) -> Any:  # group rank 0: the trainer rank, 1: the worker
@@ -284,17 +271,10 @@ def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:
 def test_mixed_links_on_two_gpus() -> None:
     _need_gpus(2)
     from tests.integration.region_ranks import job
-    from weightsync.channels import regions
 
     got = _run(_mixed, RANKS + WORKERS, 29634)
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
     _, result, _, _ = job(24, RANKS)
     replica = result.replica("tp2")
     assert got[0]["near"] == [[0, 0], [1, 1]] and got[0]["far"] == [[0, 1], [1, 0]], got[0]
-    for g in got[RANKS:]:
-        assert g["wrong"] == [] and g["nbytes"] == g["needed"] > 0, g
-    by_rank = {r: got[r]["digests"] for r in range(RANKS)}
-    by_worker = {w: got[RANKS + w]["digests"] for w in range(WORKERS)}
-    assert regions.combine(replica.regions, by_rank, regions.rank_of) == regions.combine(
-        replica.regions, by_worker, regions.worker_of
-    )
+    assert_landed(got, replica)

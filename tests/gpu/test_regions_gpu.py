@@ -76,17 +76,23 @@ def _member(rank: int, plans: Any, port: int) -> dict[str, Any]:
 def test_regions_over_nccl_land_bit_exact_and_each_worker_gets_only_its_own() -> None:
     _need_gpus(RANKS + WORKERS)
     from tests.integration.region_ranks import job
-    from weightsync.channels import regions
 
     got = _run(_member, RANKS + WORKERS, 29612)
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
     _, result, _, _ = job(24, RANKS)
-    replica = result.replica("tp2")
+    assert_landed(got, result.replica("tp2"))
+
+
+def assert_landed(got: list[dict[str, Any]], replica: Any, version: str = "") -> None:
+    """Each worker (after the ranks in ``got``) landed its regions of ``version`` bit-exact and received exactly the
+    bytes its layout needs; the ranks' and the workers' digests combine alike, and their byte counts agree."""
+    from weightsync.channels import regions
+
     for g in got[RANKS:]:
-        assert g["wrong"] == [] and g["nbytes"] == g["needed"] > 0, g
-    by_rank = {r: got[r]["digests"] for r in range(RANKS)}
-    by_worker = {w: got[RANKS + w]["digests"] for w in range(WORKERS)}
+        assert g[f"wrong{version}"] == [] and g[f"nbytes{version}"] == g["needed"] > 0, g
+    by_rank = {r: got[r][f"digests{version}"] for r in range(RANKS)}
+    by_worker = {w: got[RANKS + w][f"digests{version}"] for w in range(WORKERS)}
     assert regions.combine(replica.regions, by_rank, regions.rank_of) == regions.combine(
         replica.regions, by_worker, regions.worker_of
     )
-    assert sum(got[r]["nbytes"] for r in range(RANKS)) == sum(g["nbytes"] for g in got[RANKS:])
+    assert sum(got[r][f"nbytes{version}"] for r in range(RANKS)) == sum(g[f"nbytes{version}"] for g in got[RANKS:])
