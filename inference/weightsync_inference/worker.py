@@ -15,6 +15,8 @@ answer per worker:
   table travels in band: the agent records the layout against it);
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
   from every trainer rank and land them in its parameters (``sharded``);
+- ``weightsync_read_regions``: a sharded volume version read by region: only this worker's fills
+  (``volume_reads``);
 - ``weightsync_parameter_digests``: the digest of every parameter the worker computes with (``held``), to
   compare two replicas of one layout bit for bit whichever path loaded them;
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
@@ -103,6 +105,16 @@ class WorkerExtension:
 
         answer: dict[str, Any] = sharded.from_request(self._weightsync_engine(), json.loads(request))
         return answer
+
+    def weightsync_read_regions(self, request: str) -> dict[str, Any]:
+        """``request``: JSON of ``volume_reads.request`` (a sharded volume version, its manifest checksum, the
+        workers' layouts, the phase). ``check``: verifies every tile of this worker's fills, changing nothing;
+        ``land`` (once every worker's check passed): reads its fills and lands them inside vLLM's layerwise reload,
+        answering bytes read and landed and each fill's digest. A failure is answered as ``{"error", "torn"}``
+        (not raised: vLLM's executor would keep it queued for the next call)."""
+        from weightsync_inference import volume_reads
+
+        return volume_reads.answer(self._weightsync_engine(), json.loads(request))
 
     def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:
         """``update_info``: the ticket as JSON text; answers ``{"ok": false, "error": ...}`` when the stage cannot
