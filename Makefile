@@ -76,7 +76,7 @@ sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 
 		tests/integration/test_sharded_engine.py tests/integration/test_sharded_publish.py tests/integration/test_sharded_moe.py \
 		tests/integration/test_served_sharded.py
 
-sharded-volume: venv models  ## the sharded volume with real ranks, its rank faults included (CI runs the write, reads and publisher)
+sharded-volume: venv models  ## the sharded volume with real ranks: a TP=2 engine loading it whole, a TP=2 engine behind its agent catching up by region (damaged and truncated rank files refused), the rank faults (CI runs the write, reads and publisher)
 	WEIGHTSYNC_SHARDED_VOLUME=all $(PY) -m pytest tests/integration/test_sharded_volume.py
 
 frameworks: venv models  ## every framework integration on a two-replica multi-host fleet (TRL, Atropos, vLLM's factory, verl; make test runs TRL and Atropos on one replica)

@@ -58,10 +58,19 @@ from weightsync.sharding.fills import EngineLayout
 from weightsync.sharding.plans import ReplicaPlan
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel, EngineState, SyncMode, SyncPhase
-from weightsync_inference.lifecycle import EngineControl, RegionControl, Replica, UpdateFailed, UpdateOutcome
+from weightsync_inference import volume_reads
+from weightsync_inference.lifecycle import (
+    EngineControl,
+    RegionControl,
+    Replica,
+    UpdateFailed,
+    UpdateOutcome,
+    VolumeRegionControl,
+)
 from weightsync_inference.receipts import Identity, Receipt
 from weightsync_inference.served import Board
 from weightsync_inference.staging import StageStatus, StagingUnavailable, staging_bytes
+from weightsync_inference.volume_reads import RegionsRead
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +172,8 @@ class Agent:
         """The engine layout this replica registered, and the table it was recorded against (the sharded path)."""
         self.last_regions: RegionsReceived | None = None
         """What the workers received on the sharded path last (for status displays and tests)."""
+        self.last_read: RegionsRead | None = None
+        """What the workers read by region from a sharded volume version last (for status displays and tests)."""
         self._refused: dict[int, _Refused] = {}
         self._staged: _Staged | None = None
         """All-or-nothing: the version staged here and waiting for its COMMIT."""
@@ -272,13 +283,19 @@ class Agent:
             staged = self._stage(ticket, table)
             if plan.channel is not Channel.VOLUME:
                 self.client.report_joined(a.version)
-            outcome = self.replica.switch(ticket) if staged else self.replica.apply(ticket)
+            read = None
+            if staged:
+                outcome = self.replica.switch(ticket)
+            elif plan.channel is Channel.VOLUME:
+                outcome, read = self._apply_from_volume(ticket)
+            else:
+                outcome = self.replica.apply(ticket)
         except (UpdateFailed, WeightsyncError) as e:
             log.warning("replica %s: v%d over %s failed: %s", self.config.replica_id, a.version, plan.channel.value, e)
             self._failed(a.version, plan, table.layout_digest, e)
             return
         log.info("replica %s: loaded v%d over %s", self.config.replica_id, a.version, plan.channel.value)
-        self._loaded(a.version, plan.channel, outcome, "assign")
+        self._loaded(a.version, plan.channel, outcome, "assign", read=read)
 
     def _assign_regions(
         self, a: models.Assignment, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan
@@ -343,12 +360,14 @@ class Agent:
         return Receipt(version, Channel.CPU, layout_digest=table.layout_digest(), seconds={SyncPhase.TRANSFER: seconds})
 
     def _record_layout(self, version: int) -> None:
-        """After a version received whole, when this replica receives a channel that can carry regions: record
-        what each worker keeps of its table (vLLM's own loaders) and register it, so the next version's plan can
-        send this replica only its regions. Once per table; before the ack, so the next version is planned with
-        it. A failure only keeps the gathered path."""
+        """After a version received whole, when this replica receives a channel that can carry regions (or reads
+        the volume with an engine that reads regions there): record what each worker keeps of its table (vLLM's own
+        loaders) and register it, so the next version's plan can send this replica only its regions, and a sharded
+        volume copy is read by region. Once per table; before the ack, so the next version is planned with it. A
+        failure only keeps the gathered path."""
         control = self.control
         carries = any(not rules.regions(ch) for ch in self.capabilities.channels)
+        carries = carries or (self.config.volume is not None and isinstance(control, VolumeRegionControl))
         # a staged replica receives beside generation; the sharded path lands in place (for now)
         staged = self.config.sync_mode is SyncMode.STAGED
         if not carries or staged or not isinstance(control, RegionControl):
@@ -423,18 +442,32 @@ class Agent:
             self.recover()
 
     def _loaded(
-        self, version: int, channel: Channel, outcome: UpdateOutcome, why: str, content_digest: str | None = None
+        self,
+        version: int,
+        channel: Channel,
+        outcome: UpdateOutcome,
+        why: str,
+        content_digest: str | None = None,
+        read: RegionsRead | None = None,
     ) -> None:
         """Ack a loaded version with what the engine computed: its receipt's digest, or on the sharded path
-        (``content_digest``) the workers' region digests combined."""
+        (``content_digest``) the workers' region digests combined, or for a region read from the volume (``read``)
+        the workers' fill digests combined, marked ``regions_read`` (``volume_reads``)."""
         receipt = outcome.receipt
         self.client.set_current_version(version)
         self.events.append((why, version, "ok"))
+        if read is not None:
+            content_digest = read.content_digest
         if content_digest is None:  # a version received whole: its table is the engine's to record against
             self._record_layout(version)
         digest = receipt.content_digest if content_digest is None else content_digest
         report = models.AckReport(
-            version, receipt.layout_digest, ok=True, phases=outcome.seconds, content_digest=digest
+            version,
+            receipt.layout_digest,
+            ok=True,
+            phases=outcome.seconds,
+            content_digest=digest,
+            regions_read=read is not None,
         )
         self.client.ack(report)
         self._observe(channel, outcome.seconds)  # after the ack: its lag query is not on the version's path
@@ -453,14 +486,51 @@ class Agent:
             return
         try:
             self._join(plan)
-            outcome = self.replica.apply(ticket)
+            outcome, read = self._apply_from_volume(ticket)
         except (UpdateFailed, WeightsyncError) as e:
             self._refuse(version, why, table.layout_digest, str(e), engine=True)
             return
         self._refused = {v: r for v, r in self._refused.items() if v > version}
         log.info("replica %s: loaded v%d from the volume (%s)", self.config.replica_id, version, why)
         # an ack for a version this replica was not planned for tells the coordinator what it serves
-        self._loaded(version, Channel.VOLUME, outcome, why)
+        self._loaded(version, Channel.VOLUME, outcome, why, read=read)
+
+    def _apply_from_volume(self, ticket: UpdateTicket) -> tuple[UpdateOutcome, RegionsRead | None]:
+        """Load a durable version from the volume: by region where this replica can (a sharded copy and an engine
+        layout registered for its table: ``volume_reads.why_whole``), each worker reading only its fills; else whole,
+        as before. With the workers' account of a region read."""
+        control, recorded = self.control, self._layout
+        readable = isinstance(control, VolumeRegionControl)
+        why = volume_reads.why_whole(readable, recorded, _sharded_copy(ticket), ticket.layout_digest)
+        if why or recorded is None or not isinstance(control, VolumeRegionControl):
+            log.debug("replica %s: v%d read whole from the volume: %s", self.config.replica_id, ticket.version, why)
+            return self.replica.apply(ticket), None
+        table, layout = recorded
+        request = volume_reads.request(ticket.root, ticket.version, ticket.manifest_checksum, table, layout)
+
+        def read() -> Receipt:
+            # every worker checks all its tiles before any worker lands a byte: one worker's damage leaves them all
+            # untouched
+            checks = control.read_regions(request)
+            bytes_checked = volume_reads.checked(checks)
+            answers = control.read_regions({**request, "phase": volume_reads.LAND})
+            self.last_read = volume_reads.regions_read(ticket.version, table, layout, answers, bytes_checked)
+            seconds = {
+                SyncPhase.VERIFY: max(float(a["seconds"]) for a in checks),
+                SyncPhase.LOAD: max(float(a["seconds"]) for a in answers),
+            }
+            return Receipt(ticket.version, Channel.VOLUME, layout_digest=table.layout_digest(), seconds=seconds)
+
+        outcome = self.replica.apply_regions(ticket, read)
+        assert self.last_read is not None and self.last_read.version == ticket.version
+        log.info(
+            "replica %s: read v%d from the volume by region; bytes read per worker %s (the version: %d)",
+            self.config.replica_id,
+            ticket.version,
+            self.last_read.bytes_read,
+            table.total_bytes,
+        )
+        return outcome, self.last_read
 
     def _check_files(self, ticket: UpdateTicket, plan: models.ChannelPlan) -> None:
         """The version's manifest and every shard against their checksums, read here, without the engine."""
@@ -574,6 +644,20 @@ def regions_received(
         raise IntegrityError(f"the workers received {got} bytes; their regions hold {dict(need)}")
     digests = {int(w["worker"]): list(w["digests"]) for w in answers}
     return RegionsReceived(version, got, regions.combine(part.regions, digests, regions.worker_of))
+
+
+def _sharded_copy(ticket: UpdateTicket) -> bool:
+    """Whether the version's volume copy is sharded (format v2), by its manifest checked against the recorded
+    checksum; False for a v1 copy or one that cannot be read here (the whole read then reports why)."""
+    from weightsync.channels import manifests
+
+    if not ticket.root:
+        return False
+    directory = manifests.version_dir(Path(ticket.root), ticket.version)
+    try:
+        return manifests.read(directory, ticket.version, ticket.manifest_checksum).sharded
+    except (WeightsyncError, OSError, ValueError):
+        return False
 
 
 def why_volume(version: int) -> str:

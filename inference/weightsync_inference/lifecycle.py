@@ -121,6 +121,15 @@ class RegionControl(Protocol):
         ...
 
 
+@runtime_checkable
+class VolumeRegionControl(RegionControl, Protocol):
+    """An engine whose workers read a sharded volume version by region (``OfflineEngine``; ``volume_reads``)."""
+
+    def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker reads and lands its fills; one answer per worker (``volume_reads.read``)."""
+        ...
+
+
 class UpdateFailed(WeightsyncError):
     def __init__(self, message: str, state: EngineState) -> None:
         super().__init__(message)

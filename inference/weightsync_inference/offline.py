@@ -104,6 +104,11 @@ class OfflineEngine:
             self.llm.collective_rpc("weightsync_receive_regions", args=(json.dumps(request),))
         )
 
+    def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker reads its regions of a sharded volume version (``volume_reads.request``); one answer each."""
+        answers: list[dict[str, Any]] = self.llm.collective_rpc("weightsync_read_regions", args=(json.dumps(request),))
+        return answers
+
     def parameter_digests(self) -> list[dict[str, str]]:
         """Each worker's digests of the parameters it computes with (``held.parameter_digests``), in worker order."""
         answers: list[dict[str, str]] = self.llm.collective_rpc("weightsync_parameter_digests")

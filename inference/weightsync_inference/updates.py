@@ -97,6 +97,11 @@ class Updater:
             old.close()
         self.receivers[rdv.channel] = channels.receiver_class(rdv.channel).start(rdv, self.ctx)
 
+    def record(self, receipt: Receipt) -> None:
+        """The receipt of an update that did not go through the receivers (a volume's region read,
+        ``volume_reads``): what the engine answers from now on, as if ``finish`` or a failure had set it."""
+        self._receipt = receipt
+
     def stage(self, ticket: UpdateTicket, nbytes: int) -> None:
         """Receive ``ticket``'s version into the stage beside generation (``staging``); ``nbytes`` sizes the stage."""
         self.stager.begin(ticket, self._receiver_for(ticket), nbytes)

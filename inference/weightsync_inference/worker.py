@@ -16,6 +16,8 @@ answer per worker:
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
   from every trainer rank and land them in its parameters (``sharded``); a failure is answered, not raised
   (``receipts.regions_answers`` says why), and a worker it left torn refuses to step as after a failed switch;
+- ``weightsync_read_regions``: a sharded volume version read by region: only this worker's fills
+  (``volume_reads``);
 - ``weightsync_parameter_digests``: the digest of every parameter the worker computes with (``held``), to
   compare two replicas of one layout bit for bit whichever path loaded them;
 - ``weightsync_stage`` / ``weightsync_stage_status``: start receiving a version into the
@@ -109,6 +111,20 @@ class WorkerExtension:
             if engine.updater.torn:
                 self._refuse_steps_while_torn(engine)
             return {"worker": engine.updater.ctx.rank, "error": f"{type(e).__name__}: {e}"}
+        return answer
+
+    def weightsync_read_regions(self, request: str) -> dict[str, Any]:
+        """``request``: JSON of ``volume_reads.request`` (a sharded volume version, its manifest checksum, the
+        workers' layouts, the phase). ``check``: verifies every tile of this worker's fills, changing nothing;
+        ``land`` (once every worker's check passed): reads its fills and lands them inside vLLM's layerwise reload,
+        answering bytes read and landed and each fill's digest. A failure is answered as ``{"error", "torn"}``
+        (not raised: vLLM's executor would keep it queued for the next call)."""
+        from weightsync_inference import volume_reads
+
+        engine = self._weightsync_engine()
+        answer = volume_reads.answer(engine, json.loads(request))
+        if answer.get("torn"):
+            self._refuse_steps_while_torn(engine)
         return answer
 
     def weightsync_stage(self, update_info: str, nbytes: str) -> dict[str, Any]:

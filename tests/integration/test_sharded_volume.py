@@ -5,18 +5,20 @@ disk of its own fails the version at every rank.
 Each rank names the volume by its own mount point (a link per rank here): nothing assumes the same path on
 both ends. The readers run vLLM's own model for each worker (``sharded_volume_reader``): the regions they read
 land through ``Landing`` inside vLLM's layerwise reload and leave every parameter as vLLM's own reload of the
-gathered tensors does. A live engine, which has no region path yet, reads the version whole through its volume
-engine (``VolumeReceiver``).
+gathered tensors does. A live engine without a recorded layout reads the version whole through its volume engine
+(``VolumeReceiver``); one whose agent recorded its layout reads it by region (``volume_reads``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from safetensors.torch import load_file
 
 from tests import netns, support
 from weightsync.channels import manifests
-from weightsync.channels.base import UpdateTicket
+from weightsync.channels.base import Rendezvous, UpdateTicket
 from weightsync.channels.volume import VolumeReceiver
 from weightsync.tensors import manifest_checksum
 from weightsync.vocabulary import Channel
@@ -121,6 +123,123 @@ def test_fsdp2_ranks_write_their_shards_and_tp2_workers_read_only_their_regions(
     ticket = UpdateTicket(1, Channel.VOLUME, verify=True, manifest_checksum=checksum)
     got = {spec.name: t for group in receiver.receive(ticket) for spec, t in group}
     assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in got)
+
+
+class _Coordinator:
+    """What an agent asks of its coordinator client on a catch-up, recorded (the acks' checks are the core's,
+    ``tests/unit/test_volume_reads.py``)."""
+
+    def __init__(self) -> None:
+        self.acks: list[Any] = []
+        self.layouts: list[Any] = []
+
+    def register_replica(self, *args: Any, layout: Any = None, **kwargs: Any) -> None:
+        self.layouts.append(layout)
+
+    def set_current_version(self, version: int) -> None:
+        pass
+
+    def ack(self, report: Any) -> None:
+        self.acks.append(report)
+
+
+def _whole_copy(root: Path, version: int, table: Any, tensors: dict[str, torch.Tensor]) -> str:
+    """``tensors`` written as a plain (format v1) volume version of ``table``; its manifest checksum."""
+    from weightsync.channels.volume import VolumeSender
+    from weightsync.channels.wire import TORCH_DTYPES
+
+    ticket = UpdateTicket(version, Channel.VOLUME, verify=True, table=table, step=version)
+    groups = [[tensors[s.name].to(TORCH_DTYPES[s.dtype]) for s in specs] for specs in table.groups()]
+    VolumeSender(root).send(ticket, groups)
+    return manifest_checksum(manifests.manifest_path(root, version).read_bytes())
+
+
+@full
+def test_a_tp2_engine_that_recorded_its_layout_catches_up_on_a_sharded_version_by_region(
+    written: tuple[Path, list[dict[str, object]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A real TP=2 engine behind a real agent: v1 (the initial weights, format v1) loads whole and the agent records
+    its engine layout; a catch-up to the sharded v2 (2 FSDP2 ranks, 256-element tiles) reads by region: refused
+    with the weights untouched while a rank file is damaged or truncated, then each worker reads about its
+    layout's bytes, and the engine holds bit for bit what a whole load of the same weights (v3, format v1) makes
+    and generates what transformers generates."""
+    import transformers
+
+    from weightsync.coordinator import models
+    from weightsync.sharding.fills import EngineLayout
+    from weightsync_inference import volume_reads
+    from weightsync_inference.agent import Agent, AgentConfig
+    from weightsync_inference.offline import OfflineEngine
+
+    written_at, _ = written
+    root = tmp_path / "volume"  # the replica's volume: v2 copied from the ranks' (this test damages it), v1, v3
+    shutil.copytree(written_at / "volume" / "v00000002", root / "v00000002")
+    sharded = manifests.Manifest.load(root / "v00000002")
+    table = sharded.table
+    checksums = {2: manifest_checksum(manifests.manifest_path(root, 2).read_bytes())}
+    checksums[1] = _whole_copy(root, 1, table, load_file(str(support.tiny_model() / "model.safetensors")))
+    checksums[3] = _whole_copy(root, 3, table, load_file(str(written_at / "reference" / "model.safetensors")))
+    summary = models.summarize(table)
+
+    def catch_up(version: int) -> None:
+        rdv = Rendezvous(Channel.VOLUME, root=str(root))
+        plan = models.ChannelPlan("replica", Channel.VOLUME, rdv, "catch-up", checksums[version])
+        agent.handle(models.Assignment(models.EventKind.CATCH_UP, "job", version, plan=plan, table=summary))
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    engine = OfflineEngine(support.tiny_model(), Channel.VOLUME, tensor_parallel_size=2)
+    try:
+        coordinator = _Coordinator()
+        config = AgentConfig("job", "replica", (Channel.VOLUME,), "node", volume=root, volume_id="vol", retry_s=0.0)
+        agent = Agent(engine, coordinator, config)  # type: ignore[arg-type]
+        catch_up(1)  # format v1: whole; then the agent records and registers its engine layout of the table
+        (layout,) = coordinator.layouts
+        assert isinstance(layout, EngineLayout) and not layout.unsupported and len(layout.workers) == 2
+        assert agent.last_read is None and not coordinator.acks[-1].regions_read and coordinator.acks[-1].ok
+        initial = engine.parameter_digests()
+
+        rank_file = root / "v00000002" / "rank-00001.safetensors"
+        intact = rank_file.read_bytes()
+        damaged = bytearray(intact)
+        damaged[len(damaged) // 2] ^= 0x40
+        rank_file.write_bytes(bytes(damaged))
+        catch_up(2)  # by region: every worker checks every tile it will use before any worker lands a byte
+        refused = coordinator.acks[-1]
+        assert not refused.ok and not refused.torn, refused
+        assert "rank-00001.safetensors of version 2 (written by trainer rank 1), tile" in refused.error, refused
+        assert "of tensor 'model." in refused.error and "the version is refused" in refused.error, refused
+        assert "keeps serving version 1" in refused.error, refused
+        assert agent.replica.version == 1 and engine.parameter_digests() == initial  # untouched
+
+        rank_file.write_bytes(intact[: len(intact) - 4096])  # truncated: the workers themselves name it
+        request = volume_reads.request(str(root), 2, checksums[2], table, layout)
+        answers = engine.read_regions(request)
+        assert all("is truncated" in a["error"] and "trainer rank 1" in a["error"] for a in answers), answers
+        assert all("of version 2" in a["error"] and "of tensor 'model." in a["error"] for a in answers), answers
+        assert [a["torn"] for a in answers] == [False, False] and not engine.receipt().torn
+        assert engine.parameter_digests() == initial
+
+        rank_file.write_bytes(intact)
+        catch_up(2)  # the retry: the files check out; read by region
+        read, ack = agent.last_read, coordinator.acks[-1]
+        assert ack.ok and ack.regions_read and ack.content_digest == read.content_digest, ack
+        assert agent.replica.version == 2 and engine.weight_version() == "2" and not engine.receipt().torn
+        for w in layout.workers:  # only about its layout's bytes: tiles of 256 elements cut at the shards' edges
+            needed = w.bytes_needed(table)
+            assert read.landed[w.rank] == needed
+            assert needed <= read.bytes_read[w.rank] <= 1.25 * needed < table.total_bytes, (read, needed)
+            assert read.bytes_checked[w.rank] == read.bytes_read[w.rank]  # checked all before landing, then read
+        by_region = engine.parameter_digests()
+        assert by_region != initial
+        trained = transformers.AutoModelForCausalLM.from_pretrained(written_at / "reference", dtype=torch.float32)
+        support.assert_generates_like(engine, trained)
+
+        catch_up(3)  # the same weights, format v1: whole
+        assert not coordinator.acks[-1].regions_read and agent.last_read is read
+        assert engine.parameter_digests() == by_region  # bit for bit what vLLM's loader makes of the whole tensors
+    finally:
+        engine.close()
 
 
 @full

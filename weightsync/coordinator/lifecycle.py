@@ -76,6 +76,9 @@ class VersionRecord:
     over what their plan said, where they had one (a replica dropped from the version, restarted, caught up)."""
     errors: dict[str, str] = field(default_factory=dict)
     content: dict[str, str] = field(default_factory=dict)
+    read_regions: dict[str, str] = field(default_factory=dict)
+    """Replicas whose digest in ``content`` is over the regions they read from a sharded volume copy, with the
+    digest of the engine layout they read with: comparable only among themselves (``AckReport.regions_read``)."""
     counts: dict[ReplicaState, int] = field(default_factory=dict)
     live_planned: int = 0
     """Replicas planned on a live channel that have not joined yet (the publisher waits for none left)."""

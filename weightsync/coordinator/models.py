@@ -262,6 +262,10 @@ class AckReport:
     channel_failed: bool = False
     content_digest: str = ""
     torn: bool = False
+    regions_read: bool = False
+    """The replica read the version by region from a sharded volume copy: ``content_digest`` is over what its
+    workers read of their engine layout's fills (``volume_reads.combine``), which only replicas of the same
+    engine layout can match; never compared with whole loads' digests or with what the trainer sent."""
 
 
 def summarize(table: TensorTable, verified: bool = True) -> TableSummary:

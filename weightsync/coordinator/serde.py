@@ -311,6 +311,7 @@ def ack(m: pb.AckRequest) -> models.AckReport:
         m.channel_failed,
         _digest(m.content_digest, "content_digest"),
         m.torn,
+        m.regions_read,
     )
 
 
@@ -332,6 +333,7 @@ def ack_to(lease_id: str, r: models.AckReport) -> pb.AckRequest:
         channel_failed=r.channel_failed,
         content_digest=r.content_digest,
         torn=r.torn,
+        regions_read=r.regions_read,
         phases=[pb.PhaseSeconds(phase=_PH_OUT[k.value], seconds=v) for k, v in r.phases.items()],
     )
 

@@ -278,8 +278,13 @@ def ack(state: CoreState, lease_id: str, report: AckReport) -> VersionState:
             f"{rec.table.layout_digest!r}: the replica loaded a different table",
         )
     if ok:
-        error = _content_mismatch(rec, rid, report.content_digest)
+        read_with = _read_with(member, report)
+        error = _content_mismatch(rec, rid, report.content_digest, read_with)
         ok = not error
+        if ok and read_with:
+            rec.read_regions[rid] = read_with
+        elif ok:
+            rec.read_regions.pop(rid, None)
     planned = rec.plans.get(rid)
     waiting = planned is not None and rec.status.get(rid) in lifecycle.WAITING
     if waiting and not ok and report.channel_failed and rid in rec.fell_back:
@@ -334,10 +339,31 @@ def _sent_regions(rec: VersionRecord, rid: str) -> bool:
     return planned is not None and planned.regions_part() is not None
 
 
-def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
+def _read_with(member: Member, report: AckReport) -> str:
+    """For an ack of a region read from a sharded volume copy (``regions_read``): the digest of the engine layout
+    the replica registered, which its digest is comparable under; empty for any other ack."""
+    if not report.regions_read:
+        return ""
+    layout = member.layout
+    return layout.digest() if isinstance(layout, EngineLayout) else "no engine layout registered"
+
+
+def _content_mismatch(rec: VersionRecord, rid: str, digest: str, read_with: str | None = None) -> str:
     """Why a replica's content digest is wrong: not what the trainer sent (for a replica sent regions: the
     senders' combined digest of its regions; it must have one), or (before the trainer's report arrived) not what
-    other replicas loaded whole; empty when it agrees or there is nothing to compare yet."""
+    other replicas loaded whole; for a region read from the volume (``read_with``: the engine layout it read with;
+    None: as recorded), not what other replicas read with the same layout; empty when it agrees or there is
+    nothing to compare yet. A region read is never compared with whole loads or the trainer's digest, nor they
+    with it: a worker holding a slice cannot compute per-tensor digests."""
+    read_with = rec.read_regions.get(rid, "") if read_with is None else read_with
+    if read_with:
+        same = {d for r, d in rec.content.items() if d and r != rid and rec.read_regions.get(r) == read_with}
+        if digest and same and digest not in same:
+            return (
+                f"content_digest {digest} differs from the {min(same)} of other replicas that read this version by "
+                "region with the same engine layout: the bytes its workers read differ"
+            )
+        return ""
     if _sent_regions(rec, rid):
         if not rec.sent:
             return ""  # checked when the trainer's report arrives (``report_sent``)
@@ -357,7 +383,9 @@ def _content_mismatch(rec: VersionRecord, rid: str, digest: str) -> str:
                 "replica's engine loaded differ from the trainer's"
             )
         return ""
-    others = {d for r, d in rec.content.items() if d and r != rid and not _sent_regions(rec, r)}
+    others = {
+        d for r, d in rec.content.items() if d and r != rid and not _sent_regions(rec, r) and r not in rec.read_regions
+    }
     if others and digest not in others:
         return f"content_digest {digest} differs from other replicas' {min(others)}: the bytes it loaded differ"
     return ""

@@ -369,7 +369,7 @@ class PhaseSeconds(_message.Message):
     def __init__(self, phase: _Optional[_Union[SyncPhase, str]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class AckRequest(_message.Message):
-    __slots__ = ("lease_id", "version", "layout_digest", "phases", "ok", "error", "channel_failed", "content_digest", "torn")
+    __slots__ = ("lease_id", "version", "layout_digest", "phases", "ok", "error", "channel_failed", "content_digest", "torn", "regions_read")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +379,7 @@ class AckRequest(_message.Message):
     CHANNEL_FAILED_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TORN_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_READ_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     version: int
     layout_digest: str
@@ -388,7 +389,8 @@ class AckRequest(_message.Message):
     channel_failed: bool
     content_digest: str
     torn: bool
-    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., layout_digest: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel_failed: _Optional[bool] = ..., content_digest: _Optional[str] = ..., torn: _Optional[bool] = ...) -> None: ...
+    regions_read: bool
+    def __init__(self, lease_id: _Optional[str] = ..., version: _Optional[int] = ..., layout_digest: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[PhaseSeconds, _Mapping]]] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., channel_failed: _Optional[bool] = ..., content_digest: _Optional[str] = ..., torn: _Optional[bool] = ..., regions_read: _Optional[bool] = ...) -> None: ...
 
 class AckResponse(_message.Message):
     __slots__ = ("state",)
