@@ -328,7 +328,8 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
     assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
     recovered = [rid for rid, (_, a) in fleet.sharded.items() if any(e[0] == "recover" for e in a.events)]
     assert recovered, "no region replica was left torn: the rank died before any region landed"
-    # the gathered replica loads in place: it may have finished the failed version (an acked replica keeps it)
+    # rank 1 dies once its part in the gather is done, so rank 0's stream to the gathered replica finishes: it keeps
+    # the failed version it acked (updates land in place)
     # the fleet moves on: the next version as regions to the region replicas and gathered to the other, READY
     report = publish(fleet, "after", [8])[-1]
     assert report["state"] == "READY" and "regions" in report["seconds"] and report["failed"] == {}, report
