@@ -203,6 +203,7 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.updater = Updater(VllmModel(self), self._context())
+        self._failed = False
 
     def _context(self) -> WorkerContext:
         pc = self.parallel_config
@@ -241,15 +242,33 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         self.updater.init(init_info.rendezvous)
 
     def start_weight_update(self) -> None:
+        self._failed = False
         self.updater.start()
 
     def receive_weights(self, update_info: UpdateInfo) -> None:
+        """Receive a version; a failure is recorded in the receipt, not raised.
+
+        vLLM 0.32's multiprocess executor reads its workers' replies in order and raises at the first failed one,
+        leaving the other workers' replies queued for the engine's next call, which then reads a stale one: at
+        tensor-parallel size 2 a replica torn by a failed update read "engine receipt is malformed" on every
+        recovery and never served again. So every worker answers, ``finish_weight_update`` leaves a failed update
+        as it is, and the agent's lifecycle learns of the failure from the workers' receipts (``lifecycle._loaded``),
+        as it always checked them."""
         if update_info.ticket is None:
             raise PermanentError("update_info carried no ticket")
-        self.updater.receive(update_info.ticket)
+        try:
+            self.updater.receive(update_info.ticket)
+        except Exception as e:  # noqa: BLE001 - recorded by the updater (its receipt); raising would desync vLLM
+            self._failed = True
+            log.warning("worker %d: version %d failed: %s", self.updater.ctx.rank, update_info.ticket.version, e)
 
     def finish_weight_update(self) -> None:
-        self.updater.finish()
+        if self._failed:
+            return  # the failure and whether it tore the weights are in the receipt
+        try:
+            self.updater.finish()
+        except Exception as e:  # noqa: BLE001 - recorded by the updater (its receipt), as in ``receive_weights``
+            log.warning("worker %d: finishing the update failed: %s", self.updater.ctx.rank, e)
 
     def stage(self, update_dict: dict[str, Any], nbytes: int) -> None:
         """Start receiving a version beside generation (``staging``); the switch is an update naming it staged."""

@@ -380,6 +380,8 @@ class Replica:
                 "the replica stays paused until a whole version loads",
                 EngineState.TORN,
             )
+        # vLLM names the version at ``finish`` even when the workers' receipts say the update failed
+        self.control.label(str(self.version))
         restore()
         self.state = EngineState.SERVING
         self._show(self.version, self.version, EngineState.SERVING)

@@ -104,7 +104,9 @@ class Receipt:
 def merge(receipts: Sequence[Receipt]) -> Receipt:
     """One replica's receipt from its workers' (tensor-parallel ranks each receive the whole version).
 
-    Torn if any worker is; failed if any failed; the digests must agree across workers.
+    Torn if any worker is, or if one finished the version another failed (the replica would hold a mix: each
+    worker records its failure rather than raising it, so the others finish); failed if any failed; the digests
+    must agree across workers.
     """
     if not receipts:
         raise PermanentError("the engine returned no receipt (no worker answered)")
@@ -121,7 +123,7 @@ def merge(receipts: Sequence[Receipt]) -> Receipt:
         failed.version,
         failed.channel,
         ok=False,
-        torn=any(r.torn for r in receipts),
+        torn=any(r.torn or (r.ok and r.version == failed.version) for r in receipts),
         layout_digest=failed.layout_digest,
         error=failed.error,
     )

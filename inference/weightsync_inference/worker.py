@@ -150,6 +150,8 @@ class WorkerExtension:
             if engine.updater.torn:
                 self._refuse_steps_while_torn(engine)
             raise
+        if engine.updater.torn:  # a failed update is in the receipt, not raised (``WeightsyncEngine.receive_weights``)
+            self._refuse_steps_while_torn(engine)
         receipt: dict[str, Any] = engine.receipt.to_dict()
         return receipt
 

@@ -11,7 +11,7 @@ model.safetensors: what the replica must generate like). Rank 0 writes its repor
 ``--flip R``: rank R's region sends corrupt the first byte of their first message on the way (the wire is
 wrapped, as in ``region_ranks``: a flipped bit that TCP lets through cannot be caused for real). ``--die R``: rank
 R kills itself (SIGKILL) once its first region message (of 4 KiB) has left, inside its sends to the first replica,
-and its part in the gather is done.
+and its part in the gather is done; ``--die-in-gather R``: inside the gather, once its first group is gathered.
 A publish that raises on rank 0 is written to its reports as ``{"error": ...}``.
 """
 
@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", required=True)
     p.add_argument("--flip", type=int, default=-1)
     p.add_argument("--die", type=int, default=-1)
+    p.add_argument("--die-in-gather", type=int, default=-1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--out", required=True)
     p.add_argument("--checkpoint", default="", help="the checkpoint volume (every rank writes its shards there)")
@@ -91,6 +92,13 @@ def main() -> None:
     if rank == args.flip:
         send = regions.send
         regions.send = lambda pg, *a, **kw: send(Flipping(pg), *a, **kw)  # type: ignore[assignment]
+    if rank == args.die_in_gather:
+
+        def dying(source: Any) -> None:  # once the first group is gathered: rank 0 is streaming it
+            for _ in source.groups():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        phases.take_part = dying  # type: ignore[assignment]
     if rank == args.die:
         take_part = phases.take_part
 
@@ -141,7 +149,7 @@ def main() -> None:
         try:
             report = publisher.publish(step)
         except Exception as e:
-            if args.die < 0:
+            if args.die < 0 and args.die_in_gather < 0:
                 raise
             published.append({"error": f"{type(e).__name__}: {e}"})
             break

@@ -249,7 +249,7 @@ def test_a_tp2_engine_loads_the_sharded_version_and_refuses_a_damaged_one(
     import transformers
 
     from weightsync.channels.base import Rendezvous
-    from weightsync_inference.lifecycle import Replica
+    from weightsync_inference.lifecycle import EngineState, Replica, UpdateFailed
     from weightsync_inference.offline import OfflineEngine
 
     tmp_path, _ = written
@@ -272,17 +272,23 @@ def test_a_tp2_engine_loads_the_sharded_version_and_refuses_a_damaged_one(
         support.assert_generates_like(engine, trained)
 
         rank_file = mount / "v00000002" / "rank-00001.safetensors"
-        data = bytearray(rank_file.read_bytes())
+        original = rank_file.read_bytes()
+        data = bytearray(original)
         data[len(data) // 2] ^= 0x40
         rank_file.write_bytes(bytes(data))
         refused = r"rank-00001.safetensors of version 2: sha256 .* holds tensors \['model.embed_tokens.weight'"
-        # Both workers refuse it before a byte lands. vLLM 0.32's multiprocess executor raises on the first failed
-        # worker's answer and leaves the other's queued, so the lifecycle's next call (the receipt) reads that
-        # stale failure instead of UpdateFailed: an upstream gap at TP >= 2, not the volume's (see the report).
-        with pytest.raises(Exception, match=refused):
+        # Both workers refuse it before a byte lands. Each worker's engine records the failure in its receipt rather
+        # than raising it (vLLM 0.32's multiprocess executor would raise at the first failed worker and leave the
+        # other's reply queued for the next call): the refusal is UpdateFailed, and the next calls read fresh replies.
+        with pytest.raises(UpdateFailed, match=refused) as failed:
             replica.apply(ticket(2))
+        assert failed.value.state is EngineState.SERVING and replica.state is EngineState.SERVING
         assert not engine.receipt().torn and engine.receipt().version == 2  # the refusal, recorded untorn
+        assert engine.weight_version() == "1"  # vLLM named version 2 at finish; the lifecycle named 1 again
         support.assert_generates_like(engine, trained)  # still version 1, whole
+        rank_file.write_bytes(original)  # repaired: the same engine loads it (a stale reply would fail this)
+        outcome = replica.apply(ticket(2))
+        assert outcome.receipt.ok and outcome.receipt.version == 2 and engine.weight_version() == "2"
     finally:
         engine.close()
 

@@ -67,3 +67,16 @@ def test_a_torn_replica_whose_recovery_is_refused_untouched_stays_torn_and_pause
         replica.apply(UpdateTicket(1, Channel.VOLUME, timeout_s=5))
     assert failed.value.state is lifecycle.EngineState.TORN and replica.state is lifecycle.EngineState.TORN
     assert "resume" not in engine.calls and "pause" not in engine.calls
+
+
+def test_a_version_one_worker_finished_and_another_refused_is_torn() -> None:
+    """Each worker records its failure rather than raising it, so a worker whose part went well finishes the
+    version while another refused it untouched: the replica holds a mix, which is torn, never served."""
+    from weightsync_inference.receipts import Receipt, merge
+
+    done = Receipt(2, Channel.CPU, digests={"a": "sha256:1"})
+    refused = Receipt(2, Channel.CPU, ok=False, torn=False, error="ModelMismatchError: ...")
+    assert merge([done, refused]).torn and not merge([done, refused]).ok
+    assert merge([refused, done]).torn
+    both = merge([refused, Receipt(2, Channel.CPU, ok=False, torn=False, error="refused too")])
+    assert not both.ok and not both.torn  # refused everywhere: the previous version is whole
