@@ -343,20 +343,24 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
 
 
 @full
-def test_a_rank_that_dies_inside_the_gather_tears_the_gathered_replica_too_and_every_replica_recovers(
+def test_a_rank_that_dies_inside_the_gather_fails_every_replicas_update_and_each_serves_again(
     fleet: Fleet,
 ) -> None:
     """Trainer rank 1 killed inside the gather (its first group gathered, so rank 0 is streaming it): rank 0's stream
-    to the gathered replica breaks too, tearing it. Every torn replica reloads the previous version from the sharded
-    volume by itself, the gathered TP=2 one through vLLM's own ``update_weights``, whose failure each worker records
-    in its receipt rather than raises (``WeightsyncEngine.receive_weights``: vLLM's executor kept the other worker's
-    failure queued, and such a replica never served again); then the next version is READY on every replica."""
+    to the gathered replica breaks too. That TP=2 replica's update fails through vLLM's own ``update_weights``, whose
+    failure each worker records in its receipt rather than raises (``WeightsyncEngine.receive_weights``: vLLM's
+    executor kept the other worker's failure queued, so its next calls read a stale reply and every later version
+    failed there, or a torn one never recovered); it is refused untouched (the tiny model is one bucket of the
+    stream, which never arrived) or torn, and then reloaded. A region replica whose workers had landed regions is
+    torn and reloads the previous version from the sharded volume by itself (or was refused untouched, when the
+    rank died before its region group formed); every replica serves the previous version, and the next version is
+    READY on all."""
     engines = {rid: e for rid, (e, _) in fleet.sharded.items()} | {WHOLE: fleet.whole_engine}
     agents = {rid: a for rid, (_, a) in fleet.sharded.items()} | {WHOLE: fleet.whole_agent}
     if fleet.agent.engine_layout is None:  # this test run alone: a first version registers the layouts
         assert publish(fleet, "before-gather", [9])[-1]["state"] == "READY"
     previous = {rid: e.weight_version() for rid, e in engines.items()}
-    recovered_before = {rid: sum(e[0] == "recover" for e in a.events) for rid, a in agents.items()}
+    events_before = len(fleet.whole_agent.events)
     results = publish(fleet, "die-gather", [10], "--die-in-gather", "1", codes={1: -9})
     assert len(results) == 1 and results[0].get("state", "FAILED") == "FAILED", results
     deadline = time.monotonic() + 300
@@ -366,8 +370,8 @@ def test_a_rank_that_dies_inside_the_gather_tears_the_gathered_replica_too_and_e
             break
         time.sleep(1)
     assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
-    recovered = {rid for rid, a in agents.items() if sum(e[0] == "recover" for e in a.events) > recovered_before[rid]}
-    assert WHOLE in recovered, f"the gathered replica was not torn (recovered: {sorted(recovered)}): no fault hit it"
+    hit = [e for e in fleet.whole_agent.events[events_before:] if e[0] == "assign"]
+    assert hit and hit[-1][2].startswith("failed"), hit  # the gathered replica's stream broke too
     report = publish(fleet, "after-gather", [11])[-1]
     assert report["state"] == "READY" and report["failed"] == {}, report
     assert_hold_what_vllms_loader_makes(fleet)
