@@ -71,7 +71,7 @@ serving: venv models  ## the longer serving runs (MoE models served and in the s
 layouts: venv models  ## every architecture's recorded engine layout against vLLM's loaders, trainer layouts on 4 ranks (CI runs a representative set)
 	WEIGHTSYNC_LAYOUTS=all $(PY) -m pytest tests/integration/test_engine_layouts.py tests/integration/test_trainer_layouts.py
 
-sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 replicas and their faults, landing against vLLM's loader, the publisher and agents to TP=2 and TP=1 replicas in one version, from 4 ranks, with a flipped byte and a rank killed mid-send, a mixture-of-experts trainer sending each expert from the rank that holds it, a served TP=2 vLLM with its agent and proxy on a host of its own taking its regions (CI runs the publisher's regions to a TP=2 engine)
+sharded: venv models  ## the sharded data path: region streams to TP=2 and TP=1 replicas and their faults (a rank killed mid-send and inside the gather; the torn replicas recover), landing against vLLM's loader, the publisher and agents to TP=2 and TP=1 replicas in one version, from 4 ranks, with a flipped byte and a rank killed mid-send, a mixture-of-experts trainer sending each expert from the rank that holds it, a served TP=2 vLLM with its agent and proxy on a host of its own taking its regions (CI runs the publisher's regions to a TP=2 engine)
 	WEIGHTSYNC_SHARDED=all $(PY) -m pytest tests/integration/test_region_stream.py tests/integration/test_landing.py \
 		tests/integration/test_sharded_engine.py tests/integration/test_sharded_publish.py tests/integration/test_sharded_moe.py \
 		tests/integration/test_served_sharded.py
