@@ -16,14 +16,14 @@ the workers' lists in plan order, ``regions.combine``), seconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from weightsync.channels import cpu, regions
 from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
 from weightsync.sharding import plans
-from weightsync.sharding.fills import WorkerLayout
+from weightsync.sharding.fills import Fill, WorkerLayout
 from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
 from weightsync_inference.landing import Landing
@@ -36,34 +36,44 @@ def receive(
     worker = engine.updater.ctx.rank
     if layout.rank != worker:
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
-    model = engine.updater.model  # the engine's own adapter: what it fixed up once (MoE prepacking) stays once
-    model.check(table)  # refuses a table the model would not load, having changed nothing
+    engine.updater.model.check(table)  # refuses a table the model would not load, having changed nothing
     group = cpu.member(rendezvous, rendezvous.rank + worker)  # the CPU stream's group formation: bounded, bound
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:
         group.connect()
-        model.begin_load(table)
-        engine.updater.torn = True
-        try:
-            landing = Landing(engine.model, layout, table)
-            landing.land(regions.receive(group.pg, rendezvous.rank, worker, table, replica_regions, tally))
-            landing.finish()
-            model.end_load(False)
-        except BaseException:
-            model.abandon_load()
-            raise
-        engine.updater.torn = False
+        landed = land(
+            engine, layout, table, regions.receive(group.pg, rendezvous.rank, worker, table, replica_regions, tally)
+        )
     finally:
         group.close()
     return {
         "worker": worker,
         "layout_digest": table.layout_digest(),  # of the table this worker checked and landed
         "nbytes": tally.nbytes,
-        "landed": landing.nbytes,
+        "landed": landed,
         "digests": tally.digests,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def land(engine: Any, layout: WorkerLayout, table: TensorTable, pieces: Iterable[tuple[Fill, Any]]) -> int:
+    """Land ``pieces`` (this worker's, as they arrive) in its parameters inside vLLM's layerwise reload, each module
+    finished as its last piece lands; the bytes landed. Torn from the first piece until every parameter is whole: a
+    failure leaves the worker torn (the updater's fail-stop state), its load abandoned."""
+    model = engine.updater.model  # the engine's own adapter: what it fixed up once (MoE prepacking) stays once
+    model.begin_load(table)
+    engine.updater.torn = True
+    try:
+        landing = Landing(engine.model, layout, table)
+        landing.land(pieces)
+        landing.finish()
+        model.end_load(False)
+    except BaseException:
+        model.abandon_load()
+        raise
+    engine.updater.torn = False
+    return landing.nbytes
 
 
 def request(
@@ -88,4 +98,4 @@ def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
     return receive(engine, rdv, TensorTable.from_dict(d["table"]), plans.regions_from(d["regions"]), mine)
 
 
-__all__ = ["from_request", "receive", "request"]
+__all__ = ["from_request", "land", "receive", "request"]

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from weightsync.channels import manifests
 from weightsync.errors import IntegrityError, PermanentError
-from weightsync.sharding.fills import EngineLayout, WorkerLayout
+from weightsync.sharding.fills import EngineLayout, Fill, WorkerLayout
 from weightsync.tensors import TensorTable
 
 
@@ -131,30 +131,23 @@ def read(engine: Any, directory: Path, manifest: manifests.Manifest, layout: Wor
     from weightsync.channels import digests
     from weightsync.channels.volume_regions import RegionReader
     from weightsync.vocabulary import Channel, SyncPhase
-    from weightsync_inference.landing import Landing
+    from weightsync_inference import sharded
     from weightsync_inference.receipts import Receipt
 
     worker, table = engine.updater.ctx.rank, manifest.table
     if layout.rank != worker:
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
-    model = engine.updater.model  # the engine's own adapter, as the sharded stream uses it
     reader = RegionReader(directory, manifest)
     found: list[str] = []
+
+    def digested() -> Iterator[tuple[Fill, Any]]:
+        for fill, data in reader.fills(layout.fills):
+            found.append(digests.digest(data))
+            yield fill, data
+
     t0 = time.perf_counter()
     try:
-        model.begin_load(table)
-        engine.updater.torn = True
-        try:
-            landing = Landing(engine.model, layout, table)
-            for fill, data in reader.fills(layout.fills):
-                found.append(digests.digest(data))
-                landing.land([(fill, data)])
-            landing.finish()
-            model.end_load(False)
-        except BaseException:
-            model.abandon_load()
-            raise
-        engine.updater.torn = False
+        landed = sharded.land(engine, layout, table, digested())
     finally:
         reader.close()
     seconds = {SyncPhase.LOAD: time.perf_counter() - t0}
@@ -164,7 +157,7 @@ def read(engine: Any, directory: Path, manifest: manifests.Manifest, layout: Wor
         "worker": worker,
         "layout_digest": table.layout_digest(),
         "bytes_read": reader.bytes_read,
-        "landed": landing.nbytes,
+        "landed": landed,
         "digests": found,
         "seconds": seconds[SyncPhase.LOAD],
     }

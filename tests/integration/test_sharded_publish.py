@@ -328,6 +328,12 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
     assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
     recovered = [rid for rid, (_, a) in fleet.sharded.items() if any(e[0] == "recover" for e in a.events)]
     assert recovered, "no region replica was left torn: the rank died before any region landed"
+    for rid in recovered:  # from the sharded copy by region: each worker read about its share, not the version
+        engine, agent = fleet.sharded[rid]
+        read, table = agent.last_read, engine.last_table()
+        assert read is not None and read.version == int(previous[rid]) and table is not None, (rid, read)
+        layout = engine.engine_layout(table)
+        assert read.landed == {w.rank: w.bytes_needed(table) for w in layout.workers}, (rid, read)
     # rank 1 dies once its part in the gather is done, so rank 0's stream to the gathered replica finishes: it keeps
     # the failed version it acked (updates land in place)
     # the fleet moves on: the next version as regions to the region replicas and gathered to the other, READY
