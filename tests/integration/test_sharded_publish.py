@@ -319,13 +319,7 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
     result = results[0]
     assert result.get("state", "FAILED") == "FAILED", result
     # the region replicas on their previous version, whole and serving again (those left torn reloaded it)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        states = {rid: (a.replica.state.value, e.weight_version()) for rid, (e, a) in fleet.sharded.items()}
-        if states == {rid: ("serving", v) for rid, v in previous.items()}:
-            break
-        time.sleep(1)
-    assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
+    assert_serving_again(fleet.sharded, previous)
     recovered = [rid for rid, (_, a) in fleet.sharded.items() if any(e[0] == "recover" for e in a.events)]
     assert recovered, "no region replica was left torn: the rank died before any region landed"
     for rid in recovered:  # from the sharded copy by region: each worker read about its share, not the version
@@ -346,6 +340,18 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
     )
     for engine in (fleet.whole_engine, *engines.values()):
         support.assert_generates_like(engine, trained)
+
+
+def assert_serving_again(replicas: dict[str, tuple[Any, Any]], previous: dict[str, str]) -> None:
+    """Every replica (id -> (engine, agent)) serves its ``previous`` version again within 300 s: those a failed
+    version left torn reloaded it by themselves."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        states = {rid: (a.replica.state.value, e.weight_version()) for rid, (e, a) in replicas.items()}
+        if states == {rid: ("serving", v) for rid, v in previous.items()}:
+            return
+        time.sleep(1)
+    assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
 
 
 @full
@@ -369,13 +375,7 @@ def test_a_rank_that_dies_inside_the_gather_fails_every_replicas_update_and_each
     events_before = len(fleet.whole_agent.events)
     results = publish(fleet, "die-gather", [10], "--die-in-gather", "1", codes={1: -9})
     assert len(results) == 1 and results[0].get("state", "FAILED") == "FAILED", results
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        states = {rid: (agents[rid].replica.state.value, e.weight_version()) for rid, e in engines.items()}
-        if states == {rid: ("serving", v) for rid, v in previous.items()}:
-            break
-        time.sleep(1)
-    assert states == {rid: ("serving", v) for rid, v in previous.items()}, states
+    assert_serving_again({rid: (e, agents[rid]) for rid, e in engines.items()}, previous)
     hit = [e for e in fleet.whole_agent.events[events_before:] if e[0] == "assign"]
     assert hit and hit[-1][2].startswith("failed"), hit  # the gathered replica's stream broke too
     report = publish(fleet, "after-gather", [11])[-1]
