@@ -41,6 +41,25 @@ def test_batched_digests_equal_per_tensor_digests_and_catch_one_bit() -> None:
     assert changed == [0]
 
 
+def test_batched_digests_of_a_ranks_strided_regions_equal_per_tensor_digests() -> None:
+    """A 2-rank FSDP2 shard's TP=2 row-parallel regions (column halves of each row shard: the cuts a co-located
+    rank digests) read as runs, one launch for all of them."""
+    device = torch.device("cuda:0")
+    if not batched.available(device):
+        pytest.skip("Triton is not installed")
+    cuts = []
+    for t in _tensors(device):
+        if t.dim() == 2 and t.shape[0] % 2 == 0 and t.shape[1] % 16 == 0:
+            shard = t[: t.shape[0] // 2]
+            cuts += [shard[:, : t.shape[1] // 2], shard[:, t.shape[1] // 2 :]]
+    assert cuts and all(batched.runs(c) is not None and not c.is_contiguous() for c in cuts)
+    want = torch.stack([digests.word(c) for c in cuts])
+    assert torch.equal(digests.words(cuts), want)
+    cuts[-1][-1, -1] = -cuts[-1][-1, -1] if cuts[-1][-1, -1] != 0 else 1.0  # the last word of the last run
+    changed = (digests.words(cuts) != want).nonzero().flatten().tolist()
+    assert changed == [len(cuts) - 1]
+
+
 def test_batched_copies_land_every_byte_into_separate_parameters() -> None:
     device = torch.device("cuda:0")
     if not batched.available(device):

@@ -72,3 +72,39 @@ def test_batched_copies_land_every_pair_and_leave_the_rest_untouched() -> None:
     assert all(torch.equal(d, s) for d, s in zip(dests, srcs, strict=True))
     assert torch.equal(cast, srcs[2].float())
     assert not stage[at:].any()
+
+
+def _strided() -> list[torch.Tensor]:
+    """Strided views as a sharded rank digests them: column blocks of a row shard (a row-parallel region), a block
+    of a 3-D expert tensor, a view whose rows are long enough to be more than one chunk, and a contiguous one."""
+    gen = torch.Generator().manual_seed(11)
+    shard = torch.randn(48, 512, generator=gen).to(torch.bfloat16)  # rows of 1 KiB
+    experts = torch.randn(4, 16, 256, generator=gen)
+    wide = torch.randn(3, batched.CHUNK * 3, generator=gen).to(torch.bfloat16)  # rows of 1.5 chunks
+    return [shard[8:40, 256:], shard[:, :128], experts[1:3, 4:12, 64:192], wide[:, : batched.CHUNK * 2], shard[4:8]]
+
+
+def test_batched_digests_read_strided_views_as_their_rows() -> None:
+    tensors = _strided()
+    assert not any(t.is_contiguous() for t in tensors[:4])
+    assert all(batched.runs(t) is not None for t in tensors)
+    got = batched.Digests(tensors)(tensors)
+    assert got.tolist() == [int(digests.word(t)) for t in tensors]
+    # a flipped bit inside the first view's last row changes its word only; one outside every view changes none
+    base = tensors[0]._base if tensors[0]._base is not None else tensors[0]
+    base.view(torch.int16)[39, 300] ^= 1 << 3
+    after = batched.Digests(tensors)(tensors).tolist()
+    assert after[0] != got[0] and after[1:] == got.tolist()[1:]
+    base.view(torch.int16)[45, 200] ^= 1 << 3  # row 45, column 200: outside shard[8:40, 256:] and shard[:, :128]
+    assert batched.Digests(tensors)(tensors).tolist() == after
+
+
+def test_short_or_misaligned_runs_keep_the_per_tensor_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "available", lambda device: True)
+    x = torch.arange(64 * 128, dtype=torch.float32).view(64, 128)
+    assert batched.runs(x[:, :8]) is None  # 32-byte rows: shorter than MIN_RUN
+    assert batched.runs(x[:, 2:126]) is None  # 496-byte rows that start 8 bytes past a 16-byte boundary
+    assert batched.runs(x[:, 4:128]) == (x[:, 4:].data_ptr(), 496, (64,), (512,))  # aligned: a run per row
+    assert batched.runs(x) == (x.data_ptr(), 64 * 128 * 4, (), ())  # contiguous: one run
+    mixed = [x[:, :8], *_strided(), x[:, 2:126]]
+    assert digests.words(mixed).tolist() == [int(digests.word(t)) for t in mixed]

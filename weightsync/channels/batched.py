@@ -10,8 +10,11 @@ them once, whatever the tensor count.
 
 Addresses travel as offsets, in 16-byte units, from the lowest address of the batch
 (a pointer argument): the kernel then knows every access is 16-byte aligned and
-loads 16 bytes at a time. A tensor that is not contiguous, not 16-byte aligned or not
-whole 8-byte words (rare among weights) keeps the per-tensor path (``eligible``).
+loads 16 bytes at a time. A digest also reads a strided view as its runs of contiguous
+bytes (``runs``: a sharded rank's row-parallel regions are column blocks of its shard,
+rows of a few KB each), a chunk per run, each chunk knowing its first word's index in
+the tensor. A tensor that is not 16-byte aligned, not whole 8-byte words, or (for a
+copy) not contiguous keeps the per-tensor path (``eligible``, ``runs``).
 Triton comes with torch's CUDA builds; without it, and on the CPU, callers keep their
 per-tensor path (``available``).
 """
@@ -58,6 +61,30 @@ def address(t: torch.Tensor) -> tuple[int, int] | None:
 
 def eligible(t: torch.Tensor) -> bool:
     return address(t) is not None
+
+
+MIN_RUN = 256
+"""Bytes below which a strided view's runs are not worth a chunk each (each costs a table row, 32 bytes, and a
+program): such a view keeps the per-tensor path."""
+
+Runs = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+"""A tensor as runs of contiguous bytes: (data_ptr, bytes per run, the leading dims' sizes, their strides in bytes);
+run ``i`` (row-major over the leading dims) starts at data_ptr + sum(i_d * stride_d). A contiguous tensor is one
+run and no leading dims."""
+
+
+def runs(t: torch.Tensor) -> Runs | None:
+    """``t`` as runs a batched digest can read (each 16-byte aligned and whole 8-byte words), else None."""
+    if not t.numel():
+        return None
+    size = t.element_size()
+    dims = [(n, s * size) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
+    run = size
+    while dims and dims[-1][1] == run:  # the innermost dims that lie back to back make one run
+        run *= dims.pop()[0]
+    lead, strides = tuple(n for n, _ in dims), tuple(s for _, s in dims)
+    aligned = t.data_ptr() % 16 == 0 and run % 8 == 0 and all(s > 0 and s % 16 == 0 for s in strides)
+    return (t.data_ptr(), run, lead, strides) if aligned and (not lead or run >= MIN_RUN) else None
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -123,21 +150,35 @@ Chunks = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _chunked(tensors: Sequence[torch.Tensor]) -> Chunks:
     """Which tensor lies lowest and, per chunk (host tensors): its tensor's index, the offset of its first word from
-    the lowest address in 16-byte units, that word's index in its tensor, its words."""
-    ptrs = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    words = torch.tensor([_nbytes(t) // 8 for t in tensors], dtype=torch.int64)
-    per = (words + CHUNK - 1) // CHUNK
-    owner = torch.repeat_interleave(torch.arange(len(tensors)), per)
-    starts = torch.cumsum(per, 0) - per
-    first = (torch.arange(int(per.sum())) - starts[owner]) * CHUNK
-    count = torch.clamp(words[owner] - first, max=CHUNK)
-    lowest = int(torch.argmin(ptrs))
-    return lowest, owner, (ptrs[owner] - ptrs[lowest]) // 16 + first // 2, first, count
+    the lowest address in 16-byte units, that word's index in its tensor, its words. A run longer than ``CHUNK``
+    words is several chunks; a strided tensor (``runs``) is a run per row."""
+    shapes = [runs(t) for t in tensors]
+    lowest = min(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
+    base = tensors[lowest].data_ptr()
+    starts, words, firsts, owners = [], [], [], []
+    for i, shape in enumerate(shapes):
+        if shape is None:
+            raise ValueError("a batched kernel reads 16-byte aligned runs of whole 8-byte words only (see runs)")
+        ptr, run, lead, strides = shape
+        at = torch.tensor([ptr - base], dtype=torch.int64)
+        for n, stride in zip(lead, strides, strict=True):  # row-major: the outer dims vary slowest
+            at = (at[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+        starts.append(at)
+        words.append(torch.full_like(at, run // 8))
+        firsts.append(torch.arange(at.numel(), dtype=torch.int64) * (run // 8))
+        owners.append(torch.full_like(at, i))
+    start, word, first, owner = (torch.cat(x) for x in (starts, words, firsts, owners))
+    per = (word + CHUNK - 1) // CHUNK
+    run_of = torch.repeat_interleave(torch.arange(word.numel()), per)
+    within = (torch.arange(int(per.sum())) - (torch.cumsum(per, 0) - per)[run_of]) * CHUNK
+    count = torch.clamp(word[run_of] - within, max=CHUNK)
+    return lowest, owner[run_of], start[run_of] // 16 + within // 2, first[run_of] + within, count
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as int64 words: the kernels' pointer argument (16-byte aligned, so Triton specialises on it)."""
-    return t.view(-1).view(torch.int64)
+    """An int64 tensor at ``t``'s first byte: the kernels' pointer argument (16-byte aligned, so Triton specialises
+    on it; a strided ``t`` is read through the table's offsets, not through this view)."""
+    return t.as_strided((8 // t.element_size(),), (1,)).view(torch.int64)
 
 
 class Digests:
@@ -244,4 +285,16 @@ def copies(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Calla
     return run
 
 
-__all__ = ["CHUNK", "Copies", "Digests", "address", "available", "copies", "eligible", "warm"]
+__all__ = [
+    "CHUNK",
+    "MIN_RUN",
+    "Copies",
+    "Digests",
+    "Runs",
+    "address",
+    "available",
+    "copies",
+    "eligible",
+    "runs",
+    "warm",
+]

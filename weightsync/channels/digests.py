@@ -25,7 +25,7 @@ from weightsync.tensors import TensorSpec
 _CHUNK_WORDS = 1 << 22
 _MASK = (1 << 64) - 1
 _multipliers: dict[torch.device, torch.Tensor] = {}
-Layout = tuple[tuple[int, int], ...]
+Layout = tuple[tuple[int, int, tuple[int, ...], tuple[int, ...]], ...]
 _PREPARED = 1024
 """Batched digests kept prepared, by device and their tensors' offsets from the lowest and sizes (a receiver's
 buckets, a stage's views, a sender's wire buffer for a group keep theirs from version to version). A sharded
@@ -75,20 +75,21 @@ def words(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -
         return torch.empty(0, dtype=torch.int64, device=device)
     if not batched.available(tensors[0].device):
         return torch.stack([word(t) for t in tensors])
-    at = [batched.address(t) for t in tensors]
+    at = [batched.runs(t) for t in tensors]
     if None not in at:
         return _batched(tensors, _relative(at))
-    # the few tensors a batched kernel cannot read (unaligned views, a tail that is not a whole word)
+    # the few tensors a batched kernel cannot read (unaligned views, a tail that is not a whole word, short runs)
     some = [(t, a) for t, a in zip(tensors, at, strict=True) if a is not None]
     got = iter(_batched([t for t, _ in some], _relative([a for _, a in some])) if some else ())
     return torch.stack([word(t) if a is None else next(got) for t, a in zip(tensors, at, strict=True)])
 
 
-def _relative(at: Sequence[tuple[int, int] | None]) -> Layout:
-    """The tensors' (offset from the lowest, bytes): what a prepared digest depends on (``batched.Digests`` takes the
-    lowest address at each call), so tensors laid out alike in a new allocation (a group's wire buffer) reuse it."""
+def _relative(at: Sequence[batched.Runs | None]) -> Layout:
+    """The tensors' runs with their offsets from the lowest: what a prepared digest depends on (``batched.Digests``
+    takes the lowest address at each call), so tensors laid out alike in a new allocation (a group's wire buffer)
+    reuse it."""
     lowest = min(a[0] for a in at if a is not None)
-    return tuple((a[0] - lowest, a[1]) for a in at if a is not None)
+    return tuple((a[0] - lowest, *a[1:]) for a in at if a is not None)
 
 
 def _batched(tensors: Sequence[torch.Tensor], layout: Layout) -> torch.Tensor:
