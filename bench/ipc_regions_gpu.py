@@ -1,13 +1,24 @@
-"""Regions over CUDA IPC on one GPU (``weightsync.channels.ipc_regions``) against a raw device copy of the same bytes.
+r"""Regions where trainer ranks and workers share GPUs: CUDA IPC (``weightsync.channels.ipc_regions``) on one GPU, IPC
+beside NCCL links on two, against raw baselines of the same bytes.
 
     bash tools/gpu-host.sh python3 bench/ipc_regions_gpu.py --json out.json            # the test job and Qwen3-1.7B
     bash tools/gpu-host.sh python3 bench/ipc_regions_gpu.py --model qwen3-1.7b --reps 9
+    bash tools/gpu-host.sh python3 bench/ipc_regions_gpu.py --gpus 2 --model qwen3-1.7b --model qwen3-8b \
+        --reps 9 --json out.json
 
-Four processes on GPU 0: 2 trainer ranks holding FSDP2 ``Shard(0)`` shards, a TP=2 replica's 2 workers, every
-link co-located. Jobs: ``job`` (the seeded job of ``tests/gpu/test_ipc_regions_gpu.py``, a few hundred KB) and
-``qwen3-1.7b`` (its checkpoint tensors, seeded bf16 values, the TP=2 engine layout vLLM's loaders recorded:
-``bench/sharded_gpu.py``'s job). Per repetition, timed from a store barrier of all four (each CUDA-synchronised) to
-the last process's CUDA-synchronised end, clock ``time.perf_counter`` (one monotonic clock on the host):
+Four processes: 2 trainer ranks holding FSDP2 ``Shard(0)`` shards, then a TP=2 replica's 2 workers. ``--gpus 1``:
+all on GPU 0, every link co-located. ``--gpus 2`` (issue 24's 2-GPU row): process ``i`` on GPU ``i % 2``, so trainer
+rank ``i`` and worker ``i`` on GPU ``i``. Which links are co-located comes from the GPU UUIDs every process posts
+(``channels.gpu.uuid``, ``sharding.links.colocated``), as ``tests/gpu/test_ipc_regions_gpu.py::_mixed`` decides
+them: (0, 0) and (1, 1) by CUDA IPC, the crossing (0, 1) and (1, 0) over one 2-rank ``ProcessGroupNCCL`` each (group
+rank 0 the trainer rank, 1 the worker: NCCL refuses two ranks of one communicator on one GPU, so there is no group
+of all four). The groups are bare NCCL backends (no default group holds them, so ``dist.*`` functions, which look
+groups up in it, are not used): called by their own methods (``send``, ``recv``, ``broadcast``, ``_allgather_base``),
+as ``regions`` and ``channels/nccl.py`` call theirs. Jobs (``--model``): ``job`` (the
+test's seeded job, a few hundred KB), ``qwen3-1.7b``, ``qwen3-8b`` (checkpoint tensors, seeded bf16 values, the
+TP=2 engine layout vLLM's loaders recorded: ``bench/sharded_gpu.py``'s job). Per repetition, each mode is timed
+from a store barrier of all four (each CUDA-synchronised) to the last process's CUDA-synchronised end, clock
+``time.perf_counter`` (one monotonic clock on the host). The modes, with ``--gpus 1``:
 
 - ``ipc``: each rank publishes its shards (exports reused after the first round) and its links' digest words
   (computed on the device), each worker walks its regions (``regions.receive`` with IPC links, default bucket:
@@ -15,240 +26,413 @@ the last process's CUDA-synchronised end, clock ``time.perf_counter`` (one monot
   workers' done (``release``);
 - ``walk``: the same without the landing copies (what the channel costs alone);
 - ``raw``: each worker one flat device-to-device copy of as many bytes as its regions hold (the floor: the same
-  bytes read and written once), the two workers at once.
+  bytes read and written once), the two workers at once (``bound`` with no crossing link).
 
-Round 0 is a warm-up, and in it each worker checks its parameters bit-exact against the full tensors. Printed:
-per worker bytes copied / bytes its layout needs, the median of each mode and its ratio to ``raw``, and for
-``walk`` when each process reached each step (the ranks: published, shared; the workers: first region; all: end).
+With ``--gpus 2``:
+
+- ``sharded``: ``ipc`` with mixed links: the co-located by IPC, the crossing ones as buckets over their pair's
+  group (``regions.Wire``), in the same walk of the same version, landed likewise;
+- ``walk``: the same without the landing copies;
+- ``gathered``: today's path before any overhead, raw NCCL: the ranks all-gather the table's bytes as one flat
+  uint8 buffer, half from each (one ``_allgather_base`` on a 2-rank NCCL group of the ranks: one launch, where
+  FSDP2 gathers per layer group), then rank 0 broadcasts all of them to worker 1 over their pair's group. Worker 0
+  shares rank 0's GPU; its copy is not counted (optimistic for the baseline). The bytes are not the table's
+  values and are not checked. The all-gather (to the ranks' CUDA-synchronised mark after it) and the broadcast
+  (from that mark to the end) are reported apart;
+- ``bound``: the link bound of the same run, raw: at once, each crossing link moves the bytes the plan puts on it
+  (one NCCL ``send``/``recv`` over the same pair group, both crossing links at once) and each worker makes one flat
+  device copy of as many bytes as its co-located link carries (its own buffers); the slowest link sets the time.
+  Two processes' kernels on one GPU time-slice (no MPS): rank 0's send, worker 0's receive and its copy share GPU 0
+  here as they do in ``sharded``.
+
+Round 0 is a warm-up (each NCCL communicator is formed by its first call there), and in it each worker checks its
+parameters after ``ipc``/``sharded`` bit-exact against the full tensors. Printed: the plan's bytes per link (near:
+IPC, far: NCCL), per worker bytes received (the walk's tally, both kinds of link) / bytes its layout needs, the
+median of each mode with its ratio to ``raw`` (``--gpus 1``) or ``sharded / bound`` and ``sharded / gathered``
+(``--gpus 2``), and for ``walk`` when each process reached each step (the ranks: published, shared (their
+``regions.send`` returned); the workers: first region; all: end). ``--json`` writes the summaries, every sample in.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import datetime
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from weightsync.channels import gpu, ipc_regions, regions, wire
+from weightsync.channels.base import Endpoint
+from weightsync.channels.wire import TORCH_DTYPES, dist
+from weightsync.sharding import links
+from weightsync.sharding.fills import WHOLE
+from weightsync.vocabulary import Channel
+
 ROOT = Path(__file__).resolve().parents[1]
 RANKS, TP = 2, 2
+MODELS = ("job", "qwen3-1.7b", "qwen3-8b")
+MODES = {1: ("ipc", "walk", "raw"), 2: ("sharded", "walk", "gathered", "bound")}
+"""Each repetition's modes by ``--gpus``, in order; the first lands the regions and is checked in round 0."""
+MARKS = ("published", "shared", "first", "gathered")
+TIMEOUT_S = 300.0
 
 
-def _job(model: str) -> tuple[Any, Any, Any, Any]:
-    """(trainer layout, one replica's engine layout, the plan, tensor(t) -> full tensor t on cuda:0)."""
-    import torch
-
+def _job(model: str, device: torch.device) -> tuple[Any, Any, list[Any], Callable[[int], torch.Tensor]]:
+    """(trainer layout, the TP=2 engine layout, its replica's regions in plan order, t -> full tensor t on
+    ``device``: the same values in every process)."""
     if model == "job":
         sys.path.insert(0, str(ROOT))
         from tests.integration.region_ranks import job
 
         trainer, result, members, full = job(24, RANKS)
-        cuda = [t.to("cuda:0") for t in full]
-        return trainer, members[0].layout, result, lambda t: cuda[t]
+        on = [t.to(device) for t in full]
+        return trainer, members[0].layout, list(result.replica(members[0].replica_id).regions), lambda t: on[t]
     from sharded_gpu import job as sharded_job
     from sharded_gpu import tensor
 
     trainer, engine, result = sharded_job(model, RANKS, TP, 1)
-    return trainer, engine, result, lambda t: tensor(trainer.table, t, torch.device("cuda", 0), 7)
+    return trainer, engine, list(result.replica("replica-0").regions), lambda t: tensor(trainer.table, t, device, 7)
 
 
-def child(idx: int, model: str, port: int, reps: int, out: str) -> None:
-    import torch
-
-    from weightsync.channels import ipc_regions, regions, wire
-    from weightsync.channels.base import Endpoint
-    from weightsync.channels.wire import TORCH_DTYPES
-    from weightsync.sharding.fills import WHOLE
-    from weightsync.vocabulary import Channel
-
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    store = (
-        wire.serve_store("127.0.0.1", port, 300.0)
-        if idx == 0
-        else wire.join_store(Endpoint("127.0.0.1", port), 60.0, 300.0, Channel.IPC)
+def _colocated(store: Any, idx: int, device: torch.device, rows: list[Any]) -> frozenset[links.Link]:
+    """The links whose two ends share a GPU, from the UUID every process posted."""
+    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
+    store.set(f"gpu/{role}", gpu.uuid(device))
+    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
+    return links.colocated(
+        rows,
+        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
+        {w: store.get(f"gpu/worker{w}").decode() for w in range(TP)},
     )
-    trainer, engine, result, full = _job(model)
-    table = trainer.table
-    rid = next(iter(r.replica_id for r in result.replicas))
-    rows = result.replica(rid).regions
-    is_rank = idx < RANKS
-    worker = idx - RANKS
-    layout = None if is_rank else engine.workers[worker]
-    local: list[Any] = []
-    if is_rank:
-        for t in range(len(table)):
-            box = trainer.shard(t, idx)
-            local.append(None if box is None else full(t)[_slices(box)].clone())
-        exporter = ipc_regions.Exporter(store, idx, 120.0)
-        mine = [r for r in rows if r.rank == idx]
-        ends = {w: exporter.link(w) for w in sorted({r.worker for r in mine})}
-    else:
-        importer = ipc_regions.Importer(store, worker, device, 120.0)
-        assert layout is not None
-        params = [torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype], device=device) for p in layout.params]
-        wholes = {
-            f.tensor: torch.zeros(table.tensors[f.tensor].shape, dtype=TORCH_DTYPES[table.tensors[f.tensor].dtype],
-                                  device=device)
-            for f in layout.fills if f.param == WHOLE
-        }  # fmt: skip
-        needed = layout.bytes_needed(table)
-        src = torch.empty(needed, dtype=torch.uint8, device=device).random_(256)
-        dst = torch.empty_like(src)
-    torch.cuda.synchronize(device)
 
-    step = [0]
 
-    def barrier() -> None:
-        step[0] += 1
-        torch.cuda.synchronize(device)
-        store.set(f"b{step[0]}/{idx}", "1")
-        store.wait([f"b{step[0]}/{i}" for i in range(RANKS + TP)])
+def _nccl(store: Any, name: str, rank: int) -> Any:
+    """A 2-rank NCCL group over the job's store; its communicators are formed by their first call (round 0)."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    return dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, 2, opts)
 
-    marks: dict[str, float] = {}
 
-    def ipc(version: int, land: bool) -> int:
-        if is_rank:
-            exporter.publish(version, trainer, local)
-            marks["published"] = time.perf_counter()
-            n = regions.send(None, trainer, idx, local, mine, links=ends).nbytes  # type: ignore[arg-type]
-            marks["shared"] = time.perf_counter()
-            exporter.release()
+class _Process:
+    """One of the four: its GPU, the job, its links (IPC where co-located, a pair's NCCL group otherwise), the
+    buffers of the raw modes; one method per mode, each returning the bytes this process moved."""
+
+    def __init__(self, idx: int, model: str, port: int, gpus: int) -> None:
+        self.idx, self.gpus = idx, gpus
+        self.device = torch.device("cuda", idx % gpus)
+        torch.cuda.set_device(self.device)
+        self.store = (
+            wire.serve_store("127.0.0.1", port, TIMEOUT_S)
+            if idx == 0
+            else wire.join_store(Endpoint("127.0.0.1", port), 60.0, TIMEOUT_S, Channel.IPC)
+        )
+        self.trainer, engine, self.rows, self.full = _job(model, self.device)
+        self.table = self.trainer.table
+        self.link_bytes: dict[links.Link, int] = collections.Counter()
+        for r in self.rows:
+            self.link_bytes[r.rank, r.worker] += r.nbytes
+        self.near = _colocated(self.store, idx, self.device, self.rows)
+        self.is_rank = idx < RANKS
+        me, end = (idx, 0) if self.is_rank else (idx - RANKS, 1)  # end: 0 the trainer rank's, 1 the worker's
+        self.pairs = {
+            link: _nccl(self.store, f"pair{link[0]}-{link[1]}", end)
+            for link in sorted(set(self.link_bytes) - self.near)
+            if link[end] == me
+        }
+        self.trainers = _nccl(self.store, "trainers", idx) if gpus == 2 and self.is_rank else None
+        self.marks: dict[str, float] = {}
+        self._step = 0
+        self.needed = 0
+        self.copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        # gathered: half of the table's bytes from each rank; rank 0 broadcasts them whole to the workers of its pairs
+        total = self.table.total_bytes
+        self.half = self._bytes(-(-total // 2)) if self.trainers is not None else None
+        self.flat = self._bytes(2 * -(-total // 2)) if self.trainers is not None or self._fanout() else None
+        # bound (and raw): each crossing link's planned bytes; each worker's co-located links' bytes, copied once
+        self.wires = {link: self._bytes(self.link_bytes[link]) for link in self.pairs}
+        if self.is_rank:
+            self.local = [
+                None if (box := self.trainer.shard(t, idx)) is None else self.full(t)[_slices(box)].clone()
+                for t in range(len(self.table))
+            ]
+            self.exporter = ipc_regions.Exporter(self.store, idx, 120.0)
+            self.mine = [r for r in self.rows if r.rank == idx]
+            self.route: dict[int, Any] = {w: self.exporter.link(w) for r, w in self.near if r == idx}
+            self.route |= {w: regions.Wire(pg, 1) for (_, w), pg in self.pairs.items()}
+            return
+        self.worker = me
+        self.importer = ipc_regions.Importer(self.store, me, self.device, 120.0)
+        self.layout = engine.workers[me]
+        specs = self.table.tensors
+        self.params = [
+            torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype], device=self.device) for p in self.layout.params
+        ]
+        self.wholes = {
+            f.tensor: torch.zeros(specs[f.tensor].shape, dtype=TORCH_DTYPES[specs[f.tensor].dtype], device=self.device)
+            for f in self.layout.fills
+            if f.param == WHOLE
+        }
+        self.needed = self.layout.bytes_needed(self.table)
+        near = sum(n for (r, w), n in self.link_bytes.items() if w == me and (r, w) in self.near)
+        self.copy = (self._bytes(near), self._bytes(near))
+
+    def _bytes(self, n: int) -> torch.Tensor:
+        """A buffer of ``n`` random bytes on this process's GPU (for the raw modes: what the bytes are is moot)."""
+        return torch.empty(n, dtype=torch.uint8, device=self.device).random_(256)
+
+    def _fanout(self) -> list[Any]:
+        """The pair groups of rank 0 and the workers it broadcasts to in ``gathered`` (those on another GPU)."""
+        return [pg for (r, _), pg in self.pairs.items() if r == 0]
+
+    def barrier(self) -> None:
+        self._step += 1
+        torch.cuda.synchronize(self.device)
+        self.store.set(f"b{self._step}/{self.idx}", "1")
+        self.store.wait([f"b{self._step}/{i}" for i in range(RANKS + TP)])
+
+    def run(self, mode: str, version: int) -> int:
+        if mode in ("ipc", "sharded", "walk"):
+            return self.sharded(version, land=mode != "walk")
+        return self.gathered() if mode == "gathered" else self.bound()
+
+    def sharded(self, version: int, land: bool) -> int:
+        """``ipc``/``sharded`` (``land``) and ``walk``: one version over every link, IPC or NCCL as placed."""
+        if self.is_rank:
+            self.exporter.publish(version, self.trainer, self.local)
+            self.marks["published"] = time.perf_counter()
+            n = regions.send(None, self.trainer, self.idx, self.local, self.mine, links=self.route).nbytes
+            self.marks["shared"] = time.perf_counter()
+            self.exporter.release()
             return n
         tally = regions.Tally()
-        walk = regions.receive(
-            None, RANKS, worker, table, rows, tally, device,
-            links={r: importer.link(version, r, table) for r in range(RANKS)},
-        )  # fmt: skip
+        route: dict[int, Any] = {
+            r: self.importer.link(version, r, self.table) for r, w in self.near if w == self.worker
+        }
+        route |= {r: regions.Wire(pg, 0) for (r, _), pg in self.pairs.items()}
+        walk = regions.receive(None, RANKS, self.worker, self.table, self.rows, tally, self.device, links=route)
         for fill, data in walk:
-            if "first" not in marks:
-                torch.cuda.synchronize(device)
-                marks["first"] = time.perf_counter()
+            if "first" not in self.marks:
+                torch.cuda.synchronize(self.device)
+                self.marks["first"] = time.perf_counter()
             if land:
-                into = wholes[fill.tensor] if fill.param == WHOLE else params[fill.param]
+                into = self.wholes[fill.tensor] if fill.param == WHOLE else self.params[fill.param]
                 into[_slices(fill.dest)].copy_(data.reshape(fill.dest.lengths))
         return tally.nbytes
 
-    def raw() -> int:
-        if is_rank:
-            return 0
-        dst.copy_(src)
-        return needed
+    def gathered(self) -> int:
+        """The ranks' all-gather (each marks ``gathered`` once it finished on the device), then rank 0's broadcast
+        to each worker on another GPU."""
+        moved = 0
+        if self.trainers is not None and self.half is not None and self.flat is not None:
+            self.trainers._allgather_base(self.flat, self.half).wait()
+            torch.cuda.synchronize(self.device)
+            self.marks["gathered"] = time.perf_counter()
+            moved += self.half.numel()
+        if self.flat is not None:
+            whole = self.flat[: self.table.total_bytes]
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            for pg in self._fanout():
+                pg.broadcast([whole], opts).wait()
+                moved += whole.numel()
+        return moved
 
-    def wrong() -> list[str]:
+    def bound(self) -> int:
+        """``bound`` and ``raw``: each crossing link's planned bytes as one send/recv, posted first so that the
+        co-located links' flat copy (on the current stream) runs beside them."""
+        works = [
+            pg.send([self.wires[link]], 1, 0) if self.is_rank else pg.recv([self.wires[link]], 0, 0)
+            for link, pg in self.pairs.items()
+        ]
+        if self.copy is not None:
+            self.copy[1].copy_(self.copy[0])
+        for work in works:
+            work.wait()
+        return sum(self.link_bytes[link] for link in self.pairs) + (0 if self.copy is None else self.copy[0].numel())
+
+    def wrong(self) -> list[str]:
         """Parameters (and whole tensors) other than the layout's fills of the full tensors make them, in order (a
         later fill may overwrite an earlier one's box: compare whole parameters, not fill by fill)."""
-        if layout is None:
+        if self.is_rank:
             return []
-        expected = [torch.zeros_like(p) for p in params]
+        expected = [torch.zeros_like(p) for p in self.params]
         out = []
-        for f in layout.fills:
+        for f in self.layout.fills:
             if f.param == WHOLE:
-                if not torch.equal(wholes[f.tensor], full(f.tensor)):
-                    out.append(table.tensors[f.tensor].name)
+                if not torch.equal(self.wholes[f.tensor], self.full(f.tensor)):
+                    out.append(self.table.tensors[f.tensor].name)
             else:
-                expected[f.param][_slices(f.dest)] = full(f.tensor)[_slices(f.source)].reshape(f.dest.lengths)
-        return out + [s.name for s, a, b in zip(layout.params, params, expected, strict=True) if not torch.equal(a, b)]
+                expected[f.param][_slices(f.dest)] = self.full(f.tensor)[_slices(f.source)].reshape(f.dest.lengths)
+        pairs = zip(self.layout.params, self.params, expected, strict=True)
+        return out + [s.name for s, a, b in pairs if not torch.equal(a, b)]
 
+    def close(self) -> None:
+        if not self.is_rank:
+            self.importer.close()  # before the ranks exit: they keep their memory until no worker maps it
+        self.barrier()
+        for pg in [*self.pairs.values(), *([self.trainers] if self.trainers is not None else [])]:
+            pg.abort()
+        if self.idx == 0:
+            time.sleep(1.0)  # the store lives here: let the others' last wait return
+
+
+def child(idx: int, model: str, port: int, reps: int, gpus: int, out: str) -> None:
+    proc = _Process(idx, model, port, gpus)
+    torch.cuda.synchronize(proc.device)
+    modes = MODES[gpus]
     samples: list[dict[str, Any]] = []
     moved: dict[str, int] = {}
     mismatches: list[str] = []
     version = 0
     for rep in range(reps + 1):
-        for mode in ("ipc", "walk", "raw"):
+        for mode in modes:
             version += 1
-            marks.clear()
-            barrier()
+            proc.marks.clear()
+            proc.barrier()
             start = time.perf_counter()
-            n = raw() if mode == "raw" else ipc(version, mode == "ipc")
-            torch.cuda.synchronize(device)
+            n = proc.run(mode, version)
+            torch.cuda.synchronize(proc.device)
             end = time.perf_counter()
             if rep == 0:
                 moved[mode] = n
-                if mode == "ipc":
-                    mismatches = wrong()
+                if mode == modes[0]:
+                    mismatches = proc.wrong()
             else:
-                samples.append({"mode": mode, "start": start, "end": end, **marks})
-    Path(out, f"{idx}.json").write_text(
-        json.dumps({"idx": idx, "needed": 0 if is_rank else needed, "moved": moved, "wrong": mismatches,
-                    "samples": samples})
-    )  # fmt: skip
-    if not is_rank:
-        importer.close()  # before the ranks exit: they keep their memory until no worker maps it
-    barrier()
-    if idx == 0:
-        time.sleep(1.0)  # the store lives here: let the others' last wait return
+                samples.append({"mode": mode, "start": start, "end": end, **proc.marks})
+    report = {
+        "idx": idx, "needed": proc.needed, "moved": moved, "wrong": mismatches, "samples": samples,
+        "table_bytes": proc.table.total_bytes, "near": sorted(proc.near),
+        "links": {f"{r}->{w}": n for (r, w), n in sorted(proc.link_bytes.items())},
+    }  # fmt: skip
+    Path(out, f"{idx}.json").write_text(json.dumps(report))
+    proc.close()
 
 
 def _slices(box: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
-def run_one(model: str, reps: int, port: int) -> dict[str, Any]:
+def run_one(model: str, reps: int, port: int, gpus: int) -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=child, args=(i, model, port, reps, out)) for i in range(RANKS + TP)]
+        procs = [ctx.Process(target=child, args=(i, model, port, reps, gpus, out)) for i in range(RANKS + TP)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(600)
+            p.join(1800)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
         if any(p.exitcode != 0 for p in procs):
             raise SystemExit(f"{model}: a process failed: exit codes {[p.exitcode for p in procs]}")
         reports = [json.loads(Path(out, f"{i}.json").read_text()) for i in range(RANKS + TP)]
-    times: dict[str, list[float]] = {}
+    return summarise(model, gpus, reports)
+
+
+def summarise(model: str, gpus: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each mode's times (from the first start to the last end), the marks as ms from the first start, and the
+    ratios; printed and returned."""
+    modes = MODES[gpus]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    split: dict[str, list[float]] = {"all_gather": [], "broadcast": []}
     for k in range(len(reports[0]["samples"])):
         rows = [r["samples"][k] for r in reports]
-        times.setdefault(rows[0]["mode"], []).append(max(r["end"] for r in rows) - min(r["start"] for r in rows))
-    phases: dict[str, list[float]] = {}
-    for k in range(len(reports[0]["samples"])):
-        rows = [r["samples"][k] for r in reports]
-        if rows[0]["mode"] != "walk":
-            continue
-        t0 = min(r["start"] for r in rows)
+        mode, t0, t1 = rows[0]["mode"], min(r["start"] for r in rows), max(r["end"] for r in rows)
+        times[mode].append(t1 - t0)
         for i, r in enumerate(rows):
-            for mark in ("published", "shared", "first"):
+            for mark in (*MARKS, "end"):
                 if mark in r:
-                    phases.setdefault(f"{i}:{mark}", []).append((r[mark] - t0) * 1e3)
-            phases.setdefault(f"{i}:end", []).append((r["end"] - t0) * 1e3)
+                    phases[mode].setdefault(f"{i}:{mark}", []).append((r[mark] - t0) * 1e3)
+        if mode == "gathered":
+            gathered = max(r["gathered"] for r in rows if "gathered" in r)
+            split["all_gather"].append(gathered - t0)
+            split["broadcast"].append(t1 - gathered)
     workers = reports[RANKS:]
     med = {m: statistics.median(v) * 1e3 for m, v in times.items()}
     needed = sum(w["needed"] for w in workers)
-    summary = {
+    near = {f"{r}->{w}" for r, w in reports[0]["near"]}
+    land = modes[0]
+    summary: dict[str, Any] = {
         "model": model,
+        "gpus": gpus,
+        "table_bytes": reports[0]["table_bytes"],
         "bytes": needed,
-        "per_worker": [f"{w['moved']['ipc']}/{w['needed']}" for w in workers],
-        "exact": all(w["wrong"] == [] and w["moved"]["ipc"] == w["needed"] for w in workers),
+        "links": {k: {"bytes": n, "near": k in near} for k, n in reports[0]["links"].items()},
+        "per_worker": [f"{w['moved'][land]}/{w['needed']}" for w in workers],
+        "exact": all(w["wrong"] == [] and w["moved"][land] == w["needed"] for w in workers),
+        "moved": [r["moved"] for r in reports],
         "median_ms": med,
-        "ratio_to_raw": {m: med[m] / med["raw"] for m in med},
         "samples_ms": {m: [x * 1e3 for x in v] for m, v in times.items()},
-        "walk_phases_ms": {k: statistics.median(v) for k, v in sorted(phases.items())},
+        "phases_ms": {m: {k: statistics.median(v) for k, v in sorted(p.items())} for m, p in phases.items()},
     }
     print(
-        f"{model}: {needed / 1e9:.4f} GB to 2 workers ({', '.join(summary['per_worker'])} bytes), bit-exact "
-        f"{summary['exact']}; " + ", ".join(f"{m} {med[m]:.3f} ms ({med[m] / med['raw']:.2f}x raw)" for m in med),
+        f"{model} on {gpus} GPU(s): {needed / 1e9:.4f} GB to 2 workers ({', '.join(summary['per_worker'])} bytes), "
+        f"bit-exact {summary['exact']}",
         flush=True,
     )
-    print("  walk, ms from the barrier (process 0-1 ranks, 2-3 workers):", summary["walk_phases_ms"], flush=True)
+    where = (
+        f"{k} {'near, IPC' if v['near'] else 'far, NCCL'} {v['bytes'] / 1e6:.1f} MB"
+        for k, v in summary["links"].items()
+    )
+    print(f"  the plan's bytes per link (rank->worker): {'; '.join(where)}", flush=True)
+    if gpus == 1:
+        summary["ratio_to_raw"] = {m: med[m] / med["raw"] for m in med}
+        print("  " + ", ".join(f"{m} {med[m]:.3f} ms ({med[m] / med['raw']:.2f}x raw)" for m in med), flush=True)
+    else:
+        summary["gathered_ms"] = g = {k: statistics.median(v) * 1e3 for k, v in split.items()}
+        summary["ratios"] = {
+            "sharded / bound": med["sharded"] / med["bound"],
+            "sharded / gathered": med["sharded"] / med["gathered"],
+            "walk / bound": med["walk"] / med["bound"],
+        }
+        print(
+            f"  sharded {med['sharded']:.3f} ms, walk {med['walk']:.3f} ms, gathered {med['gathered']:.3f} ms "
+            f"(all-gather {g['all_gather']:.3f} + broadcast {g['broadcast']:.3f}), bound {med['bound']:.3f} ms; "
+            + ", ".join(f"{k} {v:.2f}" for k, v in summary["ratios"].items()),
+            flush=True,
+        )
+    walk = {k: round(v, 2) for k, v in summary["phases_ms"]["walk"].items()}
+    print("  walk, ms from the barrier (process 0-1 ranks, 2-3 workers):", walk, flush=True)
     return summary
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", action="append", help="job, qwen3-1.7b (default: both)")
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--port", type=int, default=29660)
-    p.add_argument("--json", default="")
+    p = argparse.ArgumentParser(
+        description="\n\n".join(__doc__.split("\n\n")[:2]) + "\n\nThe module docstring says what each mode times.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", action="append", choices=MODELS, help="repeatable (default: job and qwen3-1.7b)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        choices=sorted(MODES),
+        default=1,
+        help="1: all four processes on GPU 0, every link by IPC; modes ipc, walk, raw. 2: trainer rank i and worker i "
+        "on GPU i, the crossing links over NCCL; modes sharded, walk, gathered, bound (default 1)",
+    )
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions after the warm-up round (default 7)")
+    p.add_argument(
+        "--port", type=int, default=29660, help="the first model's store port, + 1 per model (default 29660)"
+    )
+    p.add_argument("--json", default="", help="write the summaries (every sample) to this file")
     args = p.parse_args()
-    import torch
-
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    got = [run_one(m, args.reps, args.port + i) for i, m in enumerate(args.model or ["job", "qwen3-1.7b"])]
+    if torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} GPU(s)")
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(args.gpus))
+    print(f"devices: {names}, torch {torch.__version__}", flush=True)
+    got = [run_one(m, args.reps, args.port + i, args.gpus) for i, m in enumerate(args.model or ["job", "qwen3-1.7b"])]
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1))
 
