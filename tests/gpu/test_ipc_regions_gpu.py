@@ -9,8 +9,8 @@ written in place into the same shards after the first was released, so its expor
 
 Faults: a byte of a region changed in rank 1's shard after its digest was published (a real fault: the worker
 reads the changed memory) fails the workers reading it, naming tensor and rank 1; rank 1 exiting after it
-published its shards (``Exporter.publish``) but before its digest words and placement went out fails both workers
-within their timeout, naming it.
+published its shards' placement but before its digest words fails both workers within their timeout, naming it
+(CUDA refuses to map the handles of a process that exited: at once).
 
 ``test_mixed_links_on_two_gpus`` is the issue's 2-GPU row: trainer ranks and workers on GPUs 0 and 1, the
 co-located pairs by IPC and the crossing links over NCCL groups that hold no GPU twice, in the same version.
@@ -128,7 +128,7 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
                         t.mul_(2)
             exporter.publish(v, trainer, local)
             if fault == "die" and rank == 1:
-                os._exit(3)  # exported, but never its words nor which placement holds: the workers wait for them
+                os._exit(3)  # placed, the workers copy from it, but never its words: they wait for them
             tally = regions.send(None, trainer, rank, local, mine, links={w: exporter.link(w) for w in range(WORKERS)})
             if fault == "corrupt" and rank == 1:  # after the digests went out: the workers read changed bytes
                 first = next(r for r in mine if r.worker == 0)
@@ -206,7 +206,8 @@ def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout()
     assert [g["rank"] for g in got] == [0, 2, 3], got  # rank 1 exited
     assert [g.get("error") for g in got] == [None] * 3, got
     for g in got[1:]:
-        # the wait for which placement holds times out (were it out, mapping a dead rank's memory fails at once)
+        # mapping a dead rank's memory fails at once; a rank whose memory was mapped before it died leaves the wait
+        # for its words to time out
         assert g.get("error_type") in ("RetryableError", "TransferTimeoutError"), g
         assert "trainer rank 1's" in g["raised"] and " v1" in g["raised"], g
         assert g["elapsed"] < TIMEOUT_S + 5.0, g

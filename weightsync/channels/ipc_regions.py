@@ -4,16 +4,12 @@ The sharded path's co-located links (``sharding.links.colocated``: a trainer ran
 NCCL refuses two ranks of one communicator). The rank exports the storages of its local shards once
 (``ipc.Exports``, as the whole-tensor IPC channel does: kept alive, reused while the shard stays in the same
 memory) and publishes where each shard lies in them (export id, byte offset, the shard's box, its strides) when
-that changes; each version (``publish``, once its shards are written) it computes, per co-located worker, the
-digest word of each of that link's regions on the device from the shard (``regions.send`` hands it the regions'
-views: ``Exporter.link``) and says which placement holds once the first link's words are out. The worker maps the
-rank's exports once (``ipc.Mappings``) and, inside ``regions.receive``'s walk, copies each bucket's regions from the
-mapped shard into the bucket as soon as the version's placement is out (``Importer.link``). Not earlier: the rank's
-digests and the worker's copies are kernels of two processes on one GPU, which take turns (time slices, without
-MPS) rather than overlap, and a worker's context also holds the NCCL receives it posted for its other links, which
-spin until their data comes: started together, the rank's digests finished 13-28 ms after the barrier for
-Qwen3-1.7B on H200 (their bytes take well under 1 ms), so the workers waited for them anyway (docs/benchmarks.md).
-Before the walk checks a round it writes the rank's words after the regions (``settle``): the bucket is then what
+that changes; each version (``publish``) it says which placement holds, once its shards are written, and then,
+per co-located worker, the digest word of each of that link's regions, computed on the device from the shard
+(``regions.send`` hands it the regions' views: ``Exporter.link``). The worker maps the rank's exports once
+(``ipc.Mappings``) and, inside ``regions.receive``'s walk, copies each bucket's regions from the mapped shard into
+the bucket as soon as the version's placement is out (``Importer.link``), so its copies overlap the rank's digests;
+before the walk checks a round it writes the rank's words after the regions (``settle``): the bucket is then what
 the wire would have delivered, and the walk checks every region's digest against the rank's word before it yields
 it, failing naming tensor, box, rank and worker, as for any link. Bytes are counted by the walk: a worker copies
 exactly its regions' bytes.
@@ -74,7 +70,6 @@ class Exporter:
         self._places = ""
         self._epoch = 0
         self._version: int | None = None
-        self._announced, self._devices = False, set[torch.device]()
         self._workers: set[int] = set()
         self._layout: tuple[TrainerLayout, list[Any]] | None = None  # what was last published, to skip it when same
 
@@ -96,8 +91,10 @@ class Exporter:
         if self._layout is None or same[0] is not self._layout[0] or same[1] != self._layout[1]:
             self._place(layout, local)  # else the steady state: the same shards in the same memory
         self._version, self._layout = version, same
-        # the first link's ``share`` says which placement holds, once its words are out and the shards written
-        self._announced, self._devices = False, {t.device for t in local if t is not None and t.is_cuda}
+        for device in {t.device for t in local if t is not None and t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the workers read only finished shards
+        # the workers start copying now; the words follow (``link``'s share) while they copy
+        self._store.set(f"v{version}/places", str(self._epoch))
 
     def _place(self, layout: TrainerLayout, local: Sequence[torch.Tensor | None]) -> None:
         places: list[list[Any] | None] = []
@@ -135,11 +132,6 @@ class Exporter:
             raise PermanentError(f"trainer rank {self.rank}: a co-located link shared before Exporter.publish")
         # kernels where the shard lives; ``tolist`` waits for them and for every write the stream queued before
         words = [int(w) for w in digests.words(list(cuts)).tolist()] if cuts else []
-        if not self._announced:
-            for device in self._devices:
-                torch.cuda.current_stream(device).synchronize()  # the workers read only finished shards
-            self._store.set(f"v{self._version}/places", str(self._epoch))  # the workers start copying now
-            self._announced = True
         self._store.set(
             f"v{self._version}/w{worker}", json.dumps({"places": self._epoch, "words": words}, separators=(",", ":"))
         )
