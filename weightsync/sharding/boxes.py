@@ -77,6 +77,13 @@ class Box:
             return None
         return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
+    def contains(self, other: Box) -> bool:
+        """Whether every element of ``other`` lies in this box (``intersect(other) == other``, with no new box)."""
+        return other.ndim == self.ndim and all(
+            a <= b and b + m <= a + n
+            for a, n, b, m in zip(self.offsets, self.lengths, other.offsets, other.lengths, strict=True)
+        )
+
     def overlaps(self, other: Box) -> bool:
         return self.intersect(other) is not None
 

@@ -158,6 +158,7 @@ class TrainerLayout:
     _holders: dict[int, tuple[tuple[Box, tuple[int, ...]], ...]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _shards: dict[int, tuple[Box | None, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -195,6 +196,16 @@ class TrainerLayout:
 
     def shard(self, tensor: int, rank: int) -> Box | None:
         """The box ``rank`` holds of tensor ``tensor`` (an index into the table); None when it holds none."""
+        return self.shards(rank)[tensor]
+
+    def shards(self, rank: int) -> tuple[Box | None, ...]:
+        """``shard(t, rank)`` of every tensor, computed once (a rank cuts every region of every version from them)."""
+        cached = self._shards.get(rank)
+        if cached is None:
+            cached = self._shards[rank] = tuple(self._shard(t, rank) for t in range(len(self.table)))
+        return cached
+
+    def _shard(self, tensor: int, rank: int) -> Box | None:
         spec, p = self.table.tensors[tensor], self.placements[tensor]
         mesh = self.meshes[p.mesh]
         for r, coord in mesh.coordinates():
