@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from weightsync.channels import digests, gpu, ipc
+from weightsync.channels.regions import view_of
 from weightsync.channels.wire import TORCH_DTYPES, dist, wait_key
 from weightsync.errors import IntegrityError, PermanentError, RetryableError
 from weightsync.sharding.boxes import Box
@@ -273,15 +274,13 @@ class _Copied:
         for r, view in zip(regions, into, strict=True):
             spec = self._table.tensors[r.tensor]
             shard, box = shards.get(r.tensor, (None, None))
-            if shard is None or box is None or box.intersect(r.source) != r.source:
+            if shard is None or box is None or not box.contains(r.source):
                 raise PermanentError(
                     f"worker {self._importer.worker}: region {r.source} of tensor {spec.name!r} is planned from "
                     f"trainer rank {self.rank}, which shares {box if box is not None else 'none of it'}: the plan "
                     "and the rank's layout disagree"
                 )
-            at = zip(r.source.offsets, box.offsets, r.source.lengths, strict=True)
-            rel = tuple(slice(a - b, a - b + n) for a, b, n in at)
-            srcs.append(shard[rel])
+            srcs.append(view_of(shard, box, r.source))
             dsts.append(view.view(shard.dtype).view(r.source.lengths))
             self.nbytes += r.nbytes
         if srcs:

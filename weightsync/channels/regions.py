@@ -49,6 +49,7 @@ import torch.distributed as dist
 from weightsync.channels import digests
 from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError, TransferTimeoutError
+from weightsync.sharding.boxes import Box
 from weightsync.sharding.fills import Fill
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
@@ -311,9 +312,15 @@ def _cut(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None],
             f"trainer rank {rank}: its local shard of {spec.name!r} is {got}; its layout says box {shard} of "
             f"{spec.dtype}: the trainer's layout was read from other tensors than the ones it sends"
         )
+    return view_of(tensor.detach(), shard, r.source)
+
+
+def view_of(tensor: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
+    """Box ``box`` of a tensor as a view of ``tensor``, which holds box ``held`` of it (``held`` contains ``box``):
+    one call, where slicing each dimension costs several (a walk takes hundreds of regions a version)."""
     strides = tensor.stride()
-    at = sum((a - b) * s for a, b, s in zip(r.source.offsets, shard.offsets, strides, strict=True))
-    return tensor.detach().as_strided(r.source.lengths, strides, tensor.storage_offset() + at)
+    at = sum((a - b) * s for a, b, s in zip(box.offsets, held.offsets, strides, strict=True))
+    return tensor.as_strided(box.lengths, strides, tensor.storage_offset() + at)
 
 
 def receive(
@@ -455,4 +462,4 @@ def _digest(nbytes: int, word: int) -> str:
     return f"{nbytes}:{word & ((1 << 64) - 1):016x}"
 
 
-__all__ = ["Copied", "Shared", "Tally", "Wire", "combine", "rank_of", "receive", "send", "worker_of"]
+__all__ = ["Copied", "Shared", "Tally", "Wire", "combine", "rank_of", "receive", "send", "view_of", "worker_of"]
