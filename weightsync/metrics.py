@@ -139,6 +139,9 @@ class AgentMetrics:
     region_bytes_total: Counter
     """Bytes each worker received on the sharded path (its regions only), by worker index: what shows, from outside
     the agent, that a tensor-parallel worker took its own part and not the whole table."""
+    volume_region_bytes_total: Counter
+    """Bytes each worker landed from the checkpoint volume by region (a catch-up or a recovery of a sharded copy),
+    by worker index: its layout's share, where a whole read would land the table."""
 
     @classmethod
     def create(cls, registry: CollectorRegistry = REGISTRY) -> AgentMetrics:
@@ -168,12 +171,20 @@ class AgentMetrics:
                 ["worker"],
                 registry=registry,
             ),
+            volume_region_bytes_total=Counter(
+                "weightsync_agent_volume_region_landed_bytes",
+                "Bytes this replica's workers landed from the checkpoint volume by region, by worker.",
+                ["worker"],
+                registry=registry,
+            ),
         )
 
-    def observe_regions(self, nbytes: Mapping[int, int]) -> None:
-        """One version received as regions: ``nbytes`` is worker -> bytes it received."""
+    def observe_regions(self, nbytes: Mapping[int, int], volume: bool = False) -> None:
+        """One version received as regions (``volume``: read from the checkpoint volume by region): ``nbytes`` is
+        worker -> bytes it received (landed)."""
+        counter = self.volume_region_bytes_total if volume else self.region_bytes_total
         for worker, n in nbytes.items():
-            self.region_bytes_total.labels(str(worker)).inc(n)
+            counter.labels(str(worker)).inc(n)
 
 
 @dataclass(frozen=True)

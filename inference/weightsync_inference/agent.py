@@ -199,6 +199,9 @@ class Agent:
 
         if until_registered(register, f"replica {c.replica_id}", self._stop) is None:
             return True
+        if self.replica.version:  # started beside an engine that serves a version (the agent restarted): its layout
+            with self._lock:  # now, or the next version would go gathered and a volume read whole until one did
+                self._record_layout(self.replica.version)
         threading.Thread(target=self.follow_durable, name="weightsync-follow-durable", daemon=True).start()
         for assignment in self.client.watch():
             if self._stop.is_set():
@@ -360,11 +363,11 @@ class Agent:
         return Receipt(version, Channel.CPU, layout_digest=table.layout_digest(), seconds={SyncPhase.TRANSFER: seconds})
 
     def _record_layout(self, version: int) -> None:
-        """After a version received whole, when this replica receives a channel that can carry regions (or reads
-        the volume with an engine that reads regions there): record what each worker keeps of its table (vLLM's own
-        loaders) and register it, so the next version's plan can send this replica only its regions, and a sharded
-        volume copy is read by region. Once per table; before the ack, so the next version is planned with it. A
-        failure only keeps the gathered path."""
+        """After a version received whole (or at start, beside an engine that serves one), when this replica
+        receives a channel that can carry regions (or reads the volume with an engine that reads regions there):
+        record what each worker keeps of its table (vLLM's own loaders) and register it, so the next version's plan
+        can send this replica only its regions, and a sharded volume copy is read by region. Once per table; before
+        the ack, so the next version is planned with it. A failure only keeps the gathered path."""
         control = self.control
         carries = any(not rules.regions(ch) for ch in self.capabilities.channels)
         carries = carries or (self.config.volume is not None and isinstance(control, VolumeRegionControl))
@@ -523,6 +526,8 @@ class Agent:
 
         outcome = self.replica.apply_regions(ticket, read)
         assert self.last_read is not None and self.last_read.version == ticket.version
+        if self.metrics is not None:
+            self.metrics.observe_regions(self.last_read.landed, volume=True)
         log.info(
             "replica %s: read v%d from the volume by region; bytes read per worker %s (the version: %d)",
             self.config.replica_id,

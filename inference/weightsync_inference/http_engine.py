@@ -262,6 +262,11 @@ class HttpEngine:
             self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
         )
 
+    def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every worker reads its regions of a sharded volume version (``volume_reads.request``); one answer each.
+        Bounded like a transfer: each worker reads and checks its tiles from the volume."""
+        return self._workers("weightsync_read_regions", json.dumps(request), timeout_s=self.transfer_timeout_s)
+
     def parameter_digests(self) -> list[dict[str, str]]:
         """Each worker's digests of the parameters it computes with (``held.parameter_digests``), in worker order: two
         replicas of one layout holding the same weights answer alike, whichever path loaded them. Reads every

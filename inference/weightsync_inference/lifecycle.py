@@ -123,7 +123,8 @@ class RegionControl(Protocol):
 
 @runtime_checkable
 class VolumeRegionControl(RegionControl, Protocol):
-    """An engine whose workers read a sharded volume version by region (``OfflineEngine``; ``volume_reads``)."""
+    """An engine whose workers read a sharded volume version by region (``OfflineEngine``, ``HttpEngine``;
+    ``volume_reads``)."""
 
     def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """Every worker reads and lands its fills; one answer per worker (``volume_reads.read``)."""

@@ -13,6 +13,11 @@ replica generates what transformers generates for the trained weights; and each 
 vLLM's own loader makes of the trained weights for that worker (the model for that worker built on the CPU, no
 second engine).
 
+Then a trainer rank is killed inside its sends (``--die``): the version fails, the replica, left torn, reloads the
+previous version from the ranks' sharded volume copy by region (``HttpEngine.read_regions``: the agent's metrics
+show each worker landing exactly its layout's bytes from the volume), serves it again, and the next version moves
+as regions, READY, bit for bit as vLLM's loader makes it.
+
 ``make sharded`` only (WEIGHTSYNC_SHARDED=all): one more vLLM start, which make test's hour has no room for.
 """
 
@@ -24,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,10 @@ class Served:
     """What ``publish`` needs (hosts, the coordinator's target and CA, the model, the work folder); no engine."""
     client: Any
     """The coordinator, as the test's host reaches it."""
+    procs: dict[str, subprocess.Popen[Any]] = field(default_factory=dict)
+    """vLLM's server, the agent and the proxy, on the replica's host."""
+    logs: dict[str, Path] = field(default_factory=dict)
+    agent_argv: list[str] = field(default_factory=list)
 
     @property
     def hosts(self) -> netns.Hosts:
@@ -73,6 +82,25 @@ class Served:
             "OMP_NUM_THREADS": "1",
             **extra,
         }
+
+    def restart_agent(self) -> None:
+        """The agent stopped (SIGTERM, as a sidecar's restart) and started again beside the running vLLM; returns once
+        it registered its engine layout again (its log says so), with no version received since."""
+        old = self.procs["agent"]
+        old.terminate()
+        try:
+            old.wait(30)
+        except subprocess.TimeoutExpired:
+            old.kill()
+            old.wait(10)
+        log = self.logs["agent"]
+        before = log.read_text(errors="replace").count("registered its engine layout")
+        self.procs["agent"] = _spawn(self, self.agent_argv, log, WEIGHTSYNC_TOKEN=TOKEN)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while log.read_text(errors="replace").count("registered its engine layout") == before:
+            assert self.procs["agent"].poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the restarted agent registered no engine layout"
+            time.sleep(1)
 
     def metrics(self) -> dict[str, float]:
         """The agent's Prometheus samples (name{labels} -> value), read over the bridge."""
@@ -109,30 +137,28 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
         ca = work / "ca.crt"
-        volume = work / "volume"  # the ranks' sharded copies (the replica here loads none)
+        volume = work / "volume"  # the ranks' sharded copies: the replica reads one by region after a rank died
         volume.mkdir()
         fleet = sharded_publish.Fleet(hosts, coordinator.target, ca, None, None, {}, None, None, work, model, volume)
         client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
-        s = Served(fleet, client)
-        logs = {name: work / f"{name}.log" for name in ("vllm", "agent", "proxy")}
-        procs: list[subprocess.Popen[Any]] = []
+        s = Served(fleet, client, logs={name: work / f"{name}.log" for name in ("vllm", "agent", "proxy")})
         try:
             vllm = hostfleet.vllm_server(model, Channel.CPU, tensor_parallel=TP)
-            procs.append(_spawn(s, vllm, logs["vllm"], VLLM_SERVER_DEV_MODE="1"))
-            agent = [
+            s.procs["vllm"] = _spawn(s, vllm, s.logs["vllm"], VLLM_SERVER_DEV_MODE="1")
+            s.agent_argv = _weightsync(
                 "agent", "--vllm-url", f"http://127.0.0.1:{hostfleet.VLLM_PORT}", "--coordinator", coordinator.target,
-                "--tls-ca", str(work / "ca.crt"), "--job", JOB, "--replica-id", REPLICA, "--channels", "cpu",
-                "--host", f"node-{REPLICA}", "--update-timeout", str(TIMEOUT_S),
+                "--tls-ca", str(work / "ca.crt"), "--job", JOB, "--replica-id", REPLICA, "--channels", "cpu,volume",
+                "--host", f"node-{REPLICA}", "--update-timeout", str(TIMEOUT_S), "--checkpoint-dir", str(volume),
                 "--metrics-port", str(METRICS_PORT), "--metrics-host", hosts.address(REPLICA),
-            ]  # fmt: skip
-            procs.append(_spawn(s, _weightsync(*agent), logs["agent"], WEIGHTSYNC_TOKEN=TOKEN))
+            )  # fmt: skip
+            s.procs["agent"] = _spawn(s, s.agent_argv, s.logs["agent"], WEIGHTSYNC_TOKEN=TOKEN)
             listen = f"{hosts.address(REPLICA)}:{hostfleet.PROXY_PORT}"
             proxy = ["proxy", "--listen", listen, "--upstream", f"http://127.0.0.1:{hostfleet.VLLM_PORT}"]
-            procs.append(_spawn(s, _weightsync(*proxy), logs["proxy"]))
-            _wait_registered(s, procs, logs)
+            s.procs["proxy"] = _spawn(s, _weightsync(*proxy), s.logs["proxy"])
+            _wait_registered(s)
             yield s
         finally:
-            for name, log in logs.items():
+            for name, log in s.logs.items():
                 text = log.read_text(errors="replace") if log.exists() else "(no log)"
                 print(f"----- {name}.log\n{text[-4000:]}")
             hosts.close()  # every process on the hosts, vLLM's workers included
@@ -149,12 +175,13 @@ def _spawn(s: Served, argv: list[str], log: Path, **extra: str) -> subprocess.Po
         return s.hosts.popen(REPLICA, argv, stdout=out, stderr=subprocess.STDOUT, env=s.env(**extra), cwd=ROOT)
 
 
-def _wait_registered(s: Served, procs: list[subprocess.Popen[Any]], logs: dict[str, Path]) -> None:
+def _wait_registered(s: Served) -> None:
     """Until the proxy serves (vLLM up, the agent attached) and the agent registered the replica."""
     deadline = time.monotonic() + START_TIMEOUT_S
     url = f"http://{s.hosts.address(REPLICA)}:{hostfleet.PROXY_PORT}/health"
     while time.monotonic() < deadline:
-        for (name, log), proc in zip(logs.items(), procs, strict=True):
+        for name, proc in s.procs.items():
+            log = s.logs[name]
             assert proc.poll() is None, (
                 f"{name} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
             )
@@ -200,6 +227,39 @@ def test_a_served_tp2_replica_on_its_own_host_takes_only_its_regions(served: Ser
 
     held = served.on_replica("print(json.dumps(engine.parameter_digests()))")
     assert_held_like_vllms_loader(served, reference, held)
+
+
+def test_a_torn_served_replica_recovers_from_the_sharded_volume_by_region(served: Served) -> None:
+    """The agent restarts beside the running vLLM and registers its engine layout at once (no version received
+    since). Then a trainer rank killed inside its sends fails the version and leaves the replica torn; the replica
+    reloads the newest durable version from the ranks' sharded copy, each worker reading only its regions (counted by
+    the agent's metrics), serves it again, and takes the next version as regions."""
+    if served.on_replica("print(json.dumps(engine.last_table() is None))"):  # run alone: a first version whole
+        assert sharded_publish.publish(served.fleet, "first", [1, 2])[-1]["state"] == "READY"
+    served.restart_agent()  # its layout, recorded at start, is what the region read below needs
+    names = {w: f'weightsync_agent_volume_region_landed_bytes_total{{worker="{w}"}}' for w in range(TP)}
+    before = served.metrics()
+    previous = served.on_replica("print(json.dumps(engine.weight_version()))")
+    results = sharded_publish.publish(served.fleet, "die", [3], "--die", "1", codes={1: -9})
+    assert len(results) == 1 and results[0].get("state", "FAILED") == "FAILED", results
+
+    deadline, landed = time.monotonic() + 300, {}
+    while time.monotonic() < deadline:  # torn, then recovered by itself (its agent's lag check)
+        m = served.metrics()
+        landed = {w: m.get(name, 0.0) - before.get(name, 0.0) for w, name in names.items()}
+        if all(landed.values()) and served.on_replica("print(json.dumps(engine.weight_version()))") == previous:
+            break
+        time.sleep(2)
+    needed = served.on_replica(
+        "table = engine.last_table(); layout = engine.engine_layout(table); "
+        "print(json.dumps([w.bytes_needed(table) for w in layout.workers]))"
+    )
+    assert landed == dict(enumerate(needed)), (landed, needed, "the replica did not recover by region from the volume")
+
+    report = sharded_publish.publish(served.fleet, "after-die", [4])[-1]
+    assert report["state"] == "READY" and "regions" in report["seconds"] and report["failed"] == {}, report
+    held = served.on_replica("print(json.dumps(engine.parameter_digests()))")
+    assert_held_like_vllms_loader(served, served.fleet.work / "after-die" / "reference-4", held)
 
 
 class _Proxy:

@@ -182,6 +182,37 @@ def test_an_agent_reads_a_sharded_version_by_region_once_it_recorded_its_layout(
     assert all(read.bytes_checked[w] == read.bytes_read[w] < TABLE.total_bytes for w in read.landed)
 
 
+class _Restarted(_Client):
+    """The coordinator as an agent that starts sees it: registration answers, the stream of events ends at once."""
+
+    def register_replica(self, *args: Any, layout: Any = None, **kwargs: Any) -> object:
+        super().register_replica(*args, layout=layout, **kwargs)
+        return object()  # a lease
+
+    def watch(self) -> list[models.Assignment]:
+        return []
+
+    def close(self) -> None: ...
+
+
+def test_an_agent_that_starts_beside_a_serving_engine_records_its_layout_and_reads_by_region(tmp_path: Path) -> None:
+    """An agent restarted beside vLLM, which serves v2 and kept the table it received, records and registers its
+    engine layout when it registers (before: only after the next version received whole, so that version went
+    gathered and a catch-up was read whole)."""
+    checksums = _volume(tmp_path)
+    engine, client = _Engine(tmp_path), _Restarted()
+    engine.version = 2
+    config = AgentConfig("job", "r", (Channel.VOLUME,), "n", volume=tmp_path, volume_id="vol", lag_check_s=3600)
+    agent = Agent(engine, client, config)  # type: ignore[arg-type]
+    try:
+        agent.run()  # registers, records its layout; the stream ends at once
+    finally:
+        agent.stop()
+    assert client.layouts == [None, ENGINE] and agent.engine_layout == ENGINE
+    _catch_up(agent, tmp_path, checksums, 3)
+    assert engine.calls == ["check 3", "land 3"] and client.acks[-1].regions_read
+
+
 def test_a_plain_copy_or_a_layout_of_another_table_is_read_whole(tmp_path: Path) -> None:
     checksums = _volume(tmp_path)
     engine, client = _Engine(tmp_path), _Client()
