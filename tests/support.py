@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,13 @@ def assert_attributed(
 
 def env_without_proxies() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+
+
+def stop(proc: subprocess.Popen[Any], grace_s: float) -> int:
+    """SIGTERM, as an orchestrator stops a process; SIGKILL after ``grace_s``. Its exit status."""
+    proc.terminate()
+    try:
+        return proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10)

@@ -86,13 +86,7 @@ class Served:
     def restart_agent(self) -> None:
         """The agent stopped (SIGTERM, as a sidecar's restart) and started again beside the running vLLM; returns once
         it registered its engine layout again (its log says so), with no version received since."""
-        old = self.procs["agent"]
-        old.terminate()
-        try:
-            old.wait(30)
-        except subprocess.TimeoutExpired:
-            old.kill()
-            old.wait(10)
+        support.stop(self.procs["agent"], 30)
         log = self.logs["agent"]
         before = log.read_text(errors="replace").count("registered its engine layout")
         self.procs["agent"] = _spawn(self, self.agent_argv, log, WEIGHTSYNC_TOKEN=TOKEN)
