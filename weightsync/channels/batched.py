@@ -75,6 +75,9 @@ run and no leading dims."""
 
 def runs(t: torch.Tensor) -> Runs | None:
     """``t`` as runs a batched digest can read (each 16-byte aligned and whole 8-byte words), else None."""
+    whole = address(t)
+    if whole is not None:  # most tensors: one run, found at the cost of ``address``
+        return (*whole, (), ())
     if not t.numel():
         return None
     size = t.element_size()
@@ -151,16 +154,23 @@ Chunks = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 def _chunked(tensors: Sequence[torch.Tensor]) -> Chunks:
     """Which tensor lies lowest and, per chunk (host tensors): its tensor's index, the offset of its first word from
     the lowest address in 16-byte units, that word's index in its tensor, its words. A run longer than ``CHUNK``
-    words is several chunks; a strided tensor (``runs``) is a run per row."""
-    shapes = [runs(t) for t in tensors]
-    lowest = min(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
-    base = tensors[lowest].data_ptr()
-    starts, words, firsts, owners = [], [], [], []
-    for i, shape in enumerate(shapes):
-        if shape is None:
-            raise ValueError("a batched kernel reads 16-byte aligned runs of whole 8-byte words only (see runs)")
-        ptr, run, lead, strides = shape
-        at = torch.tensor([ptr - base], dtype=torch.int64)
+    words is several chunks; a contiguous tensor is one run (all of them at once: a receiver's buckets and a stage
+    hold hundreds), a strided one (``runs``) a run per row."""
+    shapes = [s for s in map(runs, tensors) if s is not None]
+    if len(shapes) != len(tensors):
+        raise ValueError("a batched kernel reads 16-byte aligned runs of whole 8-byte words only (see runs)")
+    ptrs = torch.tensor([s[0] for s in shapes], dtype=torch.int64)
+    lowest = int(torch.argmin(ptrs))
+    rel = ptrs - ptrs[lowest]
+    whole = torch.tensor([not s[2] for s in shapes], dtype=torch.bool)
+    owners = [torch.arange(len(shapes))[whole]]
+    starts = [rel[whole]]
+    words = [torch.tensor([s[1] // 8 for s in shapes], dtype=torch.int64)[whole]]
+    firsts = [torch.zeros(int(whole.sum()), dtype=torch.int64)]
+    for i, (_, run, lead, strides) in enumerate(shapes):
+        if not lead:
+            continue
+        at = rel[i : i + 1]
         for n, stride in zip(lead, strides, strict=True):  # row-major: the outer dims vary slowest
             at = (at[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
         starts.append(at)
