@@ -1,11 +1,12 @@
 """A sharded update in one worker: only its regions, from every trainer rank, landed in its parameters.
 
 The worker half of the sharded path's data path (``docs/sharded.md``). The worker joins
-its replica's region group (a CPU-stream ``Rendezvous`` whose ``rank`` is the number of
-trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the replica joins
-as ``rank + w`` of ``world_size``), checks the table against vLLM's loader (``dryrun``,
-changing nothing), then inside vLLM's layerwise reload receives its regions in plan order
-(``weightsync.channels.regions.receive``: each region's digest checked on arrival) and
+its replica's region group (a CPU-stream or NCCL ``Rendezvous`` whose ``rank`` is the number
+of trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the replica joins
+as ``rank + w`` of ``world_size``; over NCCL on the worker's GPU, ``region_groups``), checks
+the table against vLLM's loader (``dryrun``, changing nothing), then inside vLLM's layerwise
+reload receives its regions in plan order (``weightsync.channels.regions.receive``: each
+region's digest checked on arrival) and
 lands each one (``landing.Landing``); a failure after the first byte landed leaves the
 worker torn (the updater's fail-stop state), as any in-place update does.
 
@@ -19,7 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from weightsync.channels import cpu, regions
+from weightsync.channels import region_groups, regions
 from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
 from weightsync.sharding import plans
@@ -37,14 +38,17 @@ def receive(
     if layout.rank != worker:
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
     engine.updater.model.check(table)  # refuses a table the model would not load, having changed nothing
-    group = cpu.member(rendezvous, rendezvous.rank + worker)  # the CPU stream's group formation: bounded, bound
+    device = engine.updater.ctx.device
+    group = region_groups.member(rendezvous, rendezvous.rank + worker, device)  # its formation bounded, as every wait
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:
         group.connect()
-        landed = land(
-            engine, layout, table, regions.receive(group.pg, rendezvous.rank, worker, table, replica_regions, tally)
+        on = device if isinstance(group, region_groups.NcclMember) else "cpu"
+        walk = regions.receive(
+            group.pg, rendezvous.rank, worker, table, replica_regions, tally, on, bound=region_groups.bound(group)
         )
+        landed = land(engine, layout, table, walk)
     finally:
         group.close()
     return {

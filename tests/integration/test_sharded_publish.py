@@ -40,6 +40,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tests import netns, pki, support
+from weightsync.vocabulary import Channel
 
 pytestmark = pytest.mark.integration
 ALL = os.environ.get("WEIGHTSYNC_SHARDED") == "all"
@@ -49,7 +50,11 @@ full = pytest.mark.skipif(
 ROOT = Path(__file__).resolve().parents[2]
 JOB, REPLICA, WHOLE, TOKEN = "job", "replica-tp2", "replica-whole", "sharded-publish-token"
 TP1 = "replica-tp1"
-"""``make sharded`` only: a TP=1 replica taking regions too (a third engine; make test keeps two)."""
+"""``make sharded`` only: a TP=1 replica taking regions too (a third engine; make test keeps two), over the NCCL
+channel (its code over gloo, ``WEIGHTSYNC_NCCL_TRANSPORT=gloo``): its region group forms on rank 0's NCCL store,
+apart from the gathered NCCL group."""
+CHANNELS = {REPLICA: Channel.CPU, WHOLE: Channel.CPU, TP1: Channel.NCCL}
+"""The channel each replica declares (with the volume)."""
 RANKS = 4 if ALL else 2
 """Hosts for trainer ranks: ``make sharded`` also publishes from 4 FSDP2 ranks."""
 TIMEOUT_S = 60.0
@@ -115,10 +120,10 @@ def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
     and one more taking regions at ``sizes[2]`` where given (the TP=1 replica of make sharded)."""
     from prometheus_client import CollectorRegistry
 
+    from weightsync.channels import nccl
     from weightsync.coordinator import jobs, server
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.coordinator.tls import ServerTls, TlsConfig
-    from weightsync.vocabulary import Channel
     from weightsync_inference.agent import Agent, AgentConfig
     from weightsync_inference.offline import OfflineEngine
 
@@ -135,7 +140,12 @@ def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
         tls = ServerTls(str(work / "server.crt"), str(work / "server.key"))
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
-        engines = [OfflineEngine(model, Channel.CPU, tensor_parallel_size=tp) for tp in sizes]
+        mp.setenv(nccl.TRANSPORT_ENV, "gloo")  # the NCCL channel's code on CPU tensors, here and in the ranks
+        ids = (REPLICA, WHOLE, TP1)
+        engines = [
+            OfflineEngine(model, CHANNELS[rid], tensor_parallel_size=tp)
+            for rid, tp in zip(ids[: len(sizes)], sizes, strict=True)
+        ]
         replicas: list[tuple[str, Any]] = [(REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))]
         replicas += [(TP1, engine) for engine in engines[2:]]
         volume = work / "volume"
@@ -143,8 +153,10 @@ def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
         agents, threads = [], []
         for rid, control in replicas:
             client = CoordinatorClient(coordinator.target, token=TOKEN, tls=TlsConfig(ca_file=str(work / "ca.crt")))
-            channels = (Channel.CPU, Channel.VOLUME)
-            config = AgentConfig(JOB, rid, channels, host=f"node-{rid}", volume=volume, update_timeout_s=TIMEOUT_S)
+            channels = (CHANNELS[rid], Channel.VOLUME)
+            config = AgentConfig(
+                JOB, rid, channels, host=f"node-{rid}", volume=volume, update_timeout_s=TIMEOUT_S, nccl_domain="sharded"
+            )
             agents.append(Agent(control, client, config))
             threads.append(threading.Thread(target=agents[-1].run, name=f"agent-{rid}", daemon=True))
             threads[-1].start()
@@ -226,7 +238,7 @@ def assert_the_second_version_moves_as_regions(fleet: Fleet, name: str) -> None:
     import transformers
 
     first, second = publish(fleet, name, [1, 2])
-    channels = {rid: "cpu" for rid in (WHOLE, *fleet.sharded)}
+    channels = {rid: CHANNELS[rid].value for rid in (WHOLE, *fleet.sharded)}
     assert first["state"] == "READY" and first["channels"] == channels, first
     assert "regions" not in first["seconds"], "no engine layout was registered yet: the first version goes whole"
     assert second["state"] == "READY" and second["channels"] == channels, second

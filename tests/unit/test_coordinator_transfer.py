@@ -8,6 +8,7 @@ regions it sends; the plan comes from the job's cache while nothing changes; the
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,15 @@ from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator import faults, limits, serde
 from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
-from weightsync.coordinator.models import AckReport, Capabilities, JobPolicy, Role, SentReport, summarize
+from weightsync.coordinator.models import (
+    AckReport,
+    Capabilities,
+    EngineKind,
+    JobPolicy,
+    Role,
+    SentReport,
+    summarize,
+)
 from weightsync.coordinator.store import MemoryStore
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import DIGEST_PREFIX, TensorTable
@@ -194,3 +203,55 @@ def test_a_replica_back_on_the_gathered_path_gets_a_new_cpu_stream_group() -> No
     regions = next(p for p in before.plans if p.replica_id == "r-sharded").rendezvous
     assert after["r-sharded"].rendezvous.generation > regions.generation
     assert after["r-none"].rendezvous.same_membership(whole)  # the others' groups stay as they were
+
+
+NCCL_TRAINER = Capabilities(
+    host="t", gpu_uuids=("g0",), channels=(Channel.NCCL, Channel.VOLUME), nccl_domain="d", volume_id="vol",
+    volume_mount="/ckpt", engine=EngineKind.GPU, rank_gpu_uuids=("g0", "g1"),
+)  # fmt: skip
+NCCL_OFFERS = (Offer(Channel.NCCL, Endpoint("10.0.0.1", 29600)), Offer(Channel.VOLUME))
+
+
+def _gpus(*uuids: str) -> Capabilities:
+    return Capabilities(
+        host="r", gpu_uuids=uuids, devices=len(uuids), channels=(Channel.NCCL, Channel.VOLUME), nccl_domain="d",
+        volume_id="vol", volume_mount="/ckpt", engine=EngineKind.GPU,
+    )  # fmt: skip
+
+
+def test_regions_over_nccl_go_in_a_group_of_their_own_apart_from_the_gathered_nccl_group() -> None:
+    """A replica on GPUs of its own takes regions over NCCL, in its own group (the ranks and its workers); the
+    gathered NCCL group holds only the replicas it serves, and neither changes from one version to the next; a
+    replica on a trainer rank's GPU takes the gathered path over NCCL, the plan saying which rank holds it."""
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    lease = core.register("job", Role.TRAINER, "t", "t1", NCCL_TRAINER, offers=NCCL_OFFERS, layout=TRAINER).lease_id
+    core.register("job", Role.REPLICA, "r-apart", "i0", _gpus("g2", "g3"), layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-none", "i1", _gpus("g4"))
+    core.register("job", Role.REPLICA, "r-shared", "i2", _gpus("g1", "g5"), layout=ENGINE)
+    opened = [core.open_version(lease, "job", "t1", step, summarize(TABLE, True)) for step in (1, 2)]
+    first, second = ({p.replica_id: p for p in o.plans} for o in opened)
+    assert {p.channel for p in first.values()} == {Channel.NCCL}
+    apart = first["r-apart"].rendezvous
+    assert first["r-apart"].transfer.replica("r-apart").sharded  # type: ignore[union-attr]
+    assert (apart.channel, apart.endpoint, apart.rank, apart.world_size) == (
+        Channel.NCCL,
+        NCCL_OFFERS[0].endpoint,
+        2,
+        4,
+    )
+    shared = first["r-shared"].transfer.replica("r-shared")  # type: ignore[union-attr]
+    assert "its GPU g1 holds trainer rank 1" in shared.gathered
+    gathered = {rid: first[rid].rendezvous for rid in ("r-none", "r-shared")}
+    assert gathered["r-none"].same_membership(gathered["r-shared"])  # one NCCL group, without r-apart:
+    assert gathered["r-none"].world_size == 1 + 1 + 2 and not gathered["r-none"].same_membership(apart)
+    assert sorted(r.rank for r in gathered.values()) == [1, 2]
+    again = second["r-apart"].rendezvous  # the same membership of its own; a fresh group name per version
+    assert (again.secret, again.generation) == (apart.secret, apart.generation) and again.group != apart.group
+    assert all(second[rid].rendezvous.same_membership(gathered[rid]) for rid in gathered)
+
+
+def test_rank_gpus_cross_the_wire_within_their_limit() -> None:
+    assert serde.capabilities(serde.capabilities_to(NCCL_TRAINER)) == NCCL_TRAINER
+    many = serde.capabilities_to(dataclasses.replace(NCCL_TRAINER, rank_gpu_uuids=tuple(map(str, range(1025)))))
+    with pytest.raises(faults.InvalidArgument, match="rank_gpu_uuids has 1025 entries, over the limit of 1024"):
+        limits.check_fields(many)

@@ -114,7 +114,9 @@ def send(source: WeightSource, sender: Sender, ticket: UpdateTicket, rank: int =
     return sender.send(ticket, source.groups())
 
 
-def _region_sends(source: WeightSource, rank: int, timeout_s: float) -> region_sends.RegionSends | None:
+def _region_sends(
+    source: WeightSource, rank: int, timeout_s: float, device: torch.device
+) -> region_sends.RegionSends | None:
     """Every rank's part of the sharded path, when the ranks of a distributed trainer agreed on a layout the core
     can describe; else None: every replica takes the gathered path, as before. Collective: on every rank.
 
@@ -129,7 +131,7 @@ def _region_sends(source: WeightSource, rank: int, timeout_s: float) -> region_s
     if layout.unsupported:
         log.info("every replica takes the gathered path: %s", layout.unsupported)
         return None
-    return region_sends.RegionSends(source, layout, rank, timeout_s)
+    return region_sends.RegionSends(source, layout, rank, timeout_s, device)
 
 
 POD_IP_ENV = "POD_IP"
@@ -206,7 +208,7 @@ class Publisher:
         self.sharded = shard_copies.sharded_copies(source, checkpoint_dir, client, verify, timeout_s)
         # a collective too: every rank reads the layout, the ranks compare; the other ranks wait in a round's
         # broadcast while rank 0 opens the version and its replicas join (bounded by the version's timeout)
-        self.regions = _region_sends(source, rank, version_timeout_s)
+        self.regions = _region_sends(source, rank, version_timeout_s, torch.device(device))
         if rank != 0:
             return
         if client is None:
@@ -231,7 +233,12 @@ class Publisher:
 
         batched.warm(dev)  # the digest kernel compiles now, not inside the first version's stream
 
-        caps = dataclasses.replace(found, channels=tuple(self._all_senders()), nixl=Channel.NIXL in self.senders)
+        caps = dataclasses.replace(
+            found,
+            channels=tuple(self._all_senders()),
+            nixl=Channel.NIXL in self.senders,
+            rank_gpu_uuids=self.regions.gpus if self.regions is not None else (),
+        )
         policy = models.JobPolicy.of(config) if config else None
         offers = self._offers()
         layout = self.regions.layout if self.regions is not None else None

@@ -15,12 +15,15 @@ group of the publisher's own, in three steps that every rank takes in the same o
    (``exchanges.all_gather_bytes``), which combines each replica's in plan order
    (``regions.combine``): what that replica's ack must match (``Sent.digests``).
 
-The region group's rendezvous comes from the coordinator, inside the replica's CPU-stream
-plan (``versions.region_group``): the store is the one rank 0 serves for the CPU stream
-(the endpoint its publisher offered), the trainer's ranks are group ranks ``0..R-1`` and the
-replica's workers ``R..R+W-1``. No other rank offers an endpoint: each joins rank 0's store
-as a client and binds gloo to its own host's address on the route to it, which gloo
-exchanges through the store, as a CPU-stream receiver does.
+The region group's rendezvous comes from the coordinator, inside the replica's plan on the
+CPU stream or NCCL (``versions.region_group``): the store is the one rank 0 serves for that
+channel (the endpoint its publisher offered), the trainer's ranks are group ranks ``0..R-1``
+and the replica's workers ``R..R+W-1``. No other rank offers an endpoint: each joins rank 0's
+store as a client (``region_groups.member``); gloo binds its own host's address on the route
+to it, which gloo exchanges through the store, as a CPU-stream receiver does; NCCL forms a
+communicator on the rank's GPU. Each rank's GPU is gathered once, at construction, for rank 0
+to register (``gpus``): NCCL takes one rank per GPU, so a replica on one of them is planned on
+the gathered path.
 
 Messages are JSON in uint8 tensors (nothing pickled); every wait is bounded: the round's
 broadcast by the control group's timeout, a group's formation by the join deadline, the
@@ -38,7 +41,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from weightsync.channels import cpu, exchanges, regions, wire
+import torch
+
+from weightsync.channels import exchanges, region_groups, regions, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.coordinator import models
 from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
@@ -124,15 +129,26 @@ class RegionSends:
     """One rank's part of every round; see the module docstring. Build it on every rank at once (it creates its
     own gloo group, a collective)."""
 
-    def __init__(self, source: ModuleSource, layout: TrainerLayout, rank: int, timeout_s: float) -> None:
+    def __init__(
+        self, source: ModuleSource, layout: TrainerLayout, rank: int, timeout_s: float, device: torch.device
+    ) -> None:
         """``timeout_s`` bounds the waits of the round's messages: the other ranks wait in the round's broadcast
-        while rank 0 opens the version and its replicas join, so it must cover that (the version's timeout)."""
+        while rank 0 opens the version and its replicas join, so it must cover that (the version's timeout).
+        ``device``: where the rank's shards live (a region group over NCCL forms there)."""
         import torch.distributed as dist
+
+        from weightsync.channels import gpu
 
         if layout.unsupported:
             raise PermanentError(f"no region sends for a layout the core cannot describe: {layout.unsupported}")
         self.source, self.layout, self.rank, self.timeout_s = source, layout, rank, timeout_s
+        self.device = device
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        mine = gpu.uuid(device) if device.type == "cuda" else ""
+        gpus = [b.decode() for b in exchanges.all_gather_bytes(self.group, layout.world_size, mine.encode())]
+        self.gpus: tuple[str, ...] = tuple(gpus) if all(gpus) else ()
+        """Each rank's GPU, in rank order (empty off GPUs): the coordinator keeps a replica on any of them off
+        regions over NCCL (``rules.regions``)."""
 
     def round(self, lead: Round | None = None) -> Round:
         """Rank 0 passes its round and every rank returns it."""
@@ -169,10 +185,10 @@ class RegionSends:
         ours = [g for g in t.regions if g.rank == self.rank]
         rdv = t.rendezvous
         try:
-            group = cpu.member(rdv, self.rank)  # the CPU stream's group formation: bounded, bound
+            group = region_groups.member(rdv, self.rank, self.device)  # its formation bounded, as every wait
             try:
                 group.connect()
-                tally = regions.send(group.pg, self.layout, self.rank, local, ours)
+                tally = regions.send(group.pg, self.layout, self.rank, local, ours, bound=region_groups.bound(group))
             finally:
                 group.close()
         except (WeightsyncError, OSError) as e:

@@ -40,8 +40,11 @@ def all_gather_bytes(group: Any, world: int, data: bytes) -> list[bytes]:
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
     longest = max(int(s.item()) for s in sizes)
+    if not longest:  # every rank's is empty
+        return [b""] * world
     mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, mine, group=group)
     return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)]

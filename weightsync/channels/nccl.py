@@ -74,7 +74,7 @@ from weightsync.vocabulary import Channel
 IN_FLIGHT_GROUPS = 2
 RESUME_WINDOW = IN_FLIGHT_GROUPS + 2
 """Groups the sender keeps after sending them, so the survivors of a lost member can resume within them."""
-_WATCHDOG_FACTOR = 4
+WATCHDOG_FACTOR = 4
 """torch's NCCL watchdog is the backstop only (it may end the process): it fires well after our own abort."""
 TRANSPORT_ENV = "WEIGHTSYNC_NCCL_TRANSPORT"
 
@@ -152,7 +152,7 @@ class NcclGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
             return dist.ProcessGroupGloo(store, rank, world_size, opts)
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = datetime.timedelta(seconds=self.timeout_s * _WATCHDOG_FACTOR)
+        opts._timeout = datetime.timedelta(seconds=self.timeout_s * WATCHDOG_FACTOR)
         pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         pg.eager_connect_single_device(self.device)
         return pg

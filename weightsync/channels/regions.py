@@ -175,11 +175,16 @@ def _rounds(
 
 
 def _post(pg: Any, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Any]:
-    """Post ``(\"send\"|\"recv\", tensor, group rank)`` ops. On a group whose backend coalesces (NCCL) as one
-    batch: one grouped launch, the links of the round moving at once; otherwise (gloo, which has no batching,
-    and the bare backends the CPU stream forms) one op each, as it arrives."""
+    """Post ``(\"send\"|\"recv\", tensor, group rank)`` ops. On NCCL (a group whose backend coalesces, or a bare
+    communicator) as one batch: one grouped launch, the links of the round moving at once; otherwise (gloo, which
+    has no batching, and the bare backends the CPU stream forms) one op each, as it arrives."""
     if not ops:
         return []
+    if _bare_nccl(pg):  # a region group's own communicator (``region_groups``): one grouped launch too
+        pg._start_coalescing()
+        for kind, t, peer in ops:
+            pg.send([t], peer, _TAG) if kind == "send" else pg.recv([t], peer, _TAG)
+        return [pg._end_coalescing()]
     if _coalesces(pg, ops[0][1].device):
         batch = [
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, group=pg, tag=_TAG, group_peer=peer)
@@ -203,12 +208,24 @@ def _post_links(ops: Sequence[tuple[str, torch.Tensor, Wire]]) -> list[tuple[Any
     return out
 
 
+def _bare_nccl(pg: Any) -> bool:
+    nccl = getattr(dist, "ProcessGroupNCCL", None)  # absent from torch builds without CUDA
+    return nccl is not None and isinstance(pg, nccl)
+
+
 def _coalesces(pg: Any, device: torch.device) -> bool:
     return isinstance(pg, dist.ProcessGroup) and bool(pg._get_backend(device).supports_coalescing)
 
 
-def _wait(works: Sequence[Any]) -> None:
+Bound = Callable[[Any, str], None]
+"""A bounded wait of a work (``region_groups.bound``): returns once it completed, raises past the group's timeout.
+NCCL's works need it: their own ``wait`` returns at once and the host blocks later, on a sync."""
+
+
+def _wait(works: Sequence[Any], bound: Bound | None, what: str) -> None:
     for work in works:
+        if bound is not None:
+            bound(work, what)
         work.wait()
 
 
@@ -221,13 +238,15 @@ def send(
     window: int = WINDOW,
     bucket: int = BUCKET,
     links: Mapping[int, Wire | Shared] | None = None,
+    bound: Bound | None = None,
 ) -> Tally:
     """Send trainer ``rank``'s ``regions`` (its ``sends``, in plan order, one replica's) from its local shards.
 
     ``local[i]`` is the rank's local shard of table tensor ``i`` (None where it holds none). Each link's regions
     go packed in buckets of about ``bucket`` bytes with their digest words; the links of a round go at once.
     ``links`` maps a worker to its link's transport (default: ``Wire(pg, layout.world_size + worker)``); a
-    ``Shared`` link's regions are handed to it whole, before the wire's rounds start.
+    ``Shared`` link's regions are handed to it whole, before the wire's rounds start. ``bound``: the group's
+    bounded wait, where a work's own wait does not block (NCCL).
     """
     got: list[str] = [""] * len(regions)
     tally = Tally()
@@ -243,8 +262,9 @@ def send(
 
     def done() -> None:
         rnd, works, buffers = posted.popleft()
-        _wait(works)  # the buffers had to live until here
-        words = torch.cat([b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]).tolist()  # one host sync
+        _wait(works, bound, f"trainer rank {rank}'s sends to worker {', '.join(str(b.peer) for b in rnd)}")
+        # the buffers had to live until here; one host sync
+        words = torch.cat([b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]).tolist()
         for (i, r), w in zip((x for b in rnd for x in b.regions), words, strict=True):
             got[i] = _digest(r.nbytes, w)
             tally.nbytes += r.nbytes
@@ -334,13 +354,14 @@ def receive(
     window: int = WINDOW,
     bucket: int = BUCKET,
     links: Mapping[int, Wire | Copied] | None = None,
+    bound: Bound | None = None,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Receive ``worker``'s ``regions`` (its replica's, in plan order) from ``trainers`` trainer ranks; yield each
     as a ``(Fill, tensor)`` piece once its digest checked, bucket by bucket (the links of a round interleaved, not
     in plan order). ``tally`` gets each region's digest (in plan order, once all arrived) and bytes. ``bucket``
     must be the senders' (``send``) on wire links. ``links`` maps a trainer rank to its link's transport (default:
     ``Wire(pg, rank)``); a ``Copied`` link fills its buckets by copying, is checked like the rest, and is released
-    when the walk ends, however it ends."""
+    when the walk ends, however it ends. ``bound``: as for ``send``."""
     mine = [r for r in regions if r.worker == worker]
     got: list[str] = [""] * len(mine)
     route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
@@ -379,8 +400,8 @@ def receive(
             for work, ks in works:
                 late = [rnd[k] for k in ks]
                 try:
-                    work.wait()
-                except RuntimeError as e:
+                    _wait([work], bound, f"worker {worker}'s receives from trainer rank {late[0].peer}")
+                except (RuntimeError, TransferTimeoutError) as e:
                     first = late[0].regions[0][1]
                     raise TransferTimeoutError(
                         f"worker {worker}: the regions from trainer rank {', '.join(str(b.peer) for b in late)} "

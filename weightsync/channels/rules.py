@@ -36,19 +36,31 @@ replica takes ``devices`` consecutive ranks) under a store prefix only planned m
 not live: a replica planned on it loads a version once it is durable."""
 
 
-REGION_CHANNELS = frozenset({Channel.CPU})
+REGION_CHANNELS = frozenset({Channel.CPU, Channel.NCCL})
 """Channels that carry a transfer plan's regions (the sharded path: every trainer rank sends its own, every worker
-receives only its own): the CPU stream, point to point over gloo (``channels.regions``). A replica planned on
-another channel takes the gathered path in the same version, the plan saying why (``regions``)."""
+receives only its own), point to point over one group per replica of the trainer's ranks and its workers
+(``channels.regions``): the CPU stream over gloo, NCCL over NCCL. A replica planned on another channel takes the
+gathered path in the same version, the plan saying why (``regions``)."""
 
 
-def regions(channel: Channel) -> str:
-    """Why ``channel`` cannot carry a transfer plan's regions (empty when it can): what ``plans.Member.refused``
-    says for a replica planned on it."""
-    if channel in REGION_CHANNELS:
-        return ""
-    over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
-    return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
+def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capabilities | None = None) -> str:
+    """Why ``channel`` cannot carry a transfer plan's regions to ``replica`` (empty when it can): what
+    ``plans.Member.refused`` says for a replica planned on it. A region group over NCCL holds every trainer rank
+    and every worker of the replica in one communicator, which takes one rank per GPU: a replica on a GPU of a
+    trainer rank takes the gathered path (its group holds rank 0 alone)."""
+    if channel not in REGION_CHANNELS:
+        over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
+        return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
+    if channel is Channel.NCCL and trainer is not None and replica is not None:
+        ranks = {uuid: rank for rank, uuid in reversed(list(enumerate(trainer.rank_gpu_uuids)))}
+        shared = [(ranks[u], u) for u in replica.gpu_uuids if u in ranks]
+        if shared:
+            rank, uuid = min(shared)
+            return (
+                f"its GPU {uuid} holds trainer rank {rank}, and an NCCL region group takes one rank per GPU "
+                "(the gathered path's group holds trainer rank 0 alone)"
+            )
+    return ""
 
 
 class EngineKind(enum.StrEnum):
@@ -71,6 +83,8 @@ class Capabilities:
     volume_mount: str = ""
     engine: EngineKind = EngineKind.CPU
     """Where the weights live: the trainer's device, or the engine's workers (GPU only when every one is)."""
+    rank_gpu_uuids: tuple[str, ...] = ()
+    """A trainer that sends regions: each rank's GPU, in rank order (``gpu_uuids`` is the process's own, rank 0's)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.devices <= 64:

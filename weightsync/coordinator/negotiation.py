@@ -85,7 +85,12 @@ class GroupState:
         return GroupState({k: m for k, m in self.memberships.items() if k != key}, self.minted)
 
 
-def group_key(channel: Channel, replica_id: str) -> str:
+def group_key(channel: Channel, replica_id: str, regions: bool = False) -> str:
+    """The key of a replica's membership: its own for a pairwise channel, and its own for a replica the transfer
+    plan sends regions (its region group holds the trainer's ranks and its workers, never another replica's; kept
+    apart from the channel's gathered membership, which its sender forms without it)."""
+    if regions:
+        return f"{channel.value}-regions/{replica_id}"
     return f"{channel.value}/{replica_id}" if channel in PAIRWISE_CHANNELS else channel.value
 
 
@@ -116,10 +121,12 @@ def negotiate(
     previous: GroupState,
     version: int = 0,
     join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+    regions: frozenset[str] = frozenset(),
 ) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
     """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships
     (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``). Every live rendezvous
-    carries the job's join deadline (``join_timeout_s``)."""
+    carries the job's join deadline (``join_timeout_s``). ``regions``: the replicas the transfer plan sends regions,
+    each in a membership of its own (``group_key``); which channel each gets does not depend on it."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
     in_nccl: frozenset[str] = frozenset()
@@ -133,15 +140,16 @@ def negotiate(
                 in_nccl |= set(replica.capabilities.gpu_uuids)
 
     members: dict[str, Members] = {}
+    channel_of: dict[str, Channel] = {}
     for replica, channel, _ in chosen:
         if channel in LIVE_CHANNELS:
-            key = group_key(channel, replica.replica_id)
+            key = group_key(channel, replica.replica_id, replica.replica_id in regions)
             entry = (replica.replica_id, replica.incarnation, replica.capabilities.devices)
-            members[key] = (*members.get(key, ()), entry)
+            members[key], channel_of[key] = (*members.get(key, ()), entry), channel
     memberships: dict[str, Membership] = {}
     minted = max(previous.minted, version * GENERATIONS_PER_VERSION)
     for key in sorted(members):
-        endpoint = str(offers[Channel(key.split("/")[0])].endpoint)
+        endpoint = str(offers[channel_of[key]].endpoint)
         old = previous.memberships.get(key)
         if old is not None and old.members == members[key] and old.endpoint == endpoint:
             memberships[key] = old
@@ -156,7 +164,7 @@ def negotiate(
     for replica, channel, reason in chosen:
         caps, offer = replica.capabilities, offers[channel]
         if channel in LIVE_CHANNELS:
-            key = group_key(channel, replica.replica_id)
+            key = group_key(channel, replica.replica_id, replica.replica_id in regions)
             m = memberships[key]
             rdv = Rendezvous(
                 channel,

@@ -100,6 +100,7 @@ def capabilities(m: pb.Capabilities, field: str = "capabilities") -> models.Capa
         volume_id=m.volume_id,
         volume_mount=m.volume_mount,
         engine=engine,
+        rank_gpu_uuids=tuple(m.rank_gpu_uuids),
     )
 
 
@@ -113,6 +114,7 @@ def capabilities_to(c: models.Capabilities) -> pb.Capabilities:
         nixl=c.nixl,
         volume_id=c.volume_id,
         volume_mount=c.volume_mount,
+        rank_gpu_uuids=list(c.rank_gpu_uuids),
         engine=_EN_OUT[c.engine.value],
     )
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from weightsync import metrics as metrics_mod
 from weightsync.channels import rules
@@ -55,6 +56,7 @@ from weightsync.coordinator.models import (
     VersionInfo,
     WaitFor,
 )
+from weightsync.coordinator.negotiation import GroupState
 from weightsync.coordinator.state import CoreState
 from weightsync.sharding import plans as sharding_plans
 from weightsync.sharding.fills import EngineLayout
@@ -119,16 +121,25 @@ def open_version(
         for m in job.members.values()
         if m.role is Role.REPLICA and streams.listening(state, m, now)
     ]
-    plans, unplanned, job.groups = negotiation.negotiate(
-        trainer.capabilities,
-        all_offers,
-        candidates,
-        job.policy.channel_preference,
-        job.groups,
-        job.next_version,
-        job.policy.join_timeout_s,
-    )
-    plans, transfers = _transfer(job, trainer, table, plans, job.next_version)
+
+    def negotiate(regions: frozenset[str]) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
+        return negotiation.negotiate(
+            trainer.capabilities,
+            all_offers,
+            candidates,
+            job.policy.channel_preference,
+            job.groups,
+            job.next_version,
+            job.policy.join_timeout_s,
+            regions,
+        )
+
+    plans, unplanned, groups = negotiate(frozenset())
+    planned = _transfer(job, trainer, table, plans)
+    if planned is not None and planned.sharded:  # each in a membership of its own: the same channels, again
+        plans, unplanned, groups = negotiate(planned.sharded)
+    job.groups = groups
+    plans, transfers = planned.parts(plans, job.next_version) if planned is not None else (plans, ())
     rec = VersionRecord(
         job_name,
         job.next_version,
@@ -164,59 +175,77 @@ def open_version(
     return OpenedVersion(rec.version, tuple(plans), transfers=transfers)
 
 
-def _transfer(
-    job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan], version: int
-) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
-    """The version's transfer plan, when the trainer registered a layout of this table: each replica's plan gets
-    its part (its regions, or why it takes the gathered path: its channel carries no regions, it registered no
-    layout, its layout was recorded against another table), each trainer rank its own; a replica sent regions
-    gets its region group's rendezvous (``region_group``). From the job's cache: the same layouts and membership
-    reuse the last version's plan."""
+@dataclass(frozen=True)
+class _Planned:
+    """The version's transfer plan before the rendezvous are final: which replicas it sends regions."""
+
+    layout: TrainerLayout
+    members: tuple[sharding_plans.Member, ...]
+    whole: TransferPlan
+
+    @property
+    def sharded(self) -> frozenset[str]:
+        return frozenset(
+            m.replica_id
+            for m in self.members
+            if m.layout is not None and self.whole.part_for_replica(m.replica_id).replicas[0].sharded
+        )
+
+    def parts(self, plans: list[ChannelPlan], version: int) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
+        """Each replica's plan with its part, a replica sent regions with its region group's rendezvous
+        (``region_group``, from the membership of its own ``negotiate`` gave it); each trainer rank's part."""
+        sharded, out = self.sharded, []
+        for p, m in zip(plans, self.members, strict=True):
+            rdv = p.rendezvous
+            if p.replica_id in sharded and m.layout is not None:
+                rdv = region_group(rdv, self.layout.world_size, len(m.layout.workers), version)
+            out.append(dataclasses.replace(p, rendezvous=rdv, transfer=self.whole.part_for_replica(p.replica_id)))
+        return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
+
+
+def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan]) -> _Planned | None:
+    """The version's transfer plan, when the trainer registered a layout of this table: each replica its regions,
+    or why it takes the gathered path (its channel carries no regions, or not to its GPUs; it registered no
+    layout; its layout was recorded against another table), each trainer rank its own. From the job's cache: the
+    same layouts and membership reuse the last version's plan."""
     layout = trainer.layout
     if not isinstance(layout, TrainerLayout):
-        return plans, ()
+        return None
     if layout.table.layout_digest() != table.layout_digest:
         log.warning(
             "job %s: the trainer's registered layout is of another table than this version's; every replica takes "
             "the gathered path (the publisher registers again with a new table)",
             job.name,
         )
-        return plans, ()
+        return None
     # an all-or-nothing replica stages the version before its commit; the sharded path lands in place (for now)
     staged = (
         "all-or-nothing: the replica stages the version, and regions land in place" if job.policy.all_or_nothing else ""
     )
     members = []
     for p in plans:
-        engine = job.members[p.replica_id].layout
-        members.append(
-            sharding_plans.Member(
-                p.replica_id, engine if isinstance(engine, EngineLayout) else None, rules.regions(p.channel) or staged
-            )
-        )
-    whole = job.transfer_plans.get(layout, members)
-    parts = []
-    for p, m in zip(plans, members, strict=True):
-        part = whole.part_for_replica(p.replica_id)
-        rdv = p.rendezvous
-        if part.replicas[0].sharded and m.layout is not None:
-            rdv = region_group(rdv, layout.world_size, len(m.layout.workers), version)
-            # the CPU stream's group for it is released on both ends: a later gathered plan forms a new one
-            job.groups = job.groups.without(negotiation.group_key(p.channel, p.replica_id))
-        parts.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
-    return parts, tuple(whole.part_for_rank(rank) for rank in range(layout.world_size))
+        member = job.members[p.replica_id]
+        engine = member.layout if isinstance(member.layout, EngineLayout) else None
+        why = rules.regions(p.channel, trainer.capabilities, member.capabilities) or staged
+        members.append(sharding_plans.Member(p.replica_id, engine, why))
+    return _Planned(layout, tuple(members), job.transfer_plans.get(layout, members))
 
 
 def region_group(rdv: Rendezvous, trainers: int, workers: int, version: int) -> Rendezvous:
-    """The rendezvous of one replica's region group for one version, from the CPU stream's plan for it: the same
-    store (trainer rank 0's, the endpoint the publisher offered for the CPU stream) and secret, the trainer's
+    """The rendezvous of one replica's region group for one version, from its channel's plan for it: the same
+    store (trainer rank 0's, the endpoint the publisher offered for the channel) and secret, the trainer's
     ranks as group ranks ``0..trainers-1`` and the replica's workers after them (``rank`` = ``trainers``, the
     first worker's). The group is formed for the version and released after it, so its name carries the
     version: its keys under the store prefix are fresh each time, and no trainer rank needs an endpoint of its
-    own (each joins rank 0's store and binds its own host's address, which gloo exchanges through the store)."""
+    own (each joins rank 0's store; over gloo it binds its own host's address, which gloo exchanges through the
+    store, and NCCL exchanges its own through the store likewise)."""
     return dataclasses.replace(
         rdv, group=f"{rdv.group}-regions-v{version}", rank=trainers, world_size=trainers + workers
     )
+
+
+def _group_key(planned: ChannelPlan) -> str:
+    return negotiation.group_key(planned.channel, planned.replica_id, planned.regions_part() is not None)
 
 
 def _trim(job: Job) -> None:
@@ -401,7 +430,7 @@ def _fall_back(
     if planned.channel is Channel.VOLUME:
         return False
     member.fail_channel(planned.channel, state.clock.monotonic())
-    job.groups = job.groups.without(negotiation.group_key(planned.channel, member.member_id))
+    job.groups = job.groups.without(_group_key(planned))
     reason = rules.between(
         Channel.VOLUME,
         trainer.capabilities if trainer else Capabilities(),
@@ -445,7 +474,7 @@ def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str
         planned, member = rec.plans.get(rid), job.members.get(rid)
         if planned is None or planned.channel not in LIVE_CHANNELS:
             continue  # fell back already
-        job.groups = job.groups.without(negotiation.group_key(planned.channel, rid))
+        job.groups = job.groups.without(_group_key(planned))
         if rec.status.get(rid) not in lifecycle.WAITING:
             continue  # loaded already, or dropped with its lease
         error = f"the trainer's sender lost it: {why}"
