@@ -140,8 +140,12 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
             exporter.release()
             out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
             out[f"exported{v}"] = exporter.exported
-        if rank == 0:  # the store lives in this process: keep it until the workers are done with it
-            store.wait([f"end/worker{w}" for w in range(WORKERS)], datetime.timedelta(seconds=60))
+        store.set(f"end/rank{rank}", "1")
+        if rank == 0:  # the store lives in this process: keep it until the others are done with it (a rank's
+            # release deletes its keys there after the workers ended)
+            ranks = range(1, RANKS) if fault != "die" else ()  # rank 1 exits in "die"
+            ends = [f"end/worker{w}" for w in range(WORKERS)] + [f"end/rank{r}" for r in ranks]
+            store.wait(ends, datetime.timedelta(seconds=60))
         return out
     worker = idx - RANKS
     layout = members[0].layout.workers[worker]

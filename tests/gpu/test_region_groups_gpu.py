@@ -57,9 +57,11 @@ def _member(idx: int, plans: Any, port: int, die: int) -> dict[str, Any]:
     faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it is
     group = region_groups.member(_rendezvous(port), idx, device)
     assert isinstance(group, region_groups.NcclMember)
+    formed = time.monotonic()
     group.connect()
+    formed = time.monotonic() - formed  # a region group forms once per version and replica: what that costs
     bound = region_groups.bound(group)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"formed_s": formed}
     if idx == die:
         time.sleep(1.0)  # the other end has posted its first calls by now
         os._exit(0)
@@ -107,17 +109,18 @@ def test_a_region_group_over_nccl_lands_a_tp1_worker_bit_exact() -> None:
     from tests.integration.region_ranks import job
     from weightsync.channels import regions
 
-    rank, worker = _served(29631, -1)
+    rank, worker = _served(29641, -1)
     assert rank.get("error") is None and worker.get("error") is None, (rank, worker)
     assert "failed" not in worker and worker["wrong"] == [] and worker["nbytes"] == worker["needed"] > 0, worker
     assert rank["nbytes"] == worker["nbytes"]
+    print(f"region group formed in {rank['formed_s']:.3f} s (rank), {worker['formed_s']:.3f} s (worker)")
     replica = job(24, 1)[1].replica("tp1")
     assert regions.combine(replica.regions, {0: rank["digests"]}, regions.rank_of) == regions.combine(
         replica.regions, {0: worker["digests"]}, regions.worker_of
     )
 
 
-@pytest.mark.parametrize(("die", "port"), [(0, 29632), (1, 29633)], ids=["rank-exits", "worker-exits"])
+@pytest.mark.parametrize(("die", "port"), [(0, 29642), (1, 29643)], ids=["rank-exits", "worker-exits"])
 def test_an_end_that_exits_before_the_walk_fails_the_others_within_the_groups_timeout(die: int, port: int) -> None:
     _need_gpus(2)
     got = _served(port, die)
