@@ -3,7 +3,8 @@
 The worker half of the sharded path's data path (``docs/sharded.md``). The worker joins
 its replica's region group (a CPU-stream or NCCL ``Rendezvous`` whose ``rank`` is the number
 of trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the replica joins
-as ``rank + w`` of ``world_size``; over NCCL on the worker's GPU, ``region_groups``), checks
+as ``rank + w`` of ``world_size``; over NCCL on the worker's GPU; kept across versions while
+the plan names the same group, ``region_groups.Kept``), checks
 the table against vLLM's loader (``dryrun``, changing nothing), then inside vLLM's layerwise
 reload receives its regions in plan order (``weightsync.channels.regions.receive``: each
 region's digest checked on arrival) and
@@ -38,19 +39,19 @@ def receive(
     if layout.rank != worker:
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
     engine.updater.model.check(table)  # refuses a table the model would not load, having changed nothing
-    device = engine.updater.ctx.device
-    group = region_groups.member(rendezvous, rendezvous.rank + worker, device)  # its formation bounded, as every wait
+    device, kept = engine.updater.ctx.device, engine.updater.regions
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:
-        group.connect()
+        group = kept.get(rendezvous, rendezvous.rank + worker, device)  # its formation bounded, as every wait
         on = device if isinstance(group, region_groups.NcclMember) else "cpu"
         walk = regions.receive(
             group.pg, rendezvous.rank, worker, table, replica_regions, tally, on, bound=region_groups.bound(group)
         )
         landed = land(engine, layout, table, walk)
-    finally:
-        group.close()
+    except BaseException:
+        kept.close()  # never formed again under its name: the coordinator names a new group after a failure
+        raise
     return {
         "worker": worker,
         "layout_digest": table.layout_digest(),  # of the table this worker checked and landed

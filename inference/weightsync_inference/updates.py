@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from weightsync import channels
-from weightsync.channels import placement
+from weightsync.channels import placement, region_groups
 from weightsync.channels.base import Receiver, Rendezvous, UpdateTicket, WorkerContext
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.tensors import TensorTable
@@ -89,6 +89,8 @@ class Updater:
         self._places: dict[str, dict[str, torch.Tensor]] = {}
         self._checked: set[str] = set()
         self.stager = Stager(ctx)
+        self.regions = region_groups.Kept()
+        """The sharded path's region group of this worker's replica, kept across versions (``sharded``)."""
 
     def init(self, rdv: Rendezvous) -> None:
         """Start (or restart) the receiver of the rendezvous' channel; one receiver per channel."""

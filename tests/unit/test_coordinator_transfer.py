@@ -138,7 +138,9 @@ def test_a_replica_sent_regions_joins_a_region_group_of_the_ranks_and_its_worker
     regions, whole = plans["r-sharded"].rendezvous, plans["r-none"].rendezvous
     assert (regions.rank, regions.world_size) == (2, 2 + len(ENGINE.workers))  # ranks 0..1, then the workers
     assert regions.endpoint == whole.endpoint == OFFERS[0].endpoint  # rank 0's CPU-stream store
-    assert regions.group.endswith("-regions-v1") and regions.secret  # a fresh group (and store prefix) per version
+    assert "-regions-" in regions.group and regions.secret  # a membership of its own
+    again = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 2, summarize(TABLE, True)).plans}
+    assert again["r-sharded"].rendezvous == regions  # kept by both ends while the membership holds
     assert (whole.rank, whole.world_size) != (regions.rank, regions.world_size)  # the CPU stream's, as before
 
 
@@ -245,8 +247,7 @@ def test_regions_over_nccl_go_in_a_group_of_their_own_apart_from_the_gathered_nc
     assert gathered["r-none"].same_membership(gathered["r-shared"])  # one NCCL group, without r-apart:
     assert gathered["r-none"].world_size == 1 + 1 + 2 and not gathered["r-none"].same_membership(apart)
     assert sorted(r.rank for r in gathered.values()) == [1, 2]
-    again = second["r-apart"].rendezvous  # the same membership of its own; a fresh group name per version
-    assert (again.secret, again.generation) == (apart.secret, apart.generation) and again.group != apart.group
+    assert second["r-apart"].rendezvous == apart  # the same group of its own, kept by both ends
     assert all(second[rid].rendezvous.same_membership(gathered[rid]) for rid in gathered)
 
 
@@ -255,3 +256,28 @@ def test_rank_gpus_cross_the_wire_within_their_limit() -> None:
     many = serde.capabilities_to(dataclasses.replace(NCCL_TRAINER, rank_gpu_uuids=tuple(map(str, range(1025)))))
     with pytest.raises(faults.InvalidArgument, match="rank_gpu_uuids has 1025 entries, over the limit of 1024"):
         limits.check_fields(many)
+
+
+def test_a_region_group_that_failed_on_either_end_gets_a_new_name_for_the_next_version() -> None:
+    """Both ends keep a region group while its name holds and form each name once (``region_groups.Kept``): after a
+    failure on the replica's end (its live channel failed) or the trainer's (its report names the replica lost),
+    the next version names a new group; the other replicas' groups stay as they were."""
+    core, lease, replicas = _fleet_with_replicas()
+    watching = [core.subscribe(held) for held in replicas.values()]  # each watches, so each stays planned
+    names = []
+    for step, fail in ((1, "ack"), (2, "report"), (3, "")):
+        opened = {p.replica_id: p for p in core.open_version(lease, "job", "t1", step, summarize(TABLE, True)).plans}
+        names.append((opened["r-sharded"].rendezvous.group, opened["r-none"].rendezvous.group))
+        version = opened["r-sharded"].transfer and step  # versions are numbered as the steps here
+        if fail == "ack":
+            report = AckReport(version, TABLE.layout_digest(), ok=False, error="regions: gone", channel_failed=True)
+            core.ack(replicas["r-sharded"], report)
+        elif fail == "report":
+            core.report_sent(lease, version, SentReport(WHOLE, {"r-sharded": "regions: trainer rank 1: gone"}))
+        for _ in range(7):  # past the failed channel's backoff (30 s, then 60 s), the leases renewed
+            core.clock.advance(10.0)  # type: ignore[attr-defined]
+            for held in (lease, *replicas.values()):
+                core.renew(held)
+    (first, whole1), (second, whole2), (third, whole3) = names
+    assert "-regions-" in first and first != second != third, names
+    assert whole1 == whole2 == whole3 and watching, names

@@ -10,7 +10,8 @@ group of the publisher's own, in three steps that every rank takes in the same o
    plan order);
 2. every rank sends its regions to each of those replicas in turn (``regions.send``: cut
    from its own local shards, each region's digest word appended), over that replica's
-   region group, formed for the round and released after it;
+   region group, formed at its first round and kept while the plan names the same group
+   (``region_groups.Kept``: let go when a send over it failed or the replica left);
 3. every rank's per-region digests (or why its sends failed) go to rank 0
    (``exchanges.all_gather_bytes``), which combines each replica's in plan order
    (``regions.combine``): what that replica's ack must match (``Sent.digests``).
@@ -144,6 +145,8 @@ class RegionSends:
         self.source, self.layout, self.rank, self.timeout_s = source, layout, rank, timeout_s
         self.device = device
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.kept: dict[str, region_groups.Kept] = {}
+        """Replica id -> its region group, kept across rounds while the plan names the same one."""
         mine = gpu.uuid(device) if device.type == "cuda" else ""
         gpus = [b.decode() for b in exchanges.all_gather_bytes(self.group, layout.world_size, mine.encode())]
         self.gpus: tuple[str, ...] = tuple(gpus) if all(gpus) else ()
@@ -161,6 +164,9 @@ class RegionSends:
         """This rank's sends of round ``r``, then the reports to rank 0; rank 0 returns the round's account."""
         t0 = time.perf_counter()
         mine: dict[str, Any] = {}
+        if r.version:  # a replica no round targets has left its region membership: its next one has a new name
+            for rid in set(self.kept) - {t.replica_id for t in r.targets}:
+                self.kept.pop(rid).close()
         if r.targets:
             local = local_shards(self.source, self.layout, self.rank)
             for t in r.targets:
@@ -183,14 +189,14 @@ class RegionSends:
         """This rank's regions of ``t`` over its region group: ``{"digests": [...], "nbytes": n}`` or
         ``{"error": why}``."""
         ours = [g for g in t.regions if g.rank == self.rank]
-        rdv = t.rendezvous
+        kept = self.kept.setdefault(t.replica_id, region_groups.Kept())
         try:
-            group = region_groups.member(rdv, self.rank, self.device)  # its formation bounded, as every wait
             try:
-                group.connect()
+                group = kept.get(t.rendezvous, self.rank, self.device)  # its formation bounded, as every wait
                 tally = regions.send(group.pg, self.layout, self.rank, local, ours, bound=region_groups.bound(group))
-            finally:
-                group.close()
+            except BaseException:
+                kept.close()
+                raise
         except (WeightsyncError, OSError) as e:
             log.warning(
                 "v%d: trainer rank %d could not send its regions to %s: %s", version, self.rank, t.replica_id, e
@@ -201,6 +207,8 @@ class RegionSends:
     def close(self) -> None:
         import torch.distributed as dist
 
+        for kept in self.kept.values():
+            kept.close()
         dist.destroy_process_group(self.group)
 
 

@@ -1,8 +1,9 @@
 """A replica's region group, on the channel its plan chose: the trainer's ranks and the replica's workers.
 
 The sharded path moves a version over one group per replica (``regions``), whose ranks are the trainer's ranks
-(group ranks ``0..R-1``) and then the replica's workers, formed for the version on trainer rank 0's store for
-that channel (the rendezvous the coordinator put in the replica's plan, ``versions.region_group``):
+(group ranks ``0..R-1``) and then the replica's workers, formed on trainer rank 0's store for that channel (the
+rendezvous the coordinator put in the replica's plan, ``versions.region_group``) and kept across versions while
+the plan names the same group (``Kept``):
 
 - the CPU stream, and the NCCL channel's gloo transport (CPU tensors: tests and CPU-only machines): the CPU
   stream's gloo group (``cpu.member``), whose point-to-point calls take the group's timeout;
@@ -25,7 +26,7 @@ import torch
 from weightsync.channels import cpu, gpu, nccl, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.channels.wire import dist
-from weightsync.errors import PermanentError
+from weightsync.errors import PermanentError, TransferTimeoutError
 from weightsync.vocabulary import Channel
 
 
@@ -103,9 +104,53 @@ def member(rendezvous: Rendezvous, rank: int, device: torch.device | str) -> Mem
     return cpu.member(rendezvous, rank)
 
 
+class Kept:
+    """One end's region group for one replica, kept across versions while its membership holds.
+
+    The coordinator names a replica's region group after its membership, which gets a new name (and so a new store
+    prefix) whenever it changes (a member restarted, the trainer's endpoint moved) and after a failure on either end
+    (``versions._fall_back``, ``versions._lost``). So both ends keep the group they formed while the plan names the
+    same one, and form the next when it names another, without a word between them. A group is formed once per
+    name: its store keys stay behind, and a second formation under them would meet the first's. An end whose group
+    failed (``close``) refuses to form it again and fails the version at once; the failure reaches the coordinator,
+    which names a new group for the next version."""
+
+    def __init__(self) -> None:
+        self.group: Member | None = None
+        self._prefix = ""
+        self._formed: set[str] = set()
+
+    def get(self, rendezvous: Rendezvous, rank: int, device: torch.device | str) -> Member:
+        """The formed group ``rendezvous`` names: the one kept, or (another name) a new one, formed now."""
+        if self.group is not None and self._prefix == rendezvous.prefix:
+            return self.group
+        self.close()
+        if rendezvous.prefix in self._formed:
+            raise TransferTimeoutError(
+                f"{rendezvous.channel.value} channel: region group {rendezvous.group!r} failed here in an earlier "
+                "version, and a group is formed once per name: this version fails, and the coordinator names a new "
+                "group for the next"
+            )
+        self._formed.add(rendezvous.prefix)
+        group = member(rendezvous, rank, device)
+        try:
+            group.connect()
+        except BaseException:
+            group.close()
+            raise
+        self.group, self._prefix = group, rendezvous.prefix
+        return group
+
+    def close(self) -> None:
+        """Let the group go (a walk over it failed, or the plan names another): never formed again here."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+
 def bound(group: Member) -> Any:
     """The bounded wait of ``group``'s works for ``regions.send``/``receive`` (None: a work's own wait is bounded)."""
     return group.wait if isinstance(group, NcclMember) else None
 
 
-__all__ = ["Member", "NcclMember", "bound", "member"]
+__all__ = ["Kept", "Member", "NcclMember", "bound", "member"]

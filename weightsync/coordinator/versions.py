@@ -139,7 +139,7 @@ def open_version(
     if planned is not None and planned.sharded:  # each in a membership of its own: the same channels, again
         plans, unplanned, groups = negotiate(planned.sharded)
     job.groups = groups
-    plans, transfers = planned.parts(plans, job.next_version) if planned is not None else (plans, ())
+    plans, transfers = planned.parts(plans) if planned is not None else (plans, ())
     rec = VersionRecord(
         job_name,
         job.next_version,
@@ -191,14 +191,14 @@ class _Planned:
             if m.layout is not None and self.whole.part_for_replica(m.replica_id).replicas[0].sharded
         )
 
-    def parts(self, plans: list[ChannelPlan], version: int) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
+    def parts(self, plans: list[ChannelPlan]) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
         """Each replica's plan with its part, a replica sent regions with its region group's rendezvous
         (``region_group``, from the membership of its own ``negotiate`` gave it); each trainer rank's part."""
         sharded, out = self.sharded, []
         for p, m in zip(plans, self.members, strict=True):
             rdv = p.rendezvous
             if p.replica_id in sharded and m.layout is not None:
-                rdv = region_group(rdv, self.layout.world_size, len(m.layout.workers), version)
+                rdv = region_group(rdv, self.layout.world_size, len(m.layout.workers))
             out.append(dataclasses.replace(p, rendezvous=rdv, transfer=self.whole.part_for_replica(p.replica_id)))
         return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
 
@@ -231,17 +231,16 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
     return _Planned(layout, tuple(members), job.transfer_plans.get(layout, members))
 
 
-def region_group(rdv: Rendezvous, trainers: int, workers: int, version: int) -> Rendezvous:
-    """The rendezvous of one replica's region group for one version, from its channel's plan for it: the same
-    store (trainer rank 0's, the endpoint the publisher offered for the channel) and secret, the trainer's
-    ranks as group ranks ``0..trainers-1`` and the replica's workers after them (``rank`` = ``trainers``, the
-    first worker's). The group is formed for the version and released after it, so its name carries the
-    version: its keys under the store prefix are fresh each time, and no trainer rank needs an endpoint of its
-    own (each joins rank 0's store; over gloo it binds its own host's address, which gloo exchanges through the
-    store, and NCCL exchanges its own through the store likewise)."""
-    return dataclasses.replace(
-        rdv, group=f"{rdv.group}-regions-v{version}", rank=trainers, world_size=trainers + workers
-    )
+def region_group(rdv: Rendezvous, trainers: int, workers: int) -> Rendezvous:
+    """The rendezvous of one replica's region group, from its channel's plan for it (a membership of its own,
+    ``negotiation.group_key(..., regions=True)``): the same store (trainer rank 0's, the endpoint the publisher
+    offered for the channel), name and secret, the trainer's ranks as group ranks ``0..trainers-1`` and the
+    replica's workers after them (``rank`` = ``trainers``, the first worker's). Both ends keep the group across
+    versions while its name holds (``region_groups.Kept``): the membership's name changes with its members or
+    endpoint and after a failure (``_group_key``), and a group is formed once per name. No trainer rank needs an
+    endpoint of its own: each joins rank 0's store (over gloo it binds its own host's address, which gloo
+    exchanges through the store; NCCL exchanges its own through the store likewise)."""
+    return dataclasses.replace(rdv, rank=trainers, world_size=trainers + workers)
 
 
 def _group_key(planned: ChannelPlan) -> str:
