@@ -90,7 +90,7 @@ class NcclMember:
             pg.abort()
 
     def close(self) -> None:
-        """Abort: the group lives for one version, and a peer that failed leaves nothing to drain."""
+        """Abort: a group let go is never used again (``Kept``), and a peer that failed leaves nothing to drain."""
         self.abort()
 
 
