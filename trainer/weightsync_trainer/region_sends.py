@@ -8,7 +8,7 @@ group of the publisher's own, in three steps that every rank takes in the same o
    this time (a replica planned on it, or the gathered volume copy), and for each replica
    the plan sends regions its region group's rendezvous and its regions (every rank's, in
    plan order);
-2. every rank sends its regions to each of those replicas in turn (``regions.send``: cut
+2. every rank sends its regions to each of those replicas at once, a thread each (``regions.send``: cut
    from its own local shards, each region's digest word appended), over that replica's
    region group, formed at its first round and kept while the plan names the same group
    (``region_groups.Kept``: let go when a send over it failed or the replica left);
@@ -33,11 +33,13 @@ sends by the group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -169,8 +171,10 @@ class RegionSends:
                 self.kept.pop(rid).close()
         if r.targets:
             local = local_shards(self.source, self.layout, self.rank)
-            for t in r.targets:
-                mine[t.replica_id] = self._send_one(r.version, t, local)
+            # every replica's sends at once, each over its own group: one slow to join, or failing, delays no other
+            with ThreadPoolExecutor(len(r.targets), thread_name_prefix=f"weightsync-regions-r{self.rank}") as pool:
+                sending = {t.replica_id: pool.submit(self._send_one, r.version, t, local) for t in r.targets}
+            mine = {rid: f.result() for rid, f in sending.items()}
         try:
             reports = exchanges.all_gather_bytes(self.group, self.layout.world_size, json.dumps(mine).encode())
         except RuntimeError as e:  # gloo: a rank died, or did not report within the group's timeout
@@ -190,10 +194,13 @@ class RegionSends:
         ``{"error": why}``."""
         ours = [g for g in t.regions if g.rank == self.rank]
         kept = self.kept.setdefault(t.replica_id, region_groups.Kept())
+        on = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
             try:
-                group = kept.get(t.rendezvous, self.rank, self.device)  # its formation bounded, as every wait
-                tally = regions.send(group.pg, self.layout, self.rank, local, ours, bound=region_groups.bound(group))
+                with on:  # a thread of its own: the rank's device made current, for its kernels and NCCL calls
+                    group = kept.get(t.rendezvous, self.rank, self.device)  # its formation bounded, as every wait
+                    bound = region_groups.bound(group)
+                    tally = regions.send(group.pg, self.layout, self.rank, local, ours, bound=bound)
             except BaseException:
                 kept.close()
                 raise
