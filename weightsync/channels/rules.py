@@ -52,10 +52,10 @@ def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capa
         over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
         return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
     if channel is Channel.NCCL and trainer is not None and replica is not None:
-        ranks = {uuid: rank for rank, uuid in reversed(list(enumerate(trainer.rank_gpu_uuids)))}
-        shared = [(ranks[u], u) for u in replica.gpu_uuids if u in ranks]
+        mine = set(replica.gpu_uuids)
+        shared = [(rank, uuid) for rank, uuid in enumerate(trainer.rank_gpu_uuids) if uuid in mine]
         if shared:
-            rank, uuid = min(shared)
+            rank, uuid = shared[0]  # the lowest rank on one of its GPUs
             return (
                 f"its GPU {uuid} holds trainer rank {rank}, and an NCCL region group takes one rank per GPU "
                 "(the gathered path's group holds trainer rank 0 alone)"

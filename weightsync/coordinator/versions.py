@@ -32,6 +32,7 @@ acked different bytes. Every report ends in ``verdicts.settle``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -183,7 +184,7 @@ class _Planned:
     members: tuple[sharding_plans.Member, ...]
     whole: TransferPlan
 
-    @property
+    @functools.cached_property
     def sharded(self) -> frozenset[str]:
         return frozenset(
             m.replica_id
