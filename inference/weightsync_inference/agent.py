@@ -120,7 +120,8 @@ def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Cap
     gpu = bool(workers) and all(w.gpu for w in workers)
     found = models.Capabilities(
         host=config.host,
-        gpu_uuids=tuple(w.gpu_uuid for w in workers if w.gpu_uuid),
+        # in worker order: the coordinator matches worker i with the trainer rank on its GPU (``links.colocated``)
+        gpu_uuids=tuple(w.gpu_uuid for w in sorted(workers, key=lambda w: w.rank) if w.gpu_uuid),
         devices=max(1, len(workers)),
         nccl_domain=config.nccl_domain,
         nixl=gpu and all(w.nixl for w in workers),
@@ -311,7 +312,7 @@ class Agent:
         self._joined.pop(plan.channel, None)
         try:
             ticket = self._ticket(a.version, plan, table, a.step)
-            control, request = self._regions_request(plan, table, part)
+            control, request = self._regions_request(a.version, plan, table, part)
             self.client.report_joined(a.version)  # the workers join their region group from here on
             outcome = self.replica.apply_regions(
                 ticket, lambda: self._receive_regions(a.version, control, request, part)
@@ -334,7 +335,7 @@ class Agent:
         self._loaded(a.version, plan.channel, outcome, "assign", content_digest=received.content_digest)
 
     def _regions_request(
-        self, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan
+        self, version: int, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan
     ) -> tuple[RegionControl, dict[str, Any]]:
         """The workers' request, from the layout this replica registered; refused (before any byte moved) when the
         engine cannot take regions or the plan is for a layout of another table."""
@@ -348,7 +349,8 @@ class Agent:
                 "the plan sends regions, but this replica registered no engine layout of the version's table"
             )
         rdv = plan.rendezvous.with_timeout(self.config.update_timeout_s)
-        return control, sharded.request(rdv, recorded[0], part.regions, recorded[1].workers)
+        order = sharded.Order(version, rdv, part.regions, part.copied)
+        return control, sharded.request(order, recorded[0], recorded[1].workers)
 
     def _receive_regions(
         self, version: int, control: RegionControl, request: dict[str, Any], part: ReplicaPlan

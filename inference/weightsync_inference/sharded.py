@@ -4,7 +4,9 @@ The worker half of the sharded path's data path (``docs/sharded.md``). The worke
 its replica's region group (a CPU-stream or NCCL ``Rendezvous`` whose ``rank`` is the number
 of trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the replica joins
 as ``rank + w`` of ``world_size``; over NCCL on the worker's GPU; kept across versions while
-the plan names the same group, ``region_groups.Kept``), checks
+the plan names the same group, ``region_groups.Kept``; where the plan copies some of its
+links, ``walk``: those by CUDA IPC from the trainer rank on its GPU, the others over the
+ranks' own groups), checks
 the table against vLLM's loader (``dryrun``, changing nothing), then inside vLLM's layerwise
 reload receives its regions in plan order (``weightsync.channels.regions.receive``: each
 region's digest checked on arrival) and
@@ -18,23 +20,38 @@ the workers' lists in plan order, ``regions.combine``), seconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from weightsync.channels import region_groups, regions
+import torch
+
+from weightsync.channels import ipc_regions, region_groups, regions
 from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
 from weightsync.sharding import plans
 from weightsync.sharding.fills import Fill, WorkerLayout
+from weightsync.sharding.links import Link
 from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
 from weightsync_inference.landing import Landing
 
 
-def receive(
-    engine: Any, rendezvous: Rendezvous, table: TensorTable, replica_regions: Sequence[Region], layout: WorkerLayout
-) -> dict[str, Any]:
-    """Receive and land this worker's regions of ``replica_regions`` (its replica's, every worker's, plan order)."""
+@dataclass(frozen=True)
+class Order:
+    """What a worker is told to receive: its replica's part of one version's plan."""
+
+    version: int
+    rendezvous: Rendezvous
+    """The replica's region membership: its group, or (with copied links) its groups per trainer rank."""
+    regions: tuple[Region, ...]
+    """Every worker's, in plan order."""
+    copied: frozenset[Link] = frozenset()
+    """The links the worker copies by CUDA IPC from a trainer rank on its GPU (``ReplicaPlan.copied``)."""
+
+
+def receive(engine: Any, order: Order, table: TensorTable, layout: WorkerLayout) -> dict[str, Any]:
+    """Receive and land this worker's regions of ``order`` (its replica's, every worker's, plan order)."""
     worker = engine.updater.ctx.rank
     if layout.rank != worker:
         raise PermanentError(f"worker {worker} was given worker {layout.rank}'s layout")
@@ -43,14 +60,9 @@ def receive(
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:
-        group = kept.get(rendezvous, rendezvous.rank + worker, device)  # its formation bounded, as every wait
-        on = device if isinstance(group, region_groups.NcclMember) else "cpu"
-        walk = regions.receive(
-            group.pg, rendezvous.rank, worker, table, replica_regions, tally, on, bound=region_groups.bound(group)
-        )
-        landed = land(engine, layout, table, walk)
+        landed = land(engine, layout, table, walk(kept, order, worker, table, tally, device))
     except BaseException:
-        kept.close()  # never formed again under its name: the coordinator names a new group after a failure
+        kept.close()  # never formed again under its name: the coordinator names a new membership after a failure
         raise
     return {
         "worker": worker,
@@ -60,6 +72,42 @@ def receive(
         "digests": tally.digests,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def walk(
+    kept: region_groups.Kept,
+    order: Order,
+    worker: int,
+    table: TensorTable,
+    tally: regions.Tally,
+    device: torch.device | str,
+) -> Iterator[tuple[Fill, torch.Tensor]]:
+    """Worker ``worker``'s regions of ``order`` as they arrive and check (``regions.receive``), over what ``kept``
+    holds for the replica's membership (formed now where it holds nothing yet; every formation bounded): its region
+    group, or, with copied links, the trainer ranks' groups it is in (in rank order, as every worker forms them,
+    so none waits on another in a cycle) and its IPC end."""
+    rdv = order.rendezvous
+    if not order.copied:
+        group = kept.get(rdv, rdv.rank + worker, device)
+        on = device if isinstance(group, region_groups.NcclMember) else "cpu"
+        return regions.receive(
+            group.pg, rdv.rank, worker, table, order.regions, tally, on, bound=region_groups.bound(group)
+        )
+    links: dict[int, regions.Wire | regions.Copied] = {}
+    wired = []
+    for rank, (group_rdv, workers) in region_groups.rank_groups(rdv, order.regions, order.copied).items():
+        if worker in workers:
+            group = kept.get(group_rdv, 1 + workers.index(worker), device, rdv)
+            wired.append(group)
+            links[rank] = regions.Wire(group.pg, 0)
+    near = sorted({r for r, w in order.copied if w == worker})
+    if near:
+        importer = kept.ipc_end(
+            rdv, lambda store: ipc_regions.Importer(store, worker, device, rdv.timeout_s, rdv.join_timeout_s)
+        )
+        links.update({r: importer.link(order.version, r, table) for r in near})
+    bound = region_groups.bound(*wired)
+    return regions.receive(None, rdv.rank, worker, table, order.regions, tally, device, links=links, bound=bound)
 
 
 def land(engine: Any, layout: WorkerLayout, table: TensorTable, pieces: Iterable[tuple[Fill, Any]]) -> int:
@@ -81,14 +129,14 @@ def land(engine: Any, layout: WorkerLayout, table: TensorTable, pieces: Iterable
     return landing.nbytes
 
 
-def request(
-    rendezvous: Rendezvous, table: TensorTable, replica_regions: Sequence[Region], layouts: Sequence[WorkerLayout]
-) -> dict[str, Any]:
+def request(order: Order, table: TensorTable, layouts: Sequence[WorkerLayout]) -> dict[str, Any]:
     """The JSON a replica's workers take (``WorkerExtension.weightsync_receive_regions``)."""
     return {
-        "rendezvous": rendezvous.to_dict(),
+        "version": order.version,
+        "rendezvous": order.rendezvous.to_dict(),
         "table": table.to_dict(),
-        "regions": plans.regions_to(replica_regions),
+        "regions": plans.regions_to(order.regions),
+        "copied": sorted(order.copied),
         "layouts": [w.to_dict() for w in layouts],
     }
 
@@ -99,8 +147,13 @@ def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
     mine = next((w for w in layouts if w.rank == worker), None)
     if mine is None:
         raise PermanentError(f"the request gives no layout for worker {worker} (it gives {[w.rank for w in layouts]})")
-    rdv = Rendezvous.from_dict(d["rendezvous"])
-    return receive(engine, rdv, TensorTable.from_dict(d["table"]), plans.regions_from(d["regions"]), mine)
+    order = Order(
+        int(d["version"]),
+        Rendezvous.from_dict(d["rendezvous"]),
+        tuple(plans.regions_from(d["regions"])),
+        frozenset((int(rank), int(w)) for rank, w in d["copied"]),
+    )
+    return receive(engine, order, TensorTable.from_dict(d["table"]), mine)
 
 
-__all__ = ["from_request", "land", "receive", "request"]
+__all__ = ["Order", "from_request", "land", "receive", "request", "walk"]

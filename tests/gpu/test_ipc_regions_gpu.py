@@ -14,6 +14,11 @@ published its shards' placement but before its digest words fails both workers w
 
 ``test_mixed_links_on_two_gpus`` is the issue's 2-GPU row: trainer ranks and workers on GPUs 0 and 1, the
 co-located pairs by IPC and the crossing links over NCCL groups that hold no GPU twice, in the same version.
+``test_the_products_ends_on_two_gpus`` runs the same layout through the product: the coordinator plans it from the
+GPUs' real UUIDs (the co-located links copied, ``ReplicaPlan.copied``), each trainer rank sends with
+``region_sends.send_to`` and each worker receives with ``sharded.walk`` (groups per rank and the IPC ends kept
+across two versions, formed once); a trainer rank that exits before the second version fails both workers within
+their timeouts, naming it, and each then refuses the same membership at once.
 
 Run on the GPU host: ``bash tools/gpu-host.sh python3 -m pytest -m gpu -v tests/gpu/test_ipc_regions_gpu.py``.
 """
@@ -282,3 +287,143 @@ def test_mixed_links_on_two_gpus() -> None:
     replica = result.replica("tp2")
     assert got[0]["near"] == [[0, 0], [1, 1]] and got[0]["far"] == [[0, 1], [1, 0]], got[0]
     assert_landed(got, replica)
+
+
+def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any, Any]:
+    """What the coordinator plans for the tp2 replica on the trainer ranks' two GPUs, for versions 1 and 2: each
+    version's ``Target`` (the ranks'), ``sharded.Order`` (the workers') and the replica's part."""
+    import dataclasses
+
+    from tests.integration.region_ranks import job
+    from weightsync.channels.base import Endpoint, Offer
+    from weightsync.coordinator.clock import ManualClock
+    from weightsync.coordinator.core import Coordinator
+    from weightsync.coordinator.models import Capabilities, EngineKind, Role, summarize
+    from weightsync.coordinator.store import MemoryStore
+    from weightsync.vocabulary import Channel
+    from weightsync_inference import sharded
+    from weightsync_trainer import region_sends
+
+    trainer, _, members, _ = job(24, RANKS)
+    engine = next(m.layout for m in members if m.replica_id == "tp2")
+    gpu_caps = {"host": "h", "nccl_domain": "d", "engine": EngineKind.GPU}
+    ranks = Capabilities(gpu_uuids=uuids[:1], channels=(Channel.NCCL,), rank_gpu_uuids=uuids, **gpu_caps)
+    replica = Capabilities(gpu_uuids=uuids, devices=WORKERS, channels=(Channel.IPC, Channel.NCCL), **gpu_caps)
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
+    lease = core.register("job", Role.TRAINER, "t", "t1", ranks, offers=(offer,), layout=trainer).lease_id
+    core.register("job", Role.REPLICA, "tp2", "i0", replica, layout=engine)
+    targets, orders = [], []
+    for v in (1, 2):
+        opened = core.open_version(lease, "job", "t1", v, summarize(trainer.table, True))
+        (t,) = region_sends.targets(opened)
+        rdv = dataclasses.replace(t.rendezvous, timeout_s=TIMEOUT_S, join_timeout_s=10.0)
+        targets.append(dataclasses.replace(t, rendezvous=rdv))
+        orders.append(sharded.Order(v, rdv, t.regions, t.copied))
+    part = opened.plans[0].regions_part()
+    return targets, orders, part
+
+
+def _product(idx: int, plans: Any, port: int, targets: Any, orders: Any, die: int) -> dict[str, Any]:
+    """Process ``idx`` (ranks 0, 1, then workers 0, 1; rank i and worker i on GPU i) through the product's ends."""
+    import faulthandler
+
+    from tests.integration.region_ranks import _slices, job
+    from weightsync.channels import region_groups, regions, wire
+    from weightsync.channels.base import Endpoint
+    from weightsync.errors import WeightsyncError
+    from weightsync.vocabulary import Channel
+    from weightsync_inference import sharded
+    from weightsync_trainer import region_sends
+
+    device = torch.device("cuda", idx % RANKS)
+    torch.cuda.set_device(device)
+    served = wire.serve_store("127.0.0.1", port, 60.0) if idx == 0 else None  # as rank 0's NCCL sender serves it
+    store = wire.join_store(Endpoint("127.0.0.1", port), 30.0, 60.0, Channel.NCCL)
+    trainer, _, members, full = job(24, RANKS)
+    table = trainer.table
+    full = [t.to(device) for t in full]
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where it is
+    kept, out = region_groups.Kept(), {}
+
+    def failed(e: Exception, t0: float) -> None:
+        out.update(failed=str(e), after_s=time.monotonic() - t0)
+        kept.close()  # as the product's ends do after a failed walk
+
+    try:
+        if idx < RANKS:
+            rank = idx
+            local = [
+                None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)].clone() for t in range(len(full))
+            ]
+            for v, target in enumerate(targets, 1):
+                if v == 2:
+                    if rank == die:
+                        os._exit(0)  # no goodbye: its group and its shards' exports go with it
+                    for t in local:
+                        if t is not None:
+                            t.mul_(2)  # in place, as an optimizer step writes: the same exports
+                t0 = time.monotonic()
+                try:
+                    tally = region_sends.send_to(kept, target, v, rank, trainer, local, device)
+                except WeightsyncError as e:
+                    failed(e, t0)
+                    break
+                torch.cuda.synchronize(device)
+                out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
+                out[f"formed{v}"] = [id(g) for g in kept.groups.values()]
+                out[f"exported{v}"] = kept.ipc.exported
+            return out
+        worker = idx - RANKS
+        layout = next(m.layout for m in members if m.replica_id == "tp2").workers[worker]
+        for v, order in enumerate(orders, 1):
+            want = full if v == 1 else [t * 2 for t in full]
+            tally = regions.Tally()
+            t0 = time.monotonic()
+            try:
+                params, wholes = _land(layout, table, sharded.walk(kept, order, worker, table, tally, device), device)
+            except WeightsyncError as e:
+                failed(e, t0)
+                t0 = time.monotonic()
+                try:
+                    sharded.walk(kept, order, worker, table, regions.Tally(), device)
+                except WeightsyncError as again:
+                    out.update(again=str(again), again_s=time.monotonic() - t0)
+                break
+            torch.cuda.synchronize(device)
+            out[f"wrong{v}"] = _wrong(layout, table, want, params, wholes)
+            out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
+            out[f"formed{v}"] = [id(g) for g in kept.groups.values()]
+        out["needed"] = layout.bytes_needed(table)
+        return out
+    finally:
+        store.set(f"end/{idx}", "1")
+        if served is not None:  # keep the store until every other process that lives is done with it
+            alive = [i for i in range(RANKS + WORKERS) if i != die]
+            store.wait([f"end/{i}" for i in alive], datetime.timedelta(seconds=90))
+
+
+@pytest.mark.parametrize("die", [-1, 1], ids=["two-versions", "rank-1-exits"])
+def test_the_products_ends_on_two_gpus(die: int) -> None:
+    _need_gpus(2)
+    from weightsync.channels import gpu
+
+    uuids = (gpu.uuid(torch.device("cuda", 0)), gpu.uuid(torch.device("cuda", 1)))
+    port = 29635 + max(die, 0)
+    targets, orders, part = _product_plan(port, uuids)
+    assert targets[0].copied == {(0, 0), (1, 1)} and targets[0].rendezvous == targets[1].rendezvous, targets
+    got = _run(_product, RANKS + WORKERS, port, targets, orders, die)
+    assert [g.get("error") for g in got] == [None] * len(got), got
+    if die < 0:
+        for v in ("1", "2"):
+            assert_landed(got, part, v)
+        for g in got:  # one group per rank, one per worker (the rank across its GPU), kept: formed once
+            assert len(g["formed1"]) == 1 and g["formed1"] == g["formed2"], g
+        for r in range(RANKS):  # the second version written in place: its exports reused, none made
+            assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
+        return
+    assert [g["rank"] for g in got] == [0, 2, 3], got
+    assert "digests2" in got[0], got[0]  # rank 0's links ended: its wire to worker 1, its copies by worker 0
+    for g, within in ((got[1], TIMEOUT_S), (got[2], 10.0 + TIMEOUT_S)):  # the wire, then the IPC link from rank 1
+        assert "trainer rank 1" in g["failed"] and g["after_s"] < within + 5.0, g
+        assert "failed here in an earlier version" in g["again"] and g["again_s"] < 1.0, g

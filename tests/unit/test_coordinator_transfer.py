@@ -281,3 +281,39 @@ def test_a_region_group_that_failed_on_either_end_gets_a_new_name_for_the_next_v
     (first, whole1), (second, whole2), (third, whole3) = names
     assert "-regions-" in first and first != second != third, names
     assert whole1 == whole2 == whole3 and watching, names
+
+
+def test_a_replica_on_the_trainers_gpus_copies_its_colocated_links_by_ipc_and_takes_the_rest_over_nccl() -> None:
+    """A colocated replica (one host, its workers on the trainer ranks' GPUs, it receives IPC) is planned on NCCL
+    regions though its GPUs hold trainer ranks: the links whose ends share a GPU are copied (``ReplicaPlan.copied``,
+    across the wire too), the others go over groups per rank (``region_groups.rank_groups``). Without IPC, or on
+    another host, it takes the gathered path saying why; either way the gathered NCCL group never names it."""
+    from weightsync.channels import region_groups
+    from weightsync.sharding import links
+
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    lease = core.register("job", Role.TRAINER, "t", "t1", NCCL_TRAINER, offers=NCCL_OFFERS, layout=TRAINER).lease_id
+    near = dataclasses.replace(_gpus("g0", "g1"), host="t", channels=(Channel.IPC, Channel.NCCL, Channel.VOLUME))
+    core.register("job", Role.REPLICA, "r-colocated", "i0", near, layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-no-ipc", "i1", dataclasses.replace(_gpus("g1"), host="t"), layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-none", "i2", _gpus("g4"))
+    opened = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)).plans}
+
+    colocated = opened["r-colocated"]
+    part = colocated.regions_part()
+    assert colocated.channel is Channel.NCCL and part is not None
+    assert part.copied == links.colocated(part.regions, {0: "g0", 1: "g1"}, {0: "g0", 1: "g1"}) == {(0, 0), (1, 1)}
+    assert (colocated.rendezvous.rank, colocated.rendezvous.world_size) == (2, 4)
+    groups = region_groups.rank_groups(colocated.rendezvous, part.regions, part.copied)
+    assert {r: (g.world_size, ws) for r, (g, ws) in groups.items()} == {0: (2, (1,)), 1: (2, (0,))}
+    assert len({g.prefix for g, _ in groups.values()} | {colocated.rendezvous.prefix}) == 3
+    wire = serde.transfer_part(serde.transfer_part_to(colocated.transfer))  # type: ignore[arg-type]
+    assert wire.replica("r-colocated").copied == part.copied
+
+    no_ipc = opened["r-no-ipc"].transfer.replica("r-no-ipc")  # type: ignore[union-attr]
+    assert "its GPU g1 holds trainer rank 1" in no_ipc.gathered and "does not receive ipc" in no_ipc.gathered
+    gathered = opened["r-none"].rendezvous
+    assert gathered.same_membership(opened["r-no-ipc"].rendezvous) and gathered.world_size == 1 + 1 + 1
+    assert not gathered.same_membership(colocated.rendezvous)
+    with pytest.raises(Exception, match=r"copies links \[\(0, 7\)\]"):
+        region_groups.rank_groups(colocated.rendezvous, part.regions, frozenset({(0, 7)}))

@@ -7,6 +7,7 @@ one that did not); the digests are the ones ``regions`` would report, made up pe
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -56,6 +57,8 @@ def test_the_round_names_only_the_replicas_sent_regions_and_survives_json() -> N
     assert target.replica_id == "r-regions" and target.rendezvous.rank == 2 and target.regions
     told = Round(opened.version, gather=True, targets=(target,))
     assert Round.from_json(told.to_json()) == told
+    colocated = Round(opened.version, gather=False, targets=(dataclasses.replace(target, copied={(0, 0), (1, 1)}),))
+    assert Round.from_json(colocated.to_json()) == colocated  # the copied links reach every rank
     with pytest.raises(PermanentError, match="rank 0's round is malformed"):
         Round.from_json(b'{"version": 1}')
 

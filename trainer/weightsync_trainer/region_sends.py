@@ -23,8 +23,10 @@ and the replica's workers ``R..R+W-1``. No other rank offers an endpoint: each j
 store as a client (``region_groups.member``); gloo binds its own host's address on the route
 to it, which gloo exchanges through the store, as a CPU-stream receiver does; NCCL forms a
 communicator on the rank's GPU. Each rank's GPU is gathered once, at construction, for rank 0
-to register (``gpus``): NCCL takes one rank per GPU, so a replica on one of them is planned on
-the gathered path.
+to register (``gpus``): NCCL takes one rank per GPU, so where a replica's worker shares a GPU
+with a rank, the plan lists that link as copied (the worker copies its regions out of the
+rank's shards by CUDA IPC) and the rank's other links go over a group of its own
+(``send_to``, ``region_groups.rank_groups``).
 
 Messages are JSON in uint8 tensors (nothing pickled); every wait is bounded: the round's
 broadcast by the control group's timeout, a group's formation by the join deadline, the
@@ -46,11 +48,12 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import exchanges, region_groups, regions, wire
+from weightsync.channels import exchanges, ipc_regions, region_groups, regions, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.coordinator import models
 from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
 from weightsync.sharding import plans
+from weightsync.sharding.links import Link
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
 from weightsync_trainer.layouts import local_shards
@@ -67,6 +70,8 @@ class Target:
     rendezvous: Rendezvous
     regions: tuple[Region, ...]
     """The replica's regions, every rank's, in plan order (what its digests combine in)."""
+    copied: frozenset[Link] = frozenset()
+    """Its links whose ends share a GPU (``ReplicaPlan.copied``): the worker copies those regions by CUDA IPC."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class Round:
                         "replica": t.replica_id,
                         "rendezvous": t.rendezvous.to_dict(),
                         "regions": plans.regions_to(t.regions),
+                        "copied": sorted(t.copied),
                     }
                     for t in self.targets
                 ],
@@ -101,7 +107,10 @@ class Round:
             d = json.loads(data)
             targets = tuple(
                 Target(
-                    str(t["replica"]), Rendezvous.from_dict(t["rendezvous"]), tuple(plans.regions_from(t["regions"]))
+                    str(t["replica"]),
+                    Rendezvous.from_dict(t["rendezvous"]),
+                    tuple(plans.regions_from(t["regions"])),
+                    frozenset((int(rank), int(worker)) for rank, worker in t["copied"]),
                 )
                 for t in d["targets"]
             )
@@ -112,7 +121,8 @@ class Round:
 
 def targets(opened: models.OpenedVersion) -> tuple[Target, ...]:
     """The replicas ``opened`` plans on regions, in plan order, each with its region group's rendezvous."""
-    return tuple(Target(p.replica_id, p.rendezvous, part.regions) for p in opened.plans if (part := p.regions_part()))
+    parts = ((p, p.regions_part()) for p in opened.plans)
+    return tuple(Target(p.replica_id, p.rendezvous, part.regions, part.copied) for p, part in parts if part is not None)
 
 
 @dataclass(frozen=True)
@@ -192,15 +202,12 @@ class RegionSends:
     def _send_one(self, version: int, t: Target, local: Sequence[Any]) -> dict[str, Any]:
         """This rank's regions of ``t`` over its region group: ``{"digests": [...], "nbytes": n}`` or
         ``{"error": why}``."""
-        ours = [g for g in t.regions if g.rank == self.rank]
         kept = self.kept.setdefault(t.replica_id, region_groups.Kept())
         on = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
             try:
                 with on:  # a thread of its own: the rank's device made current, for its kernels and NCCL calls
-                    group = kept.get(t.rendezvous, self.rank, self.device)  # its formation bounded, as every wait
-                    bound = region_groups.bound(group)
-                    tally = regions.send(group.pg, self.layout, self.rank, local, ours, bound=bound)
+                    tally = send_to(kept, t, version, self.rank, self.layout, local, self.device)
             except BaseException:
                 kept.close()
                 raise
@@ -217,6 +224,46 @@ class RegionSends:
         for kept in self.kept.values():
             kept.close()
         dist.destroy_process_group(self.group)
+
+
+def send_to(
+    kept: region_groups.Kept,
+    t: Target,
+    version: int,
+    rank: int,
+    layout: TrainerLayout,
+    local: Sequence[torch.Tensor | None],
+    device: torch.device,
+) -> regions.Tally:
+    """Trainer ``rank``'s regions of ``t`` (from its ``local`` shards) over what ``kept`` holds for the replica's
+    membership, formed now where it holds nothing yet (every formation bounded): its region group, or, where some
+    of its workers share the trainer's GPUs (``t.copied``), the co-located links by CUDA IPC (the rank publishes its
+    shards and each region's digest word, the worker copies) and the others over the rank's own group
+    (``region_groups.rank_groups``); the shards stay unchanged until those workers said they are done."""
+    ours = [g for g in t.regions if g.rank == rank]
+    if not t.copied:
+        group = kept.get(t.rendezvous, rank, device)
+        return regions.send(group.pg, layout, rank, local, ours, bound=region_groups.bound(group))
+    links: dict[int, regions.Wire | regions.Shared] = {}
+    wired = []
+    mine = region_groups.rank_groups(t.rendezvous, t.regions, t.copied).get(rank)
+    if mine is not None:
+        rdv, workers = mine
+        group = kept.get(rdv, 0, device, t.rendezvous)
+        wired.append(group)
+        links.update({w: regions.Wire(group.pg, 1 + i) for i, w in enumerate(workers)})
+    near = sorted({w for r, w in t.copied if r == rank})
+    exporter = None
+    if near:
+        # its workers say done when their whole walk ended, which may wait the join deadline and the timeout itself
+        wait_s = t.rendezvous.join_timeout_s + t.rendezvous.timeout_s
+        exporter = kept.ipc_end(t.rendezvous, lambda store: ipc_regions.Exporter(store, rank, wait_s))
+        exporter.publish(version, layout, local)
+        links.update({w: exporter.link(w) for w in near})
+    tally = regions.send(None, layout, rank, local, ours, links=links, bound=region_groups.bound(*wired))
+    if exporter is not None:
+        exporter.release()
+    return tally
 
 
 class InFlight:
@@ -267,4 +314,4 @@ def _account(r: Round, reports: Sequence[Mapping[str, Any]], seconds: float) -> 
     return sent
 
 
-__all__ = ["InFlight", "RegionSends", "Round", "Sent", "Target", "targets"]
+__all__ = ["InFlight", "RegionSends", "Round", "Sent", "Target", "send_to", "targets"]

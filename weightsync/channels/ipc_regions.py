@@ -156,6 +156,14 @@ class Exporter:
             self._store.delete_key(f"v{self._version}/w{w}")
             self._store.delete_key(f"v{self._version}/done/w{w}")
 
+    def close(self) -> None:
+        """Stop sharing: drop every export (a worker that still maps one keeps its memory until it unmaps)."""
+        try:
+            self._exports.keep(())
+        except RuntimeError as e:  # rank 0's store is gone with rank 0: nobody reads the keys any more
+            log.warning("ipc regions: trainer rank %d could not unpublish its exports: %s", self.rank, e)
+        self._workers, self._layout, self._places = set(), None, ""
+
 
 class _Shared:
     """``regions.Shared`` for one worker of an ``Exporter``."""

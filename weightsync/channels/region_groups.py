@@ -12,14 +12,19 @@ the plan names the same group (``Kept``):
   the communicator is aborted, which makes its kernels return, and the wait fails naming what it waited for.
   Each pair that talks is connected when the group forms (NCCL connects a pair inside the first call posted to
   it, a call that never returns when the peer is gone).
-  A communicator takes one rank per GPU: the coordinator plans regions over NCCL only for a replica none of
-  whose GPUs holds a trainer rank (``rules.regions``).
+  A communicator takes one rank per GPU. Where a replica's worker shares a GPU with a trainer rank (a colocated
+  job), the plan lists that link as copied (``ReplicaPlan.copied``: the worker copies its regions out of the
+  rank's memory by CUDA IPC, ``ipc_regions``, on the same store), and the replica's other links go over one group
+  per trainer rank instead (``rank_groups``: the rank and the workers it sends to over the wire, none of them on
+  its GPU). Both ends derive those groups from the plan, so no word passes between them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -27,7 +32,15 @@ from weightsync.channels import cpu, gpu, nccl, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.channels.wire import dist
 from weightsync.errors import PermanentError, TransferTimeoutError
+from weightsync.sharding.links import Link
+from weightsync.sharding.plans import Region
 from weightsync.vocabulary import Channel
+
+End = TypeVar("End", bound="_Closing")
+
+
+class _Closing(Protocol):
+    def close(self) -> None: ...
 
 
 class Member(Protocol):
@@ -105,52 +118,136 @@ def member(rendezvous: Rendezvous, rank: int, device: torch.device | str) -> Mem
 
 
 class Kept:
-    """One end's region group for one replica, kept across versions while its membership holds.
+    """One end's region groups for one replica, kept across versions while its membership holds.
 
-    The coordinator names a replica's region group after its membership, which gets a new name (and so a new store
-    prefix) whenever it changes (a member restarted, the trainer's endpoint moved) and after a failure on either end
-    (``versions._fall_back``, ``versions._lost``). So both ends keep the group they formed while the plan names the
-    same one, and form the next when it names another, without a word between them. A group is formed once per
-    name: its store keys stay behind, and a second formation under them would meet the first's. An end whose group
-    failed (``close``) refuses to form it again and fails the version at once; the failure reaches the coordinator,
-    which names a new group for the next version."""
+    The coordinator names a replica's region membership after its members, which gets a new name (and so a new
+    store prefix) whenever it changes (a member restarted, the trainer's endpoint moved) and after a failure on
+    either end (``versions._fall_back``, ``versions._lost``). So both ends keep what they formed under it (its
+    group, or its groups per trainer rank and its IPC end) while the plan names the same membership, and form anew
+    when it names another, without a word between them. Each is formed once per name: its store keys stay
+    behind, and a second formation under them would meet the first's. An end that failed (``close``) refuses to
+    form them again and fails the version at once; the failure reaches the coordinator, which names a new
+    membership for the next version."""
 
     def __init__(self) -> None:
-        self.group: Member | None = None
-        self._prefix = ""
+        self.groups: dict[str, Member] = {}
+        """Store prefix -> the group formed under it."""
+        self.ipc: Any = None
+        """The membership's IPC end (``ipc_regions.Exporter`` or ``Importer``), where it has copied links."""
+        self._membership = ""
         self._formed: set[str] = set()
 
-    def get(self, rendezvous: Rendezvous, rank: int, device: torch.device | str) -> Member:
-        """The formed group ``rendezvous`` names: the one kept, or (another name) a new one, formed now."""
-        if self.group is not None and self._prefix == rendezvous.prefix:
-            return self.group
-        self.close()
-        if rendezvous.prefix in self._formed:
-            raise TransferTimeoutError(
-                f"{rendezvous.channel.value} channel: region group {rendezvous.group!r} failed here in an earlier "
-                "version, and a group is formed once per name: this version fails, and the coordinator names a new "
-                "group for the next"
-            )
-        self._formed.add(rendezvous.prefix)
+    def get(
+        self, rendezvous: Rendezvous, rank: int, device: torch.device | str, membership: Rendezvous | None = None
+    ) -> Member:
+        """The formed group ``rendezvous`` names: the one kept, or a new one, formed now. ``membership``: the
+        replica's region membership it belongs to (``rank_groups``; default: its own): whatever was kept under
+        another is let go first."""
+        self._enter(membership or rendezvous)
+        group = self.groups.get(rendezvous.prefix)
+        if group is not None:
+            return group
+        self._first(rendezvous.prefix, f"region group {rendezvous.group!r}", rendezvous.channel)
         group = member(rendezvous, rank, device)
         try:
             group.connect()
         except BaseException:
             group.close()
             raise
-        self.group, self._prefix = group, rendezvous.prefix
+        self.groups[rendezvous.prefix] = group
         return group
 
+    def ipc_end(self, membership: Rendezvous, make: Callable[[Any], End]) -> End:
+        """The membership's IPC end: the one kept, or ``make(store)`` on a store of its own under the membership's
+        prefix on trainer rank 0's store (the one its groups form on)."""
+        self._enter(membership)
+        if self.ipc is None:
+            prefix = membership.prefix + "ipc/"
+            self._first(prefix, f"the co-located links of {membership.group!r}", Channel.IPC)
+            if membership.endpoint is None:
+                raise PermanentError(f"region membership {membership.group!r} names no endpoint for its IPC links")
+            store = wire.join_store(
+                membership.endpoint, membership.join_timeout_s, membership.timeout_s, membership.channel
+            )
+            self.ipc = make(dist.PrefixStore(prefix, store))
+        ipc: End = self.ipc
+        return ipc
+
+    def _enter(self, membership: Rendezvous) -> None:
+        if membership.prefix != self._membership:
+            self.close()
+            self._membership = membership.prefix
+
+    def _first(self, prefix: str, what: str, channel: Channel) -> None:
+        if prefix in self._formed:
+            raise TransferTimeoutError(
+                f"{channel.value} channel: {what} failed here in an earlier version, and each is formed once per "
+                "name: this version fails, and the coordinator names a new membership for the next"
+            )
+        self._formed.add(prefix)
+
     def close(self) -> None:
-        """Let the group go (a walk over it failed, or the plan names another): never formed again here."""
-        group, self.group = self.group, None
-        if group is not None:
+        """Let everything go (a walk failed, or the plan names another membership): never formed again here."""
+        groups, self.groups = self.groups, {}
+        ipc, self.ipc = self.ipc, None
+        for group in groups.values():
             group.close()
+        if ipc is not None:
+            ipc.close()
 
 
-def bound(group: Member) -> Any:
-    """The bounded wait of ``group``'s works for ``regions.send``/``receive`` (None: a work's own wait is bounded)."""
-    return group.wait if isinstance(group, NcclMember) else None
+def rank_groups(
+    membership: Rendezvous, regions: Iterable[Region], copied: frozenset[Link]
+) -> dict[int, tuple[Rendezvous, tuple[int, ...]]]:
+    """A replica with copied links (``ReplicaPlan.copied``) takes its other links over one group per trainer rank:
+    trainer rank -> (its group's rendezvous, the workers in it). Rank ``r``'s group holds ``r`` (group rank 0) and
+    the workers it sends regions over the wire (group ranks 1.., in worker order), none on its GPU; it is named
+    after the membership (``{group}-r{r}``), so it lives and dies with it. A rank with no wired link has none.
+    Both ends compute it from the same plan; a copied link the regions do not have is refused (the ends would
+    disagree on what moves how)."""
+    wired: dict[int, set[int]] = {}
+    links = set()
+    for r in regions:
+        links.add((r.rank, r.worker))
+        if (r.rank, r.worker) not in copied:
+            wired.setdefault(r.rank, set()).add(r.worker)
+    if not copied <= links:
+        raise PermanentError(
+            f"region membership {membership.group!r}: the plan copies links {sorted(copied - links)} (trainer rank, "
+            "worker) that carry no region"
+        )
+    return {
+        rank: (
+            dataclasses.replace(membership, group=f"{membership.group}-r{rank}", rank=1, world_size=1 + len(workers)),
+            tuple(sorted(workers)),
+        )
+        for rank, workers in sorted(wired.items())
+    }
 
 
-__all__ = ["Kept", "Member", "NcclMember", "bound", "member"]
+def bound(*groups: Member) -> Any:
+    """The bounded wait of the works of ``groups`` (one end's, for one replica) for ``regions.send``/``receive``
+    (None: a work's own wait is bounded). Past the group's timeout every one of them is aborted: the walk fails,
+    and the end lets them all go (``Kept.close``)."""
+    nccl = [g for g in groups if isinstance(g, NcclMember)]
+    if not nccl:
+        return None
+    if len(nccl) == 1:
+        return nccl[0].wait
+
+    def wait(work: Any, what: str) -> None:
+        rdv = nccl[0].rdv
+        gpu.wait(work, rdv.timeout_s, f"nccl channel: region groups of {rdv.group!r}: {what}", _abort_all(nccl))
+
+    return wait
+
+
+def _abort_all(groups: list[NcclMember]) -> Callable[[], None]:
+    def abort() -> None:
+        for g in groups:
+            g.abort()
+
+    return abort
+
+
+__all__ = ["Kept", "Member", "NcclMember", "bound", "member", "rank_groups"]

@@ -379,9 +379,6 @@ def receive(
         buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
         views = [b.views(buf) for b, buf in zip(rnd, buffers, strict=True)]  # once: the walk's per-region cost
         wired = [k for k, b in enumerate(rnd) if b.peer not in copied]
-        for b, buf, into in zip(rnd, buffers, views, strict=True):
-            if b.peer in copied:
-                copied[b.peer].fill([r for _, r in b.regions], into, b.words(buf))
         try:  # gloo refuses to post on a pair its peer already closed
             works = _post_links([("recv", buffers[k], route[rnd[k].peer]) for k in wired])
         except RuntimeError as e:
@@ -390,6 +387,10 @@ def receive(
                 f"failed ({e}); the version fails and the group must be rebuilt"
             ) from e
         posted.append((rnd, [(w, [wired[k] for k in ks]) for w, ks in works], buffers, views))
+        # the copies after the wire's receives are posted: a rank slow to place its shards holds no other rank's
+        for b, buf, into in zip(rnd, buffers, views, strict=True):
+            if b.peer in copied:
+                copied[b.peer].fill([r for _, r in b.regions], into, b.words(buf))
 
     try:
         for _ in range(window):

@@ -45,21 +45,33 @@ gathered path in the same version, the plan saying why (``regions``)."""
 
 def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capabilities | None = None) -> str:
     """Why ``channel`` cannot carry a transfer plan's regions to ``replica`` (empty when it can): what
-    ``plans.Member.refused`` says for a replica planned on it. A region group over NCCL holds every trainer rank
-    and every worker of the replica in one communicator, which takes one rank per GPU: a replica on a GPU of a
-    trainer rank takes the gathered path (its group holds rank 0 alone)."""
+    ``plans.Member.refused`` says for a replica planned on it. An NCCL communicator takes one rank per GPU, so a
+    replica with a worker on a trainer rank's GPU takes regions only where that pair can copy them by CUDA IPC
+    instead (``sharding.links.colocated``: one host, the replica receives IPC, a GPU UUID for every worker);
+    its other links then go over a group per trainer rank (``region_groups.rank_groups``)."""
     if channel not in REGION_CHANNELS:
         over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
         return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
     if channel is Channel.NCCL and trainer is not None and replica is not None:
         mine = set(replica.gpu_uuids)
         shared = [(rank, uuid) for rank, uuid in enumerate(trainer.rank_gpu_uuids) if uuid in mine]
-        if shared:
+        if shared and (why := _no_copies(trainer, replica)):
             rank, uuid = shared[0]  # the lowest rank on one of its GPUs
             return (
-                f"its GPU {uuid} holds trainer rank {rank}, and an NCCL region group takes one rank per GPU "
-                "(the gathered path's group holds trainer rank 0 alone)"
+                f"its GPU {uuid} holds trainer rank {rank}: an NCCL region group takes one rank per GPU, and the "
+                f"pair cannot copy by CUDA IPC instead ({why})"
             )
+    return ""
+
+
+def _no_copies(trainer: Capabilities, replica: Capabilities) -> str:
+    """Why a worker on a trainer rank's GPU cannot copy its regions from the rank by CUDA IPC (empty: it can)."""
+    if not replica.host or replica.host != trainer.host:
+        return f"different hosts ({trainer.host!r} vs {replica.host!r})"
+    if Channel.IPC not in replica.channels:
+        return "the replica does not receive ipc"
+    if len(replica.gpu_uuids) != replica.devices:
+        return f"the replica reported {len(replica.gpu_uuids)} GPU UUIDs for {replica.devices} workers"
     return ""
 
 
@@ -146,10 +158,12 @@ def between(
     replica: Capabilities,
     failed: frozenset[Channel] = frozenset(),
     in_nccl: frozenset[str] = frozenset(),
+    own_group: bool = False,
 ) -> str:
     """Empty when ``channel`` works between the trainer and ``replica``; otherwise the reason it does not.
     ``failed``: channels that failed for this replica lately (kept off them for a while). ``in_nccl``: the GPUs
-    already in the NCCL group (the trainer's and earlier replicas'): NCCL takes one rank per GPU."""
+    already in the NCCL group (the trainer's and earlier replicas'): NCCL takes one rank per GPU. ``own_group``:
+    the replica may take regions, in groups of its own, whose GPUs ``regions`` checks instead."""
     if channel in failed:
         return "failed before for this replica"
     if offer is None:
@@ -165,7 +179,7 @@ def between(
         if not replica.nccl_domain or replica.nccl_domain != trainer.nccl_domain:
             return f"different NCCL domains ({trainer.nccl_domain!r} vs {replica.nccl_domain!r})"
         shared = sorted(set(replica.gpu_uuids) & (in_nccl | set(trainer.gpu_uuids)))
-        if shared:
+        if shared and not own_group:
             return f"GPU {shared[0]} already has a rank in the NCCL group (one rank per GPU)"
     elif channel is Channel.NIXL:
         if not replica.nixl:

@@ -100,12 +100,14 @@ def choose(
     replica: Candidate,
     preference: Sequence[Channel],
     in_nccl: frozenset[str] = frozenset(),
+    own_group: bool = False,
 ) -> tuple[Channel | None, str]:
-    """The first channel of ``preference`` that works, and a reason naming what was skipped."""
+    """The first channel of ``preference`` that works, and a reason naming what was skipped. ``own_group``: the
+    replica may take regions, in groups of its own (``rules.between``)."""
     skipped: list[str] = []
     for channel in preference:
         caps, failed = replica.capabilities, replica.failed_channels
-        reason = rules.between(channel, trainer, offers.get(channel), caps, failed, in_nccl)
+        reason = rules.between(channel, trainer, offers.get(channel), caps, failed, in_nccl, own_group)
         if not reason:
             note = f"; skipped {', '.join(skipped)}" if skipped else ""
             return channel, f"{channel.value}{note}"
@@ -125,18 +127,20 @@ def negotiate(
 ) -> tuple[list[ChannelPlan], list[tuple[str, str]], GroupState]:
     """Plans for every replica that shares a channel, the (replica, reason) left out, and the new memberships
     (generations minted for ``version`` are above ``version * GENERATIONS_PER_VERSION``). Every live rendezvous
-    carries the job's join deadline (``join_timeout_s``). ``regions``: the replicas the transfer plan sends regions,
-    each in a membership of its own (``group_key``); which channel each gets does not depend on it."""
+    carries the job's join deadline (``join_timeout_s``). ``regions``: the replicas the transfer plan may send
+    regions, each in a membership of its own (``group_key``), which NCCL's one rank per GPU of the gathered group
+    does not hold back (``rules.regions`` checks their GPUs against the trainer's ranks instead)."""
     chosen: list[tuple[Candidate, Channel, str]] = []
     unplanned: list[tuple[str, str]] = []
     in_nccl: frozenset[str] = frozenset()
     for replica in sorted(replicas, key=lambda r: r.replica_id):
-        channel, reason = choose(trainer, offers, replica, preference, in_nccl)
+        apart = replica.replica_id in regions
+        channel, reason = choose(trainer, offers, replica, preference, in_nccl, apart)
         if channel is None:
             unplanned.append((replica.replica_id, reason))
         else:
             chosen.append((replica, channel, reason))
-            if channel is Channel.NCCL:
+            if channel is Channel.NCCL and not apart:
                 in_nccl |= set(replica.capabilities.gpu_uuids)
 
     members: dict[str, Members] = {}

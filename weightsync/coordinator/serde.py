@@ -592,6 +592,7 @@ def transfer_part(m: pb.TransferPart, field: str = "transfer") -> plans.Transfer
                 r.replica_id,
                 tuple(_region(g, f"{field}.replicas[{i}].regions[{j}]") for j, g in enumerate(r.regions)),
                 r.gathered,
+                frozenset((link.rank, link.worker) for link in r.copied),
             )
             for i, r in enumerate(m.replicas)
         ),
@@ -617,6 +618,7 @@ def transfer_part_to(p: plans.TransferPlan) -> pb.TransferPart:
                     )
                     for g in r.regions
                 ],
+                copied=[pb.RegionLink(rank=rank, worker=worker) for rank, worker in sorted(r.copied)],
             )
             for r in p.replicas
         ],

@@ -59,6 +59,7 @@ from weightsync.coordinator.models import (
 )
 from weightsync.coordinator.negotiation import GroupState
 from weightsync.coordinator.state import CoreState
+from weightsync.sharding import links as sharding_links
 from weightsync.sharding import plans as sharding_plans
 from weightsync.sharding.fills import EngineLayout
 from weightsync.sharding.plans import TransferPlan
@@ -135,10 +136,14 @@ def open_version(
             regions,
         )
 
-    plans, unplanned, groups = negotiate(frozenset())
+    # the replicas that may take regions are negotiated apart (NCCL's one rank per GPU of the gathered group does
+    # not hold them back); those the plan then sends none are negotiated again with the rest
+    apart = _may_take_regions(job, trainer, table)
+    plans, unplanned, groups = negotiate(apart)
     planned = _transfer(job, trainer, table, plans)
-    if planned is not None and planned.sharded:  # each in a membership of its own: the same channels, again
+    if planned is not None and planned.sharded != apart:
         plans, unplanned, groups = negotiate(planned.sharded)
+        planned = _transfer(job, trainer, table, plans)
     job.groups = groups
     plans, transfers = planned.parts(plans) if planned is not None else (plans, ())
     rec = VersionRecord(
@@ -183,6 +188,8 @@ class _Planned:
     layout: TrainerLayout
     members: tuple[sharding_plans.Member, ...]
     whole: TransferPlan
+    gpus: Mapping[str, tuple[str, ...]]
+    """Each replica's workers' GPU UUIDs, in worker order; the trainer's ranks' under ``""``."""
 
     @functools.cached_property
     def sharded(self) -> frozenset[str]:
@@ -197,11 +204,20 @@ class _Planned:
         (``region_group``, from the membership of its own ``negotiate`` gave it); each trainer rank's part."""
         sharded, out = self.sharded, []
         for p, m in zip(plans, self.members, strict=True):
-            rdv = p.rendezvous
+            rdv, part = p.rendezvous, self.whole.part_for_replica(p.replica_id)
             if p.replica_id in sharded and m.layout is not None:
                 rdv = region_group(rdv, self.layout.world_size, len(m.layout.workers))
-            out.append(dataclasses.replace(p, rendezvous=rdv, transfer=self.whole.part_for_replica(p.replica_id)))
+                part = self._with_copies(part)
+            out.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
         return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
+
+    def _with_copies(self, part: TransferPlan) -> TransferPlan:
+        """A sharded replica's part with its co-located links (a trainer rank and a worker on one GPU), which its
+        worker copies by CUDA IPC (``rules.regions`` planned it on regions only where it can)."""
+        (rp,) = part.replicas
+        ranks, workers = dict(enumerate(self.gpus[""])), dict(enumerate(self.gpus[rp.replica_id]))
+        copied = sharding_links.colocated(rp.regions, ranks, workers)
+        return dataclasses.replace(part, replicas=(dataclasses.replace(rp, copied=copied),)) if copied else part
 
 
 def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan]) -> _Planned | None:
@@ -229,7 +245,22 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
         engine = member.layout if isinstance(member.layout, EngineLayout) else None
         why = rules.regions(p.channel, trainer.capabilities, member.capabilities) or staged
         members.append(sharding_plans.Member(p.replica_id, engine, why))
-    return _Planned(layout, tuple(members), job.transfer_plans.get(layout, members))
+    gpus = {p.replica_id: job.members[p.replica_id].capabilities.gpu_uuids for p in plans}
+    gpus[""] = trainer.capabilities.rank_gpu_uuids
+    return _Planned(layout, tuple(members), job.transfer_plans.get(layout, members), gpus)
+
+
+def _may_take_regions(job: Job, trainer: Member, table: TableSummary) -> frozenset[str]:
+    """The replicas the transfer plan may send regions, whatever their channel: every one that registered an engine
+    layout, when the trainer registered a layout of this table and the job does not stage (``_transfer``)."""
+    layout = trainer.layout
+    if job.policy.all_or_nothing or not isinstance(layout, TrainerLayout):
+        return frozenset()
+    if layout.table.layout_digest() != table.layout_digest:
+        return frozenset()
+    return frozenset(
+        m.member_id for m in job.members.values() if m.role is Role.REPLICA and isinstance(m.layout, EngineLayout)
+    )
 
 
 def region_group(rdv: Rendezvous, trainers: int, workers: int) -> Rendezvous:

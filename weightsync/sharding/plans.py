@@ -74,6 +74,9 @@ class ReplicaPlan:
     replica_id: str
     regions: tuple[Region, ...] = ()
     gathered: str = ""
+    copied: frozenset[tuple[int, int]] = frozenset()
+    """The (trainer rank, worker) links whose two ends share a GPU: the worker copies their regions by CUDA IPC
+    (``channels.ipc_regions``); the coordinator fills it from both ends' GPUs (``sharding.links.colocated``)."""
 
     @property
     def sharded(self) -> bool:
@@ -117,7 +120,12 @@ class TransferPlan:
         return TransferPlan(
             self.key,
             tuple(
-                ReplicaPlan(r.replica_id, tuple(g for g in r.regions if g.rank == rank), r.gathered)
+                ReplicaPlan(
+                    r.replica_id,
+                    tuple(g for g in r.regions if g.rank == rank),
+                    r.gathered,
+                    frozenset(link for link in r.copied if link[0] == rank),
+                )
                 for r in self.replicas
             ),
         )

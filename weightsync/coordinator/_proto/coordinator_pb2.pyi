@@ -703,14 +703,24 @@ class TransferRegion(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., rank: _Optional[int] = ..., worker: _Optional[int] = ..., source: _Optional[_Union[Box, _Mapping]] = ..., param: _Optional[int] = ..., dest: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ReplicaRegions(_message.Message):
-    __slots__ = ("replica_id", "gathered", "regions")
+    __slots__ = ("replica_id", "gathered", "regions", "copied")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     GATHERED_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     gathered: str
     regions: _containers.RepeatedCompositeFieldContainer[TransferRegion]
-    def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ...) -> None: ...
+    copied: _containers.RepeatedCompositeFieldContainer[RegionLink]
+    def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ..., copied: _Optional[_Iterable[_Union[RegionLink, _Mapping]]] = ...) -> None: ...
+
+class RegionLink(_message.Message):
+    __slots__ = ("rank", "worker")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    worker: int
+    def __init__(self, rank: _Optional[int] = ..., worker: _Optional[int] = ...) -> None: ...
 
 class TransferPart(_message.Message):
     __slots__ = ("plan_key", "replicas")
