@@ -175,6 +175,8 @@ class Agent:
         """What the workers received on the sharded path last (for status displays and tests)."""
         self.last_read: RegionsRead | None = None
         """What the workers read by region from a sharded volume version last (for status displays and tests)."""
+        self._holds_regions = False
+        """Whether the workers may hold region groups (a plan sent them regions since they last let them go)."""
         self._refused: dict[int, _Refused] = {}
         self._staged: _Staged | None = None
         """All-or-nothing: the version staged here and waiting for its COMMIT."""
@@ -278,6 +280,7 @@ class Agent:
         if part is not None:
             self._assign_regions(a, plan, table, part)
             return
+        self._release_regions()
         try:
             self._join(plan)
             ticket = self._ticket(a.version, plan, table, a.step)
@@ -313,6 +316,7 @@ class Agent:
         try:
             ticket = self._ticket(a.version, plan, table, a.step)
             control, request = self._regions_request(a.version, plan, table, part)
+            self._holds_regions = True
             self.client.report_joined(a.version)  # the workers join their region group from here on
             outcome = self.replica.apply_regions(
                 ticket, lambda: self._receive_regions(a.version, control, request, part)
@@ -333,6 +337,25 @@ class Agent:
         if self.metrics is not None:
             self.metrics.observe_regions(received.nbytes)
         self._loaded(a.version, plan.channel, outcome, "assign", content_digest=received.content_digest)
+
+    def _release_regions(self) -> None:
+        """The replica left the sharded path (the plan gathers it now): its workers let their region groups go, which
+        hold GPU memory (NCCL) and the trainer ranks' shard memory (IPC mappings). Once; a failure is logged only
+        (the groups go with the workers at the latest)."""
+        control = self.control
+        if not self._holds_regions or not isinstance(control, RegionControl):
+            return
+        self._holds_regions = False
+        try:
+            released = control.release_regions()
+        except WeightsyncError as e:
+            log.warning("replica %s: its workers could not let their region groups go: %s", self.config.replica_id, e)
+            return
+        log.info(
+            "replica %s: back on the gathered path; its workers let %s region groups go",
+            self.config.replica_id,
+            released,
+        )
 
     def _regions_request(
         self, version: int, plan: models.ChannelPlan, table: models.TableSummary, part: ReplicaPlan

@@ -262,6 +262,10 @@ class HttpEngine:
             self._workers("weightsync_receive_regions", json.dumps(request), timeout_s=timeout)
         )
 
+    def release_regions(self) -> list[int]:
+        """Every worker lets its region groups go (``WorkerExtension.weightsync_release_regions``)."""
+        return [int(a["released"]) for a in self._workers("weightsync_release_regions")]
+
     def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """Every worker reads its regions of a sharded volume version (``volume_reads.request``); one answer each.
         Bounded like a transfer: each worker reads and checks its tiles from the volume."""

@@ -120,6 +120,11 @@ class RegionControl(Protocol):
         """Every worker receives and lands its regions; one answer per worker (``sharded.receive``)."""
         ...
 
+    def release_regions(self) -> list[int]:
+        """Every worker lets its region groups (and IPC mappings) go: its replica left the sharded path. How many
+        each let go, in worker order."""
+        ...
+
 
 @runtime_checkable
 class VolumeRegionControl(RegionControl, Protocol):

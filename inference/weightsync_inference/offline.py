@@ -104,6 +104,10 @@ class OfflineEngine:
             self.llm.collective_rpc("weightsync_receive_regions", args=(json.dumps(request),))
         )
 
+    def release_regions(self) -> list[int]:
+        """Every worker lets its region groups go (``WorkerExtension.weightsync_release_regions``)."""
+        return [int(a["released"]) for a in self.llm.collective_rpc("weightsync_release_regions")]
+
     def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """Every worker reads its regions of a sharded volume version (``volume_reads.request``); one answer each."""
         answers: list[dict[str, Any]] = self.llm.collective_rpc("weightsync_read_regions", args=(json.dumps(request),))

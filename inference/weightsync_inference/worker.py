@@ -16,6 +16,7 @@ answer per worker:
 - ``weightsync_receive_regions``: the sharded path: receive only this worker's regions
   from every trainer rank and land them in its parameters (``sharded``); a failure is answered, not raised
   (``receipts.regions_answers`` says why), and a worker it left torn refuses to step as after a failed switch;
+- ``weightsync_release_regions``: let the region groups go once the replica left the sharded path;
 - ``weightsync_read_regions``: a sharded volume version read by region: only this worker's fills
   (``volume_reads``);
 - ``weightsync_parameter_digests``: the digest of every parameter the worker computes with (``held``), to
@@ -112,6 +113,14 @@ class WorkerExtension:
                 self._refuse_steps_while_torn(engine)
             return {"worker": engine.updater.ctx.rank, "error": f"{type(e).__name__}: {e}"}
         return answer
+
+    def weightsync_release_regions(self) -> dict[str, Any]:
+        """Let this worker's region groups and IPC mappings go (its replica left the sharded path): an NCCL
+        communicator holds GPU memory, and a mapping keeps a trainer rank's shard memory alive. Answers how many."""
+        regions = self._weightsync_engine().updater.regions
+        released = len(regions.groups) + (regions.ipc is not None)
+        regions.close()
+        return {"released": released}
 
     def weightsync_read_regions(self, request: str) -> dict[str, Any]:
         """``request``: JSON of ``volume_reads.request`` (a sharded volume version, its manifest checksum, the

@@ -106,6 +106,8 @@ def test_a_tp2_engine_takes_only_its_regions_from_two_ranks_and_generates_like_t
             replica.regions, by_worker, regions.worker_of
         )
         support.assert_generates_like(engine, model)
+        # back on the gathered path, the agent has the workers let their region group go: once
+        assert engine.release_regions() == [1] * TP and engine.release_regions() == [0] * TP
     finally:
         engine.close()
 

@@ -122,6 +122,10 @@ class _Engine:
     def receive_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         raise AssertionError("no stream here")
 
+    def release_regions(self) -> list[int]:
+        self.calls.append("release")
+        return [1, 1]
+
     def read_regions(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         self.calls.append(f"{request['phase']} {request['version']}")
         answers = _answers(self.root, request)
@@ -280,3 +284,16 @@ def test_the_coordinator_compares_a_region_read_only_with_region_reads_of_the_sa
     assert "other replicas that read this version by region with the same engine layout" in rec.errors["b"]
     assert "the trainer sent" in rec.errors["x"]
     assert serde.ack(serde.ack_to("lease", _ack(READ, regions_read=True))).regions_read  # it crosses the wire
+
+
+def test_an_agent_back_on_the_gathered_path_has_its_workers_let_their_region_groups_go_once(tmp_path: Path) -> None:
+    checksums = _volume(tmp_path)
+    engine, client = _Engine(tmp_path), _Client()
+    config = AgentConfig("job", "r", (Channel.VOLUME,), "n", volume=tmp_path, volume_id="vol")
+    agent = Agent(engine, client, config)  # type: ignore[arg-type]
+    agent._holds_regions = True  # as after a plan that sent its workers regions
+    for v in (1, 2):
+        plan = models.ChannelPlan("r", Channel.VOLUME, Rendezvous(Channel.VOLUME, root=str(tmp_path)), "", checksums[v])
+        agent.handle(models.Assignment(models.EventKind.ASSIGN, "job", v, plan=plan, table=summarize(TABLE)))
+    assert engine.calls.count("release") == 1 and engine.calls[0] == "release", engine.calls
+    assert agent.replica.version == 2
