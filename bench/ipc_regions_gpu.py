@@ -8,30 +8,33 @@ beside NCCL links on two, against raw baselines of the same bytes.
 
 Four processes: 2 trainer ranks holding FSDP2 ``Shard(0)`` shards, then a TP=2 replica's 2 workers. ``--gpus 1``:
 all on GPU 0, every link co-located. ``--gpus 2`` (issue 24's 2-GPU row): process ``i`` on GPU ``i % 2``, so trainer
-rank ``i`` and worker ``i`` on GPU ``i``. Which links are co-located comes from the GPU UUIDs every process posts
-(``channels.gpu.uuid``, ``sharding.links.colocated``), as ``tests/gpu/test_ipc_regions_gpu.py::_mixed`` decides
-them: (0, 0) and (1, 1) by CUDA IPC, the crossing (0, 1) and (1, 0) over one 2-rank ``ProcessGroupNCCL`` each (group
-rank 0 the trainer rank, 1 the worker: NCCL refuses two ranks of one communicator on one GPU, so there is no group
-of all four). The groups are bare NCCL backends (no default group holds them, so ``dist.*`` functions, which look
-groups up in it, are not used): called by their own methods (``send``, ``recv``, ``broadcast``, ``_allgather_base``),
-as ``regions`` and ``channels/nccl.py`` call theirs. Jobs (``--model``): ``job`` (the
-test's seeded job, a few hundred KB), ``qwen3-1.7b``, ``qwen3-8b`` (checkpoint tensors, seeded bf16 values, the
+rank ``i`` and worker ``i`` on GPU ``i``. The regions move through the product's ends as the coordinator plans them
+(process 0 registers both ends with a coordinator core, the GPU UUIDs every process posts, ``channels.gpu.uuid``,
+and opens a version; the others take its rendezvous and copied links from the store): ``region_sends.send_to`` on
+the ranks, ``sharded.walk`` on the workers, their groups and IPC ends kept across the repetitions. With 2 GPUs the
+plan copies (0, 0) and (1, 1) by CUDA IPC and sends the crossing (0, 1) and (1, 0) over a group per trainer rank
+(``region_groups.rank_groups``: here one 2-rank NCCL communicator each, the rank and the worker on the other GPU:
+NCCL refuses two ranks of one communicator on one GPU, so there is no group of all four). The raw modes use
+2-rank groups of their own for the same pairs, bare NCCL backends (no default group holds them, so ``dist.*``
+functions, which look groups up in it, are not used): called by their own methods (``send``, ``recv``,
+``broadcast``, ``_allgather_base``), as ``regions`` and ``channels/nccl.py`` call theirs. Jobs (``--model``): ``job``
+(the test's seeded job, a few hundred KB), ``qwen3-1.7b``, ``qwen3-8b`` (checkpoint tensors, seeded bf16 values, the
 TP=2 engine layout vLLM's loaders recorded: ``bench/sharded_gpu.py``'s job). Per repetition, each mode is timed
 from a store barrier of all four (each CUDA-synchronised) to the last process's CUDA-synchronised end, clock
 ``time.perf_counter`` (one monotonic clock on the host). The modes, with ``--gpus 1``:
 
 - ``ipc``: each rank publishes its shards (exports reused after the first round) and its links' digest words
-  (computed on the device), each worker walks its regions (``regions.receive`` with IPC links, default bucket:
-  copies into buckets, digests checked on the device) and lands each in its parameters; the ranks wait for the
-  workers' done (``release``);
+  (computed on the device), each worker walks its regions (``sharded.walk``: ``regions.receive`` with IPC links,
+  default bucket: copies into buckets, digests checked on the device) and lands each in its parameters; the ranks
+  wait for the workers' done (``release``, inside ``send_to``);
 - ``walk``: the same without the landing copies (what the channel costs alone);
 - ``raw``: each worker one flat device-to-device copy of as many bytes as its regions hold (the floor: the same
   bytes read and written once), the two workers at once (``bound`` with no crossing link).
 
 With ``--gpus 2``:
 
-- ``sharded``: ``ipc`` with mixed links: the co-located by IPC, the crossing ones as buckets over their pair's
-  group (``regions.Wire``), in the same walk of the same version, landed likewise;
+- ``sharded``: ``ipc`` with mixed links: the co-located by IPC, the crossing ones as buckets over their rank's
+  group, in the same walk of the same version, landed likewise;
 - ``walk``: the same without the landing copies;
 - ``gathered``: today's path before any overhead, raw NCCL: the ranks all-gather the table's bytes as one flat
   uint8 buffer, half from each (one ``_allgather_base`` on a 2-rank NCCL group of the ranks: one launch, where
@@ -49,14 +52,16 @@ Round 0 is a warm-up (each NCCL communicator is formed by its first call there),
 parameters after ``ipc``/``sharded`` bit-exact against the full tensors. Printed: the plan's bytes per link (near:
 IPC, far: NCCL), per worker bytes received (the walk's tally, both kinds of link) / bytes its layout needs, the
 median of each mode with its ratio to ``raw`` (``--gpus 1``) or ``sharded / bound`` and ``sharded / gathered``
-(``--gpus 2``), and for ``walk`` when each process reached each step (the ranks: published, shared (their
-``regions.send`` returned); the workers: first region; all: end). ``--json`` writes the summaries, every sample in.
+(``--gpus 2``), and for ``walk`` when each process reached each step (the ranks: shared (their ``send_to``
+returned, its co-located workers done); the workers: first region; all: end). ``--json`` writes the summaries,
+every sample in.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import statistics
@@ -68,19 +73,21 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import gpu, ipc_regions, regions, wire
-from weightsync.channels.base import Endpoint
+from weightsync.channels import gpu, region_groups, regions, wire
+from weightsync.channels.base import Endpoint, Offer, Rendezvous
 from weightsync.channels.wire import TORCH_DTYPES, dist
 from weightsync.sharding import links
 from weightsync.sharding.fills import WHOLE
 from weightsync.vocabulary import Channel
+from weightsync_inference import sharded as sharded_updates
+from weightsync_trainer import region_sends
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS, TP = 2, 2
 MODELS = ("job", "qwen3-1.7b", "qwen3-8b")
 MODES = {1: ("ipc", "walk", "raw"), 2: ("sharded", "walk", "gathered", "bound")}
 """Each repetition's modes by ``--gpus``, in order; the first lands the regions and is checked in round 0."""
-MARKS = ("published", "shared", "first", "gathered")
+MARKS = ("shared", "first", "gathered")
 TIMEOUT_S = 300.0
 
 
@@ -101,16 +108,41 @@ def _job(model: str, device: torch.device) -> tuple[Any, Any, list[Any], Callabl
     return trainer, engine, list(result.replica("replica-0").regions), lambda t: tensor(trainer.table, t, device, 7)
 
 
-def _colocated(store: Any, idx: int, device: torch.device, rows: list[Any]) -> frozenset[links.Link]:
-    """The links whose two ends share a GPU, from the UUID every process posted."""
+def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: Any, rows: list[Any]) -> Any:
+    """The product's plan for the replica (``region_sends.Target``, the same for every process): process 0 registers
+    the trainer (each rank's GPU UUID) and the replica (each worker's) with a coordinator core and opens a version,
+    as the publisher does; the region membership's rendezvous and the copied links (the co-located ones, from the
+    UUIDs every process posted) go to the others through the store, as JSON."""
     role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
     store.set(f"gpu/{role}", gpu.uuid(device))
-    store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
-    return links.colocated(
-        rows,
-        {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
-        {w: store.get(f"gpu/worker{w}").decode() for w in range(TP)},
-    )
+    if idx == 0:
+        store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
+        ranks = tuple(store.get(f"gpu/rank{r}").decode() for r in range(RANKS))
+        workers = tuple(store.get(f"gpu/worker{w}").decode() for w in range(TP))
+        (t,) = _open(store.port, trainer, engine, ranks, workers)
+        if list(t.regions) != rows:
+            raise SystemExit("the coordinator's plan differs from the bench's (the same layouts must plan alike)")
+        store.set("plan", json.dumps({"rendezvous": t.rendezvous.to_dict(), "copied": sorted(t.copied)}))
+    store.wait(["plan"])
+    d = json.loads(store.get("plan"))
+    copied = frozenset((int(r), int(w)) for r, w in d["copied"])
+    return region_sends.Target("replica-0", Rendezvous.from_dict(d["rendezvous"]), tuple(rows), copied)
+
+
+def _open(port: int, trainer: Any, engine: Any, ranks: tuple[str, ...], workers: tuple[str, ...]) -> Any:
+    from weightsync.coordinator.clock import ManualClock
+    from weightsync.coordinator.core import Coordinator
+    from weightsync.coordinator.models import Capabilities, EngineKind, Role, summarize
+    from weightsync.coordinator.store import MemoryStore
+
+    on = Capabilities(host="h", nccl_domain="bench", engine=EngineKind.GPU)  # one host, its GPUs in one NCCL domain
+    caps = dataclasses.replace(on, gpu_uuids=ranks[:1], channels=(Channel.NCCL,), rank_gpu_uuids=ranks)
+    replica = dataclasses.replace(on, gpu_uuids=workers, devices=TP, channels=(Channel.IPC, Channel.NCCL))
+    core = Coordinator(lease_ttl_s=3600.0, store=MemoryStore(), clock=ManualClock())
+    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
+    lease = core.register("bench", Role.TRAINER, "t", "t1", caps, offers=(offer,), layout=trainer).lease_id
+    core.register("bench", Role.REPLICA, "replica-0", "i0", replica, layout=engine)
+    return region_sends.targets(core.open_version(lease, "bench", "t1", 1, summarize(trainer.table, True)))
 
 
 def _nccl(store: Any, name: str, rank: int) -> Any:
@@ -138,7 +170,9 @@ class _Process:
         self.link_bytes: dict[links.Link, int] = collections.Counter()
         for r in self.rows:
             self.link_bytes[r.rank, r.worker] += r.nbytes
-        self.near = _colocated(self.store, idx, self.device, self.rows)
+        self.target = _planned(self.store, idx, self.device, self.trainer, engine, self.rows)
+        self.near = self.target.copied
+        self.kept = region_groups.Kept()  # the product's groups and IPC ends, kept across the repetitions
         self.is_rank = idx < RANKS
         me, end = (idx, 0) if self.is_rank else (idx - RANKS, 1)  # end: 0 the trainer rank's, 1 the worker's
         self.pairs = {
@@ -162,13 +196,8 @@ class _Process:
                 None if (box := self.trainer.shard(t, idx)) is None else self.full(t)[_slices(box)].clone()
                 for t in range(len(self.table))
             ]
-            self.exporter = ipc_regions.Exporter(self.store, idx, 120.0)
-            self.mine = [r for r in self.rows if r.rank == idx]
-            self.route: dict[int, Any] = {w: self.exporter.link(w) for r, w in self.near if r == idx}
-            self.route |= {w: regions.Wire(pg, 1) for (_, w), pg in self.pairs.items()}
             return
         self.worker = me
-        self.importer = ipc_regions.Importer(self.store, me, self.device, 120.0)
         self.layout = engine.workers[me]
         specs = self.table.tensors
         self.params = [
@@ -203,21 +232,16 @@ class _Process:
         return self.gathered() if mode == "gathered" else self.bound()
 
     def sharded(self, version: int, land: bool) -> int:
-        """``ipc``/``sharded`` (``land``) and ``walk``: one version over every link, IPC or NCCL as placed."""
+        """``ipc``/``sharded`` (``land``) and ``walk``: one version through the product's ends, each link IPC or NCCL
+        as the plan says (``region_sends.send_to`` on the ranks, ``sharded.walk`` on the workers)."""
         if self.is_rank:
-            self.exporter.publish(version, self.trainer, self.local)
-            self.marks["published"] = time.perf_counter()
-            n = regions.send(None, self.trainer, self.idx, self.local, self.mine, links=self.route).nbytes
+            n = region_sends.send_to(self.kept, self.target, version, self.idx, self.trainer, self.local, self.device)
             self.marks["shared"] = time.perf_counter()
-            self.exporter.release()
-            return n
+            return n.nbytes
         tally = regions.Tally()
-        route: dict[int, Any] = {
-            r: self.importer.link(version, r, self.table) for r, w in self.near if w == self.worker
-        }
-        route |= {r: regions.Wire(pg, 0) for (r, _), pg in self.pairs.items()}
-        walk = regions.receive(None, RANKS, self.worker, self.table, self.rows, tally, self.device, links=route)
-        for fill, data in walk:
+        t = self.target
+        order = sharded_updates.Order(version, t.rendezvous, t.regions, t.copied)
+        for fill, data in sharded_updates.walk(self.kept, order, self.worker, self.table, tally, self.device):
             if "first" not in self.marks:
                 torch.cuda.synchronize(self.device)
                 self.marks["first"] = time.perf_counter()
@@ -274,8 +298,7 @@ class _Process:
         return out + [s.name for s, a, b in pairs if not torch.equal(a, b)]
 
     def close(self) -> None:
-        if not self.is_rank:
-            self.importer.close()  # before the ranks exit: they keep their memory until no worker maps it
+        self.kept.close()  # the workers unmap before the ranks exit: a rank keeps its memory while a worker maps it
         self.barrier()
         for pg in [*self.pairs.values(), *([self.trainers] if self.trainers is not None else [])]:
             pg.abort()

@@ -306,9 +306,9 @@ def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any, Any]:
 
     trainer, _, members, _ = job(24, RANKS)
     engine = next(m.layout for m in members if m.replica_id == "tp2")
-    gpu_caps = {"host": "h", "nccl_domain": "d", "engine": EngineKind.GPU}
-    ranks = Capabilities(gpu_uuids=uuids[:1], channels=(Channel.NCCL,), rank_gpu_uuids=uuids, **gpu_caps)
-    replica = Capabilities(gpu_uuids=uuids, devices=WORKERS, channels=(Channel.IPC, Channel.NCCL), **gpu_caps)
+    on = Capabilities(host="h", nccl_domain="d", engine=EngineKind.GPU)  # one host, its GPUs in one NCCL domain
+    ranks = dataclasses.replace(on, gpu_uuids=uuids[:1], channels=(Channel.NCCL,), rank_gpu_uuids=uuids)
+    replica = dataclasses.replace(on, gpu_uuids=uuids, devices=WORKERS, channels=(Channel.IPC, Channel.NCCL))
     core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
     offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
     lease = core.register("job", Role.TRAINER, "t", "t1", ranks, offers=(offer,), layout=trainer).lease_id
