@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import json
 import statistics
@@ -74,7 +73,7 @@ from typing import Any
 import torch
 
 from weightsync.channels import gpu, region_groups, regions, wire
-from weightsync.channels.base import Endpoint, Offer, Rendezvous
+from weightsync.channels.base import Endpoint, Rendezvous
 from weightsync.channels.wire import TORCH_DTYPES, dist
 from weightsync.sharding import links
 from weightsync.sharding.fills import WHOLE
@@ -113,13 +112,16 @@ def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: A
     the trainer (each rank's GPU UUID) and the replica (each worker's) with a coordinator core and opens a version,
     as the publisher does; the region membership's rendezvous and the copied links (the co-located ones, from the
     UUIDs every process posted) go to the others through the store, as JSON."""
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.region_ranks import colocated_targets
+
     role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
     store.set(f"gpu/{role}", gpu.uuid(device))
     if idx == 0:
         store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
         ranks = tuple(store.get(f"gpu/rank{r}").decode() for r in range(RANKS))
         workers = tuple(store.get(f"gpu/worker{w}").decode() for w in range(TP))
-        (t,) = _open(store.port, trainer, engine, ranks, workers)
+        (t,) = colocated_targets(store.port, trainer, engine, ranks, workers)
         if list(t.regions) != rows:
             raise SystemExit("the coordinator's plan differs from the bench's (the same layouts must plan alike)")
         store.set("plan", json.dumps({"rendezvous": t.rendezvous.to_dict(), "copied": sorted(t.copied)}))
@@ -127,22 +129,6 @@ def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: A
     d = json.loads(store.get("plan"))
     copied = frozenset((int(r), int(w)) for r, w in d["copied"])
     return region_sends.Target("replica-0", Rendezvous.from_dict(d["rendezvous"]), tuple(rows), copied)
-
-
-def _open(port: int, trainer: Any, engine: Any, ranks: tuple[str, ...], workers: tuple[str, ...]) -> Any:
-    from weightsync.coordinator.clock import ManualClock
-    from weightsync.coordinator.core import Coordinator
-    from weightsync.coordinator.models import Capabilities, EngineKind, Role, summarize
-    from weightsync.coordinator.store import MemoryStore
-
-    on = Capabilities(host="h", nccl_domain="bench", engine=EngineKind.GPU)  # one host, its GPUs in one NCCL domain
-    caps = dataclasses.replace(on, gpu_uuids=ranks[:1], channels=(Channel.NCCL,), rank_gpu_uuids=ranks)
-    replica = dataclasses.replace(on, gpu_uuids=workers, devices=TP, channels=(Channel.IPC, Channel.NCCL))
-    core = Coordinator(lease_ttl_s=3600.0, store=MemoryStore(), clock=ManualClock())
-    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
-    lease = core.register("bench", Role.TRAINER, "t", "t1", caps, offers=(offer,), layout=trainer).lease_id
-    core.register("bench", Role.REPLICA, "replica-0", "i0", replica, layout=engine)
-    return region_sends.targets(core.open_version(lease, "bench", "t1", 1, summarize(trainer.table, True)))
 
 
 def _nccl(store: Any, name: str, rank: int) -> Any:

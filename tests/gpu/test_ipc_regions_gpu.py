@@ -289,39 +289,22 @@ def test_mixed_links_on_two_gpus() -> None:
     assert_landed(got, replica)
 
 
-def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any, Any]:
+def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any]:
     """What the coordinator plans for the tp2 replica on the trainer ranks' two GPUs, for versions 1 and 2: each
-    version's ``Target`` (the ranks'), ``sharded.Order`` (the workers') and the replica's part."""
+    version's ``Target`` (the ranks') and ``sharded.Order`` (the workers')."""
     import dataclasses
 
-    from tests.integration.region_ranks import job
-    from weightsync.channels.base import Endpoint, Offer
-    from weightsync.coordinator.clock import ManualClock
-    from weightsync.coordinator.core import Coordinator
-    from weightsync.coordinator.models import Capabilities, EngineKind, Role, summarize
-    from weightsync.coordinator.store import MemoryStore
-    from weightsync.vocabulary import Channel
+    from tests.integration.region_ranks import colocated_targets, job
     from weightsync_inference import sharded
-    from weightsync_trainer import region_sends
 
     trainer, _, members, _ = job(24, RANKS)
     engine = next(m.layout for m in members if m.replica_id == "tp2")
-    on = Capabilities(host="h", nccl_domain="d", engine=EngineKind.GPU)  # one host, its GPUs in one NCCL domain
-    ranks = dataclasses.replace(on, gpu_uuids=uuids[:1], channels=(Channel.NCCL,), rank_gpu_uuids=uuids)
-    replica = dataclasses.replace(on, gpu_uuids=uuids, devices=WORKERS, channels=(Channel.IPC, Channel.NCCL))
-    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
-    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
-    lease = core.register("job", Role.TRAINER, "t", "t1", ranks, offers=(offer,), layout=trainer).lease_id
-    core.register("job", Role.REPLICA, "tp2", "i0", replica, layout=engine)
     targets, orders = [], []
-    for v in (1, 2):
-        opened = core.open_version(lease, "job", "t1", v, summarize(trainer.table, True))
-        (t,) = region_sends.targets(opened)
+    for v, t in enumerate(colocated_targets(port, trainer, engine, uuids, uuids, versions=2), 1):
         rdv = dataclasses.replace(t.rendezvous, timeout_s=TIMEOUT_S, join_timeout_s=10.0)
         targets.append(dataclasses.replace(t, rendezvous=rdv))
         orders.append(sharded.Order(v, rdv, t.regions, t.copied))
-    part = opened.plans[0].regions_part()
-    return targets, orders, part
+    return targets, orders
 
 
 def _product(idx: int, plans: Any, port: int, targets: Any, orders: Any, die: int) -> dict[str, Any]:
@@ -410,13 +393,13 @@ def test_the_products_ends_on_two_gpus(die: int) -> None:
 
     uuids = (gpu.uuid(torch.device("cuda", 0)), gpu.uuid(torch.device("cuda", 1)))
     port = 29635 + max(die, 0)
-    targets, orders, part = _product_plan(port, uuids)
+    targets, orders = _product_plan(port, uuids)
     assert targets[0].copied == {(0, 0), (1, 1)} and targets[0].rendezvous == targets[1].rendezvous, targets
     got = _run(_product, RANKS + WORKERS, port, targets, orders, die)
     assert [g.get("error") for g in got] == [None] * len(got), got
     if die < 0:
         for v in ("1", "2"):
-            assert_landed(got, part, v)
+            assert_landed(got, targets[0], v)
         for g in got:  # one group per rank, one per worker (the rank across its GPU), kept: formed once
             assert len(g["formed1"]) == 1 and g["formed1"] == g["formed2"], g
         for r in range(RANKS):  # the second version written in place: its exports reused, none made

@@ -54,6 +54,37 @@ def job(seed: int, ranks: int) -> tuple[Any, Any, list[Any], list[Any]]:
     return trainer, plan(trainer, members), members, full
 
 
+def colocated_targets(
+    port: int, trainer: Any, engine: Any, ranks: tuple[str, ...], workers: tuple[str, ...], versions: int = 1
+) -> list[Any]:
+    """What a coordinator core plans for one replica of ``engine`` whose workers run on GPUs ``workers`` beside
+    ``trainer``'s ranks on ``ranks`` (GPU UUIDs; one host, one NCCL domain, the replica receives IPC), the NCCL
+    rendezvous on 127.0.0.1:``port``: the ranks' ``region_sends.Target`` of each of ``versions`` versions, as the
+    publisher takes them (the GPU tests and ``bench/ipc_regions_gpu.py``)."""
+    import dataclasses
+
+    from weightsync.channels.base import Endpoint, Offer
+    from weightsync.coordinator.clock import ManualClock
+    from weightsync.coordinator.core import Coordinator
+    from weightsync.coordinator.models import Capabilities, EngineKind, Role, summarize
+    from weightsync.coordinator.store import MemoryStore
+    from weightsync.vocabulary import Channel
+    from weightsync_trainer import region_sends
+
+    on = Capabilities(host="h", nccl_domain="d", engine=EngineKind.GPU)
+    caps = dataclasses.replace(on, gpu_uuids=ranks[:1], channels=(Channel.NCCL,), rank_gpu_uuids=ranks)
+    replica = dataclasses.replace(on, gpu_uuids=workers, devices=len(workers), channels=(Channel.IPC, Channel.NCCL))
+    core = Coordinator(lease_ttl_s=3600.0, store=MemoryStore(), clock=ManualClock())
+    offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
+    lease = core.register("job", Role.TRAINER, "t", "t1", caps, offers=(offer,), layout=trainer).lease_id
+    core.register("job", Role.REPLICA, "replica-0", "i0", replica, layout=engine)
+    out = []
+    for v in range(1, versions + 1):
+        (t,) = region_sends.targets(core.open_version(lease, "job", "t1", v, summarize(trainer.table, True)))
+        out.append(t)
+    return out
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
