@@ -153,6 +153,7 @@ class CoordinatorClient:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         delay = 0.05
         renewed = False
+        unavailable = False
         while True:
             left = deadline - time.monotonic()
             try:
@@ -164,9 +165,12 @@ class CoordinatorClient:
                     renewed = True
                     self._reregister(stale=self._lease.lease_id)
                     continue
-                if e.code() is not grpc.StatusCode.UNAVAILABLE or self._closed.is_set():
+                # the last try ran into the deadline while the coordinator was unreachable: say so, not "slow"
+                gone = unavailable and e.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                if (e.code() is not grpc.StatusCode.UNAVAILABLE and not gone) or self._closed.is_set():
                     raise _error(e) from None
-                if time.monotonic() + delay >= deadline:
+                unavailable = True
+                if gone or time.monotonic() + delay >= deadline:
                     waited = timeout_s or self.timeout_s
                     raise faults.Unavailable(
                         f"coordinator {self.target} unavailable for {waited:g}s: {e.details()}; "
