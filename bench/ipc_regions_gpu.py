@@ -75,7 +75,7 @@ import torch
 from weightsync.channels import gpu, region_groups, regions, wire
 from weightsync.channels.base import Endpoint, Rendezvous
 from weightsync.channels.wire import TORCH_DTYPES, dist
-from weightsync.sharding import links
+from weightsync.sharding import links, plans
 from weightsync.sharding.fills import WHOLE
 from weightsync.vocabulary import Channel
 from weightsync_inference import sharded as sharded_updates
@@ -124,10 +124,10 @@ def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: A
         (t,) = colocated_targets(store.port, trainer, engine, ranks, workers)
         if list(t.regions) != rows:
             raise SystemExit("the coordinator's plan differs from the bench's (the same layouts must plan alike)")
-        store.set("plan", json.dumps({"rendezvous": t.rendezvous.to_dict(), "copied": sorted(t.copied)}))
+        store.set("plan", json.dumps({"rendezvous": t.rendezvous.to_dict(), "copied": plans.links_to(t.copied)}))
     store.wait(["plan"])
     d = json.loads(store.get("plan"))
-    copied = frozenset((int(r), int(w)) for r, w in d["copied"])
+    copied = plans.links_from(d["copied"])
     return region_sends.Target("replica-0", Rendezvous.from_dict(d["rendezvous"]), tuple(rows), copied)
 
 

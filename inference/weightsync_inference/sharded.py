@@ -136,7 +136,7 @@ def request(order: Order, table: TensorTable, layouts: Sequence[WorkerLayout]) -
         "rendezvous": order.rendezvous.to_dict(),
         "table": table.to_dict(),
         "regions": plans.regions_to(order.regions),
-        "copied": sorted(order.copied),
+        "copied": plans.links_to(order.copied),
         "layouts": [w.to_dict() for w in layouts],
     }
 
@@ -151,7 +151,7 @@ def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
         int(d["version"]),
         Rendezvous.from_dict(d["rendezvous"]),
         tuple(plans.regions_from(d["regions"])),
-        frozenset((int(rank), int(w)) for rank, w in d["copied"]),
+        plans.links_from(d["copied"]),
     )
     return receive(engine, order, TensorTable.from_dict(d["table"]), mine)
 

@@ -94,7 +94,7 @@ class Round:
                         "replica": t.replica_id,
                         "rendezvous": t.rendezvous.to_dict(),
                         "regions": plans.regions_to(t.regions),
-                        "copied": sorted(t.copied),
+                        "copied": plans.links_to(t.copied),
                     }
                     for t in self.targets
                 ],
@@ -110,7 +110,7 @@ class Round:
                     str(t["replica"]),
                     Rendezvous.from_dict(t["rendezvous"]),
                     tuple(plans.regions_from(t["regions"])),
-                    frozenset((int(rank), int(worker)) for rank, worker in t["copied"]),
+                    plans.links_from(t["copied"]),
                 )
                 for t in d["targets"]
             )

@@ -162,7 +162,6 @@ class Exporter:
             self._exports.keep(())
         except RuntimeError as e:  # rank 0's store is gone with rank 0: nobody reads the keys any more
             log.warning("ipc regions: trainer rank %d could not unpublish its exports: %s", self.rank, e)
-        self._workers, self._layout, self._places = set(), None, ""
 
 
 class _Shared:

@@ -188,8 +188,10 @@ class _Planned:
     layout: TrainerLayout
     members: tuple[sharding_plans.Member, ...]
     whole: TransferPlan
-    gpus: Mapping[str, tuple[str, ...]]
-    """Each replica's workers' GPU UUIDs, in worker order; the trainer's ranks' under ``""``."""
+    rank_gpus: tuple[str, ...]
+    """Each trainer rank's GPU UUID, in rank order."""
+    worker_gpus: Mapping[str, tuple[str, ...]]
+    """Each replica's workers' GPU UUIDs, in worker order."""
 
     @functools.cached_property
     def sharded(self) -> frozenset[str]:
@@ -215,7 +217,7 @@ class _Planned:
         """A sharded replica's part with its co-located links (a trainer rank and a worker on one GPU), which its
         worker copies by CUDA IPC (``rules.regions`` planned it on regions only where it can)."""
         (rp,) = part.replicas
-        ranks, workers = dict(enumerate(self.gpus[""])), dict(enumerate(self.gpus[rp.replica_id]))
+        ranks, workers = dict(enumerate(self.rank_gpus)), dict(enumerate(self.worker_gpus[rp.replica_id]))
         copied = sharding_links.colocated(rp.regions, ranks, workers)
         return dataclasses.replace(part, replicas=(dataclasses.replace(rp, copied=copied),)) if copied else part
 
@@ -225,15 +227,14 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
     or why it takes the gathered path (its channel carries no regions, or not to its GPUs; it registered no
     layout; its layout was recorded against another table), each trainer rank its own. From the job's cache: the
     same layouts and membership reuse the last version's plan."""
-    layout = trainer.layout
-    if not isinstance(layout, TrainerLayout):
-        return None
-    if layout.table.layout_digest() != table.layout_digest:
-        log.warning(
-            "job %s: the trainer's registered layout is of another table than this version's; every replica takes "
-            "the gathered path (the publisher registers again with a new table)",
-            job.name,
-        )
+    layout = _layout_of(trainer, table)
+    if layout is None:
+        if isinstance(trainer.layout, TrainerLayout):
+            log.warning(
+                "job %s: the trainer's registered layout is of another table than this version's; every replica "
+                "takes the gathered path (the publisher registers again with a new table)",
+                job.name,
+            )
         return None
     # an all-or-nothing replica stages the version before its commit; the sharded path lands in place (for now)
     staged = (
@@ -245,18 +246,23 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
         engine = member.layout if isinstance(member.layout, EngineLayout) else None
         why = rules.regions(p.channel, trainer.capabilities, member.capabilities) or staged
         members.append(sharding_plans.Member(p.replica_id, engine, why))
-    gpus = {p.replica_id: job.members[p.replica_id].capabilities.gpu_uuids for p in plans}
-    gpus[""] = trainer.capabilities.rank_gpu_uuids
-    return _Planned(layout, tuple(members), job.transfer_plans.get(layout, members), gpus)
+    workers = {p.replica_id: job.members[p.replica_id].capabilities.gpu_uuids for p in plans}
+    whole = job.transfer_plans.get(layout, members)
+    return _Planned(layout, tuple(members), whole, trainer.capabilities.rank_gpu_uuids, workers)
+
+
+def _layout_of(trainer: Member, table: TableSummary) -> TrainerLayout | None:
+    """The trainer's registered layout, when it is one of this version's table (else every replica is gathered)."""
+    layout = trainer.layout
+    if not isinstance(layout, TrainerLayout) or layout.table.layout_digest() != table.layout_digest:
+        return None
+    return layout
 
 
 def _may_take_regions(job: Job, trainer: Member, table: TableSummary) -> frozenset[str]:
     """The replicas the transfer plan may send regions, whatever their channel: every one that registered an engine
     layout, when the trainer registered a layout of this table and the job does not stage (``_transfer``)."""
-    layout = trainer.layout
-    if job.policy.all_or_nothing or not isinstance(layout, TrainerLayout):
-        return frozenset()
-    if layout.table.layout_digest() != table.layout_digest:
+    if job.policy.all_or_nothing or _layout_of(trainer, table) is None:
         return frozenset()
     return frozenset(
         m.member_id for m in job.members.values() if m.role is Role.REPLICA and isinstance(m.layout, EngineLayout)

@@ -270,6 +270,16 @@ def regions_from(rows: Sequence[Sequence[Any]]) -> list[Region]:
         ) from None
 
 
+def links_to(links: Iterable[tuple[int, int]]) -> list[list[int]]:
+    """(trainer rank, worker) links as JSON rows, sorted (``ReplicaPlan.copied`` across the trainer's ranks and to
+    the workers)."""
+    return [[rank, worker] for rank, worker in sorted(links)]
+
+
+def links_from(rows: Iterable[Sequence[Any]]) -> frozenset[tuple[int, int]]:
+    return frozenset((int(rank), int(worker)) for rank, worker in rows)
+
+
 def _box_to(box: Box) -> tuple[list[int], list[int]]:
     return list(box.offsets), list(box.lengths)
 
@@ -280,6 +290,8 @@ __all__ = [
     "Region",
     "ReplicaPlan",
     "TransferPlan",
+    "links_from",
+    "links_to",
     "plan",
     "plan_key",
     "regions_from",
