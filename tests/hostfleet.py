@@ -89,6 +89,9 @@ class Fleet:
     trainer: subprocess.Popen[str] | None = None
     step: int = 0
     """The last step published: each publish takes the next (a trainer's steps never go back)."""
+    seeds: dict[int, int] = field(default_factory=dict)
+    """The seed of the weights each version reported published carries (``generates_like`` of what it serves)."""
+    _seed: int = 0
     tmpfs: bool = False
 
     @property
@@ -296,7 +299,7 @@ class Fleet:
         """Ask the trainer to publish the weights of ``seed`` at the next step, without waiting for it
         (``stall_s``: its gather stalls that long after the first group, so a fault can land mid-publish)."""
         assert self.trainer is not None and self.trainer.stdin is not None
-        self.step += 1
+        self.step, self._seed = self.step + 1, seed
         command = {"seed": seed, "step": self.step, "lie": lie, "stall": stall_s}
         self.trainer.stdin.write(json.dumps(command) + "\n")
         self.trainer.stdin.flush()
@@ -304,6 +307,8 @@ class Fleet:
     def report(self) -> dict[str, Any]:
         """The trainer's report of the publish ``send`` asked for."""
         report: dict[str, Any] = json.loads(self._line(600))
+        if "version" in report:
+            self.seeds[int(report["version"])] = self._seed
         return report
 
     def publish(self, seed: int, lie: bool = False) -> dict[str, Any]:

@@ -20,9 +20,11 @@ channels of the job it can receive, then follows its watch stream:
   ``await_commit``) the replica stages v, reports it staged and waits; an engine
   that cannot allocate the stage fails v (loading it in place would break the promise);
 - ``COMMIT v``: all-or-nothing: the replicas the policy needs staged v; switch it in, ack;
-- ``ABORT v``: the trainer gave up on v; a replica whose parameters were touched
-  reloads the newest durable READY version before serving again; a staged v is dropped
-  (no parameter was touched).
+- ``ABORT v``: v failed; a replica whose parameters were touched reloads the newest
+  durable READY version before serving again, and so does one that loaded v whole
+  before it failed (a FAILED version is served by no replica: ``roll_back``; with no
+  durable READY version to go back to it keeps serving v, said in the log and its
+  events); a staged v is dropped (no parameter was touched).
 
 What the replica serves at every moment (one version, or two while one switches in; paused or
 torn) is on its ``served.Board``, which the agent serves on loopback for the proxy beside it.
@@ -229,6 +231,8 @@ class Agent:
                 self._staged = None  # the stage is left as it is: no parameter was touched
             if self.replica.state is EngineState.TORN:
                 self.recover()
+            elif self.replica.state is EngineState.SERVING and self.replica.version == a.version:
+                self.roll_back(a.version)
             return
         if a.kind is models.EventKind.COMMIT:
             self._commit(a.version)
@@ -615,6 +619,24 @@ class Agent:
             return
         self._waiting_for_durable = False
         self._load_from_volume(newest, "recover", found[1], found[0])
+
+    def roll_back(self, failed: int) -> None:
+        """Leave version ``failed``, which this replica loaded whole before the version failed: load the newest
+        durable READY version (from the volume, as a recovery does)."""
+        newest = self.client.get_job().newest_durable_ready
+        found = self._volume_plan(newest) if newest > 0 else None
+        if found is None:
+            log.warning(
+                "replica %s: v%d failed after this replica loaded it, and no durable READY version exists to go back "
+                "to; it keeps serving v%d",
+                self.config.replica_id,
+                failed,
+                failed,
+            )
+            self.events.append(("rollback", failed, "kept: no durable READY version"))
+            return
+        log.info("replica %s: v%d failed after it loaded; back to v%d", self.config.replica_id, failed, newest)
+        self._load_from_volume(newest, "rollback", found[1], found[0])
 
     def follow_durable(self) -> None:
         """Catch up when the fleet moved on while this replica was in no plan (it joined between versions), and

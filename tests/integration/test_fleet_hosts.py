@@ -110,9 +110,19 @@ def test_a_restarted_replica_catches_up_from_the_volume(fleet: Fleet, client: Co
 
 def test_acks_are_checked_against_what_the_trainer_sent(fleet: Fleet, client: CoordinatorClient) -> None:
     """A trainer that reports another content digest than it sent: each replica acks what its engine computed,
-    which is not that, so every ack is refused and the version fails."""
+    which is not that, so every ack is refused and the version fails. Every replica's engine had loaded it: each
+    then goes back to the previous READY version (from the volume), for a FAILED version is served by no replica."""
+    previous = client.get_job(JOB).newest_ready
+    assert _served(client) == dict.fromkeys(REPLICAS, previous)
     report = fleet.publish(seed=5, lie=True)
     assert report["state"] == "FAILED", report
     info = client.version_info(report["version"], job=JOB)
     assert all("not the sha256:0000" in r.error for r in info.replicas if r.state is ReplicaState.FAILED)
     assert info.state is VersionState.FAILED
+    deadline = time.monotonic() + 300
+    while _served(client) != dict.fromkeys(REPLICAS, previous):
+        assert time.monotonic() < deadline, (_served(client), fleet.tail("replica-cpu-agent"))
+        time.sleep(1)
+    for host in REPLICAS:
+        assert fleet.engine(host) == (previous, False), host
+        fleet.generates_like(host, seed=fleet.seeds[previous])

@@ -15,7 +15,8 @@ replica's same worker holds (vLLM's own loader given the full tensors; ``held``,
 ``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions in the same versions (a third engine,
 so make test keeps two) and, on that fleet, 4 FSDP2 ranks publishing, a byte flipped on one rank's link (the
 version fails naming the tensor and the rank) and a rank killed mid-send (the version fails; a region replica left
-torn reloads the previous version from the sharded volume, and the next version moves as regions again).
+torn reloads the previous version from the sharded volume, the gathered replica that loaded the failed version goes
+back to the previous one, and the next version moves as regions again).
 """
 
 from __future__ import annotations
@@ -319,19 +320,27 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
 ) -> None:
     """Trainer rank 1 is killed inside its sends to the first region replica: the version fails; each region replica
     whose workers had landed regions of it is torn, refuses to serve, and reloads the newest durable READY version
-    (the previous one, from the sharded volume) by itself; then the next version moves as regions again, READY."""
+    (the previous one, from the sharded volume) by itself; the gathered replica, which may have loaded the version
+    whole before it failed, goes back to the previous one too (told by the coordinator: no replica serves a FAILED
+    version); then the next version moves as regions again, READY."""
     import transformers
 
     engines = {rid: e for rid, (e, _) in fleet.sharded.items()}
+    everyone = fleet.sharded | {WHOLE: (fleet.whole_engine, fleet.whole_agent)}
     if fleet.agent.engine_layout is None:  # this test run alone: a first version registers the layouts
         assert publish(fleet, "before", [6])[-1]["state"] == "READY"
-    previous = {rid: e.weight_version() for rid, e in engines.items()}
+    previous = {rid: e.weight_version() for rid, (e, _) in everyone.items()}
+    events_before = len(fleet.whole_agent.events)
     results = publish(fleet, "die", [7], "--die", "1", codes={1: -9})
     assert len(results) == 1, results
     result = results[0]
     assert result.get("state", "FAILED") == "FAILED", result
-    # the region replicas on their previous version, whole and serving again (those left torn reloaded it)
-    assert_serving_again(fleet.sharded, previous)
+    # every replica on its previous version, whole and serving again: those left torn reloaded it, and the gathered
+    # replica, whose stream from rank 0 finishes (rank 1 dies once its part in the gather is done), went back to it
+    assert_serving_again(everyone, previous)
+    whole = fleet.whole_agent.events[events_before:]
+    if any(e[0] == "assign" and e[2] == "ok" for e in whole):
+        assert ("rollback", int(previous[WHOLE]), "ok") in whole, whole
     recovered = [rid for rid, (_, a) in fleet.sharded.items() if any(e[0] == "recover" for e in a.events)]
     assert recovered, "no region replica was left torn: the rank died before any region landed"
     for rid in recovered:  # from the sharded copy by region: each worker read about its share, not the version
@@ -340,8 +349,6 @@ def test_a_rank_that_dies_mid_send_fails_the_version_the_torn_replicas_recover_a
         assert read is not None and read.version == int(previous[rid]) and table is not None, (rid, read)
         layout = engine.engine_layout(table)
         assert read.landed == {w.rank: w.bytes_needed(table) for w in layout.workers}, (rid, read)
-    # rank 1 dies once its part in the gather is done, so rank 0's stream to the gathered replica finishes: it keeps
-    # the failed version it acked (updates land in place)
     # the fleet moves on: the next version as regions to the region replicas and gathered to the other, READY
     report = publish(fleet, "after", [8])[-1]
     assert report["state"] == "READY" and "regions" in report["seconds"] and report["failed"] == {}, report

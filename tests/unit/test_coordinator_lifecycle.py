@@ -233,6 +233,21 @@ def test_abort_event_when_a_version_fails() -> None:
     assert assign.plan.rendezvous.endpoint == CPU_OFFER.endpoint and assign.plan.rendezvous.secret
 
 
+def test_a_version_that_fails_after_a_replica_loaded_it_tells_that_replica_too() -> None:
+    """A FAILED version is served by no replica: the one that loaded it gets an ABORT (its agent rolls back)."""
+    core, t, (r0, r1) = fleet(2)
+    events = core.subscribe(r0)
+    v = core.open_version(t, "job", "t1", 1, TABLE).version
+    sent(core, t, v)
+    core.ack(r0, ok(v))
+    assert next_event(events).kind is EventKind.ASSIGN
+    core.ack(r1, failed(v, "boom"))
+    info = latest(core)
+    assert info.state is VersionState.FAILED and statuses(info)["r0"] is ReplicaState.LOADED
+    abort = next_event(events)
+    assert (abort.kind, abort.version) == (EventKind.ABORT, v) and "boom" in abort.reason
+
+
 def test_version_timeout() -> None:
     clock = ManualClock()
     core, t, _ = fleet(1, JobPolicy(version_timeout_s=0.05), clock=clock)

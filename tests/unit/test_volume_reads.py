@@ -7,8 +7,10 @@ a vLLM engine, are ``tests/integration/test_sharded_volume.py``'s, under ``make 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -184,6 +186,42 @@ def test_an_agent_reads_a_sharded_version_by_region_once_it_recorded_its_layout(
     assert ack.ok and ack.regions_read and ack.content_digest == read.content_digest
     assert read.landed == {w.rank: w.bytes_needed(TABLE) for w in ENGINE.workers}
     assert all(read.bytes_checked[w] == read.bytes_read[w] < TABLE.total_bytes for w in read.landed)
+
+
+class _Durable(_Client):
+    """The coordinator's answers about the job's newest durable READY version (0: none) and its files."""
+
+    def __init__(self, newest: int, checksums: dict[int, str]) -> None:
+        super().__init__()
+        self.newest, self.checksums = newest, checksums
+
+    def get_job(self) -> Any:
+        return SimpleNamespace(newest_durable_ready=self.newest)
+
+    def version_info(self, version: int) -> Any:
+        return SimpleNamespace(durable=True, table=summarize(TABLE), manifest_checksum=self.checksums[version])
+
+
+def test_an_agent_told_that_the_version_it_loaded_failed_goes_back_to_the_newest_durable_ready(
+    tmp_path: Path,
+) -> None:
+    """An ABORT for the version the engine serves (it loaded it before the version failed): the agent loads the
+    newest durable READY version from the volume; with none, it keeps serving what it has, saying so."""
+    checksums = _volume(tmp_path)
+    engine, client = _Engine(tmp_path), _Durable(0, checksums)
+    config = AgentConfig("job", "r", (Channel.VOLUME,), "n", volume=tmp_path, volume_id="vol", retry_s=0.0)
+    agent = Agent(engine, client, config)  # type: ignore[arg-type]
+    _catch_up(agent, tmp_path, checksums, 2)
+    abort = models.Assignment(models.EventKind.ABORT, "job", 2, reason="a trainer rank died", table=summarize(TABLE))
+    agent.handle(abort)  # no durable READY version: v2 stays
+    assert agent.events[-1] == ("rollback", 2, "kept: no durable READY version") and engine.version == 2
+    _catch_up(agent, tmp_path, checksums, 3)
+    client.newest = 2
+    agent.handle(models.Assignment(models.EventKind.ABORT, "job", 2, reason="late", table=summarize(TABLE)))
+    assert engine.version == 3, "an ABORT for a version the replica moved past changes nothing"
+    agent.handle(dataclasses.replace(abort, version=3))
+    assert engine.calls[-2:] == ["check 2", "land 2"] and agent.replica.version == engine.version == 2
+    assert agent.events[-1] == ("rollback", 2, "ok") and client.acks[-1].ok and client.acks[-1].version == 2
 
 
 class _Restarted(_Client):

@@ -10,9 +10,12 @@ STAGING version is now READY, FAILED or undecided. This module acts on it:
   too): a job has one newest READY version, and versions never go backwards; a
   superseded READY version keeps the time it became READY (``settled_at``), one
   superseded while STAGING settles now;
-- FAILED sends an ABORT to every replica still waiting on the version, so an
-  agent mid-load stops at once instead of at its own timeout (and a staged
-  replica of an all-or-nothing job drops its stage).
+- FAILED sends an ABORT to every replica the version was planned for that is
+  still alive: one still waiting on it stops at once instead of at its own
+  timeout (and a staged replica of an all-or-nothing job drops its stage); one
+  whose engine loaded it (its ack counted or refused) goes back to the newest
+  durable READY version, for a FAILED version is served by no replica (the
+  agent's ``roll_back``; the agent knows what its engine holds).
 
 Before a verdict, an all-or-nothing version whose policy is met by staged
 replicas is committed: each staged replica gets a COMMIT (``streams.commit``);
@@ -69,7 +72,7 @@ def finish(state: CoreState, job: Job, rec: VersionRecord, outcome: VersionState
                     metrics.version_transitions_total.labels(VersionState.SUPERSEDED.value).inc()
                 state.store.save(older.info(with_replicas=False))
     elif outcome is VersionState.FAILED:
-        for rid in rec.waiting():
+        for rid in sorted(rec.status):
             member = job.members.get(rid)
             if member is not None:
                 streams.abort(member, job, rec, reason)
