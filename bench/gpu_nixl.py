@@ -49,7 +49,7 @@ from weightsync.vocabulary import Channel
 
 def raw_nixl_read(nbytes: int, rank: int, reps: int, device: torch.device) -> float:
     """One READ of ``nbytes`` from the trainer's registered flat buffer into the engine's, timed on the engine."""
-    agent = nixl._nixl_agent(f"raw-{rank}")
+    agent = nixl.new_agent(f"raw-{rank}")
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     agent.register_memory(flat)
     box: list[str] = [json.dumps({"md": nixl.encode_metadata(agent.get_agent_metadata()), "addr": flat.data_ptr()})]
@@ -82,7 +82,7 @@ def raw_nixl_tensor_reads(table: TensorTable, rank: int, reps: int, device: torc
     """The trainer's tensors (each its own registered allocation) READ into one flat buffer with one descriptor
     per tensor, no channel code: as one transfer, and as one transfer per table group all posted at once (the
     channel's shape with every group in flight). What NIXL costs per descriptor, against the flat read."""
-    agent = nixl._nixl_agent(f"raw-tensors-{rank}")
+    agent = nixl.new_agent(f"raw-tensors-{rank}")
     box: list[str] = [""]
     tensors: list[torch.Tensor] = []
     if rank == 0:

@@ -42,6 +42,10 @@ With ``--gpus 2``:
   shares rank 0's GPU; its copy is not counted (optimistic for the baseline). The bytes are not the table's
   values and are not checked. The all-gather (to the ranks' CUDA-synchronised mark after it) and the broadcast
   (from that mark to the end) are reported apart;
+- ``nixl`` (with ``--nixl``): every link, co-located or crossing, by NIXL (``nixl_regions``: each rank registers its
+  shards once, each worker reads its regions out of both ranks' GPU memory, one READ per bucket, a descriptor per
+  contiguous run of a region), checked and landed as in ``sharded``; in round 0 the workers' parameters are zeroed
+  before it and checked bit-exact after it;
 - ``bound``: the link bound of the same run, raw: at once, each crossing link moves the bytes the plan puts on it
   (one NCCL ``send``/``recv`` over the same pair group, both crossing links at once) and each worker makes one flat
   device copy of as many bytes as its co-located link carries (its own buffers); the slowest link sets the time.
@@ -85,6 +89,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RANKS, TP = 2, 2
 MODELS = ("job", "qwen3-1.7b", "qwen3-8b")
 MODES = {1: ("ipc", "walk", "raw"), 2: ("sharded", "walk", "gathered", "bound")}
+NIXL = "nixl"
+"""The mode ``--nixl`` adds to either."""
 """Each repetition's modes by ``--gpus``, in order; the first lands the regions and is checked in round 0."""
 MARKS = ("shared", "first", "gathered")
 TIMEOUT_S = 300.0
@@ -168,6 +174,7 @@ class _Process:
         }
         self.trainers = _nccl(self.store, "trainers", idx) if gpus == 2 and self.is_rank else None
         self.marks: dict[str, float] = {}
+        self.nixl_end: Any = None  # the rank's nixl_regions.Exporter or the worker's Importer, made on first use
         self._step = 0
         self.needed = 0
         self.copy: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -215,7 +222,38 @@ class _Process:
     def run(self, mode: str, version: int) -> int:
         if mode in ("ipc", "sharded", "walk"):
             return self.sharded(version, land=mode != "walk")
+        if mode == NIXL:
+            return self.nixl(version)
         return self.gathered() if mode == "gathered" else self.bound()
+
+    def nixl(self, version: int) -> int:
+        """Every link by NIXL (``nixl_regions``), landed as in ``sharded``."""
+        from weightsync.channels import nixl_regions
+
+        store = dist.PrefixStore("nixl", self.store)
+        if self.is_rank:
+            self.nixl_end = self.nixl_end or nixl_regions.Exporter(store, self.idx, TIMEOUT_S)
+            self.nixl_end.publish(version, self.trainer, self.local)
+            mine = [r for r in self.rows if r.rank == self.idx]
+            ends = {w: self.nixl_end.link(w) for w in range(TP)}
+            tally = regions.send(None, self.trainer, self.idx, self.local, mine, links=ends)
+            self.marks["shared"] = time.perf_counter()
+            self.nixl_end.release()
+            return tally.nbytes
+        self.nixl_end = self.nixl_end or nixl_regions.Importer(store, self.worker, self.device, TIMEOUT_S)
+        tally = regions.Tally()
+        reads = {r: self.nixl_end.link(version, r, self.table) for r in range(RANKS)}
+        for fill, data in regions.receive(
+            None, RANKS, self.worker, self.table, self.rows, tally, self.device, links=reads
+        ):
+            into = self.wholes[fill.tensor] if fill.param == WHOLE else self.params[fill.param]
+            into[_slices(fill.dest)].copy_(data.reshape(fill.dest.lengths))
+        return tally.nbytes
+
+    def clear(self) -> None:
+        """Zero a worker's parameters (before a mode whose landing round 0 checks)."""
+        for t in [*getattr(self, "params", []), *getattr(self, "wholes", {}).values()]:
+            t.zero_()
 
     def sharded(self, version: int, land: bool) -> int:
         """``ipc``/``sharded`` (``land``) and ``walk``: one version through the product's ends, each link IPC or NCCL
@@ -285,6 +323,8 @@ class _Process:
 
     def close(self) -> None:
         self.kept.close()  # the workers unmap before the ranks exit: a rank keeps its memory while a worker maps it
+        if self.nixl_end is not None:
+            self.nixl_end.close()
         self.barrier()
         for pg in [*self.pairs.values(), *([self.trainers] if self.trainers is not None else [])]:
             pg.abort()
@@ -292,10 +332,9 @@ class _Process:
             time.sleep(1.0)  # the store lives here: let the others' last wait return
 
 
-def child(idx: int, model: str, port: int, reps: int, gpus: int, out: str) -> None:
+def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[str, ...], out: str) -> None:
     proc = _Process(idx, model, port, gpus)
     torch.cuda.synchronize(proc.device)
-    modes = MODES[gpus]
     samples: list[dict[str, Any]] = []
     moved: dict[str, int] = {}
     mismatches: list[str] = []
@@ -304,6 +343,8 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, out: str) -> No
         for mode in modes:
             version += 1
             proc.marks.clear()
+            if rep == 0 and mode == NIXL:
+                proc.clear()
             proc.barrier()
             start = time.perf_counter()
             n = proc.run(mode, version)
@@ -313,6 +354,8 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, out: str) -> No
                 moved[mode] = n
                 if mode == modes[0]:
                     mismatches = proc.wrong()
+                elif mode == NIXL:
+                    mismatches += [f"{NIXL}: {name}" for name in proc.wrong()]
             else:
                 samples.append({"mode": mode, "start": start, "end": end, **proc.marks})
     report = {
@@ -328,14 +371,15 @@ def _slices(box: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
-def run_one(model: str, reps: int, port: int, gpus: int) -> dict[str, Any]:
+def run_one(model: str, reps: int, port: int, gpus: int, modes: tuple[str, ...]) -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=child, args=(i, model, port, reps, gpus, out)) for i in range(RANKS + TP)]
+        args = (model, port, reps, gpus, modes, out)
+        procs = [ctx.Process(target=child, args=(i, *args)) for i in range(RANKS + TP)]
         for p in procs:
             p.start()
         for p in procs:
@@ -346,13 +390,12 @@ def run_one(model: str, reps: int, port: int, gpus: int) -> dict[str, Any]:
         if any(p.exitcode != 0 for p in procs):
             raise SystemExit(f"{model}: a process failed: exit codes {[p.exitcode for p in procs]}")
         reports = [json.loads(Path(out, f"{i}.json").read_text()) for i in range(RANKS + TP)]
-    return summarise(model, gpus, reports)
+    return summarise(model, gpus, reports, modes)
 
 
-def summarise(model: str, gpus: int, reports: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(model: str, gpus: int, reports: list[dict[str, Any]], modes: tuple[str, ...]) -> dict[str, Any]:
     """Each mode's times (from the first start to the last end), the marks as ms from the first start, and the
     ratios; printed and returned."""
-    modes = MODES[gpus]
     times: dict[str, list[float]] = {m: [] for m in modes}
     phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     split: dict[str, list[float]] = {"all_gather": [], "broadcast": []}
@@ -380,7 +423,9 @@ def summarise(model: str, gpus: int, reports: list[dict[str, Any]]) -> dict[str,
         "bytes": needed,
         "links": {k: {"bytes": n, "near": k in near} for k, n in reports[0]["links"].items()},
         "per_worker": [f"{w['moved'][land]}/{w['needed']}" for w in workers],
-        "exact": all(w["wrong"] == [] and w["moved"][land] == w["needed"] for w in workers),
+        "exact": all(
+            w["wrong"] == [] and all(w["moved"][m] == w["needed"] for m in (land, NIXL) if m in modes) for w in workers
+        ),
         "moved": [r["moved"] for r in reports],
         "median_ms": med,
         "samples_ms": {m: [x * 1e3 for x in v] for m, v in times.items()},
@@ -405,9 +450,12 @@ def summarise(model: str, gpus: int, reports: list[dict[str, Any]]) -> dict[str,
             "sharded / bound": med["sharded"] / med["bound"],
             "sharded / gathered": med["sharded"] / med["gathered"],
             "walk / bound": med["walk"] / med["bound"],
+            **({"nixl / bound": med[NIXL] / med["bound"]} if NIXL in med else {}),
         }
         print(
-            f"  sharded {med['sharded']:.3f} ms, walk {med['walk']:.3f} ms, gathered {med['gathered']:.3f} ms "
+            f"  sharded {med['sharded']:.3f} ms, walk {med['walk']:.3f} ms, "
+            + (f"nixl {med[NIXL]:.3f} ms, " if NIXL in med else "")
+            + f"gathered {med['gathered']:.3f} ms "
             f"(all-gather {g['all_gather']:.3f} + broadcast {g['broadcast']:.3f}), bound {med['bound']:.3f} ms; "
             + ", ".join(f"{k} {v:.2f}" for k, v in summary["ratios"].items()),
             flush=True,
@@ -436,12 +484,15 @@ def main() -> None:
         "--port", type=int, default=29660, help="the first model's store port, + 1 per model (default 29660)"
     )
     p.add_argument("--json", default="", help="write the summaries (every sample) to this file")
+    p.add_argument("--nixl", action="store_true", help="add the nixl mode (every link by NIXL; needs nixl importable)")
     args = p.parse_args()
+    modes = MODES[args.gpus] + ((NIXL,) if args.nixl else ())
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} GPU(s)")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(args.gpus))
     print(f"devices: {names}, torch {torch.__version__}", flush=True)
-    got = [run_one(m, args.reps, args.port + i, args.gpus) for i, m in enumerate(args.model or ["job", "qwen3-1.7b"])]
+    models = args.model or ["job", "qwen3-1.7b"]
+    got = [run_one(m, args.reps, args.port + i, args.gpus, modes) for i, m in enumerate(models)]
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1))
 

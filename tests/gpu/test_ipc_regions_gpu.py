@@ -12,6 +12,9 @@ reads the changed memory) fails the workers reading it, naming tensor and rank 1
 published its shards' placement but before its digest words fails both workers within their timeout, naming it
 (CUDA refuses to map the handles of a process that exited: at once).
 
+``test_nixl_links_read_the_ranks_gpu_shards_bit_exact``: the same job over NIXL (``nixl_regions``), the workers on
+another GPU than the ranks where there are two, bit-exact over two versions; the changed region fails the same way.
+
 ``test_mixed_links_on_two_gpus`` is the issue's 2-GPU row: trainer ranks and workers on GPUs 0 and 1, the
 co-located pairs by IPC and the crossing links over NCCL groups that hold no GPU twice, in the same version.
 ``test_the_products_ends_on_two_gpus`` runs the same layout through the product: the coordinator plans it from the
@@ -26,6 +29,7 @@ Run on the GPU host: ``bash tools/gpu-host.sh python3 -m pytest -m gpu -v tests/
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import time
 from typing import Any
@@ -111,11 +115,15 @@ def _wrong(layout: Any, table: Any, full: list[Any], params: list[Any], wholes: 
     ]
 
 
-def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
+def _colocated(idx: int, plans: Any, port: int, fault: str, transport: str = "ipc") -> dict[str, Any]:
+    """The ranks' regions to the workers over ``transport``: ``ipc`` all on GPU 0, ``nixl`` the workers on the last
+    GPU (the ranks on GPU 0), each reading its regions out of the ranks' registered shards."""
     from tests.integration.region_ranks import _slices
-    from weightsync.channels import ipc_regions, regions
+    from weightsync.channels import ipc_regions, nixl_regions, regions
 
-    device, store, trainer, members, replica, full, near = _placed(idx, 0, port)
+    module: Any = ipc_regions if transport == "ipc" else nixl_regions
+    on = 0 if transport == "ipc" or idx < RANKS else torch.cuda.device_count() - 1
+    device, store, trainer, members, replica, full, near = _placed(idx, on, port)
     table = trainer.table
     out: dict[str, Any] = {"near": sorted(near)}
     versions = (1, 2) if fault == "" else (1,)
@@ -125,7 +133,7 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
             None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)].clone() for t in range(len(full))
         ]
         mine = [r for r in replica.regions if r.rank == rank]
-        exporter = ipc_regions.Exporter(store, rank, timeout_s=30.0)
+        exporter = module.Exporter(store, rank, timeout_s=30.0)
         for v in versions:
             if v == 2:  # in place, as an optimizer step writes: the same storages, so no new export
                 for t in local:
@@ -144,7 +152,8 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
                 store.set("corrupted", "1")
             exporter.release()
             out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
-            out[f"exported{v}"] = exporter.exported
+            if transport == "ipc":
+                out[f"exported{v}"] = exporter.exported
         store.set(f"end/rank{rank}", "1")
         if rank == 0:  # the store lives in this process: keep it until the others are done with it (a rank's
             # release deletes its keys there after the workers ended)
@@ -154,7 +163,7 @@ def _colocated(idx: int, plans: Any, port: int, fault: str) -> dict[str, Any]:
         return out
     worker = idx - RANKS
     layout = members[0].layout.workers[worker]
-    importer = ipc_regions.Importer(store, worker, device, timeout_s=TIMEOUT_S)
+    importer = module.Importer(store, worker, device, timeout_s=TIMEOUT_S)
     if fault == "corrupt":
         store.wait(["corrupted"])
     try:
@@ -220,6 +229,28 @@ def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout()
         assert g.get("error_type") in ("RetryableError", "TransferTimeoutError"), g
         assert "trainer rank 1's" in g["raised"] and " v1" in g["raised"], g
         assert g["elapsed"] < TIMEOUT_S + 5.0, g
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not importable (carry .whl/nixl)")
+@pytest.mark.parametrize("fault", ["", "corrupt"], ids=["two-versions", "corrupt"])
+def test_nixl_links_read_the_ranks_gpu_shards_bit_exact(fault: str) -> None:
+    """The same job over NIXL (``nixl_regions``): the ranks on GPU 0, the workers on the last GPU, every region
+    read by the worker out of the rank's registered GPU memory (UCX picks NVLink or CUDA IPC); a region changed in
+    rank 1's shard after its digest went out fails worker 0 naming tensor and rank."""
+    _need_gpus(1)
+    from tests.integration.region_ranks import job
+
+    got = _run(_colocated, RANKS + WORKERS, 29634 if fault else 29635, fault, "nixl")
+    assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
+    if fault:
+        name, box = got[1]["corrupted"]
+        assert got[RANKS].get("error_type") == "IntegrityError", got[RANKS]
+        assert f"region {box} of tensor {name!r} from trainer rank 1" in got[RANKS]["raised"], got[RANKS]
+        return
+    assert all("raised" not in g for g in got), got
+    replica = job(24, RANKS)[1].replica("tp2")
+    for v in ("1", "2"):
+        assert_landed(got, replica, v)
 
 
 def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:

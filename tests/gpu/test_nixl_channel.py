@@ -141,7 +141,8 @@ def test_nixl_trainer_killed_fails_the_receiver_within_timeout() -> None:
     results = _run(_trainer_dies, 2)
     assert len(results) == 1 and results[0].get("error") is None, results
     got = results[0]
-    assert got["raised"] is not None and "v2 metadata did not arrive within 5.0s" in got["raised"], got
+    # at once (the store went with the trainer); the message names the whole wait: the join deadline and the timeout
+    assert got["raised"] is not None and "v2 metadata did not arrive within" in got["raised"], got
     assert got["elapsed"] < 5.0 + 5.0, got
 
 

@@ -9,9 +9,14 @@ local shards only (``weightsync.channels.regions.send``); ``--role worker --repl
 its regions and writes them where its layout says, into plain tensors, then compares each parameter with the
 full tensors. Each writes JSON to ``--out/<name>.json`` (nothing pickled): bytes, digests, or the error.
 
+``--transport nixl`` moves every link by NIXL instead (``weightsync.channels.nixl_regions``, no groups): each rank
+registers its shards and publishes them per replica (a prefix of the store each), each worker reads its regions
+out of every rank's shards.
+
 Faults: ``--flip R`` makes rank R's link to ``tp2`` corrupt the first byte of its second bucket on the way (a region's
-payload; the wire is wrapped: a flipped bit that TCP lets through cannot be caused for real); ``--die R`` makes
-rank R exit hard after its third bucket.
+payload; the wire is wrapped: a flipped bit that TCP lets through cannot be caused for real; over NIXL, worker 0 of
+``tp2`` flips the first byte of the first bucket it read from rank R, for the same reason); ``--die R`` makes rank R
+exit hard after its third bucket (over NIXL: once its shards are placed for ``tp2``, before its digest words).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from weightsync.channels import regions
+    from weightsync.channels import nixl_regions, regions
     from weightsync.sharding.fills import WHOLE
 
     p = argparse.ArgumentParser()
@@ -103,9 +108,13 @@ def main() -> None:
     p.add_argument("--flip", type=int, default=-1)
     p.add_argument("--die", type=int, default=-1)
     p.add_argument("--out", required=True)
+    p.add_argument("--transport", choices=["gloo", "nixl"], default="gloo")
+    p.add_argument("--store-host", default="127.0.0.1")
     args = p.parse_args()
     trainer, result, members, full = job(args.seed, args.ranks)
-    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore(args.store_host, args.port, is_master=False, timeout=timeout)
+    nixl = args.transport == "nixl"
 
     def group(rid: str, rank: int) -> Any:
         opts = dist.ProcessGroupGloo._Options()
@@ -120,8 +129,22 @@ def main() -> None:
         for t in range(len(trainer.table)):
             box = trainer.shard(t, args.rank)
             local.append(None if box is None else full[t][_slices(box)].clone())
-        groups = {rid: group(rid, args.rank) for rid in REPLICAS}  # every group formed before any sends
         report = {"digests": {}, "nbytes": {}}
+        if nixl:
+            for rid, n in REPLICAS.items():
+                exporter = nixl_regions.Exporter(dist.PrefixStore(rid, store), args.rank, TIMEOUT_S)
+                exporter.publish(1, trainer, local)
+                if args.rank == args.die and rid == "tp2":
+                    os._exit(3)
+                mine = [r for r in result.replica(rid).regions if r.rank == args.rank]
+                tally = regions.send(
+                    None, trainer, args.rank, local, mine, links={w: exporter.link(w) for w in range(n)}
+                )
+                exporter.release(2 * TIMEOUT_S)  # past the workers' own wait for a rank that died
+                report["digests"][rid], report["nbytes"][rid] = tally.digests, tally.nbytes
+            Path(args.out, f"rank{args.rank}.json").write_text(json.dumps(report))
+            return
+        groups = {rid: group(rid, args.rank) for rid in REPLICAS}  # every group formed before any sends
         for rid, pg in groups.items():
             mine = [r for r in result.replica(rid).regions if r.rank == args.rank]
             link = Faulty(pg, args.rank == args.flip and rid == "tp2", args.rank == args.die)
@@ -133,7 +156,14 @@ def main() -> None:
             report["digests"][rid], report["nbytes"][rid] = tally.digests, tally.nbytes
     else:
         name = f"{args.replica}-w{args.worker}"
-        pg = group(args.replica, args.ranks + args.worker)
+        pg, links = None, None
+        if nixl:
+            importer = nixl_regions.Importer(dist.PrefixStore(args.replica, store), args.worker, "cpu", TIMEOUT_S)
+            if args.flip >= 0 and args.replica == "tp2" and args.worker == 0:
+                FlipFirstRead(importer.reader, args.flip)
+            links = {r: importer.link(1, r, trainer.table) for r in range(args.ranks)}
+        else:
+            pg = group(args.replica, args.ranks + args.worker)
         layout = next(m.layout for m in members if m.replica_id == args.replica).workers[args.worker]
         table = trainer.table
         params = [torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in layout.params]
@@ -141,7 +171,14 @@ def main() -> None:
         tally = regions.Tally()
         try:
             for fill, data in regions.receive(
-                pg, args.ranks, args.worker, table, result.replica(args.replica).regions, tally, bucket=BUCKET
+                pg,
+                args.ranks,
+                args.worker,
+                table,
+                result.replica(args.replica).regions,
+                tally,
+                bucket=BUCKET,
+                links=links,
             ):
                 if fill.param == WHOLE:
                     target = wholes.setdefault(
@@ -169,6 +206,26 @@ def main() -> None:
             regions=len(result.replica(args.replica).receives(args.worker)),
         )  # fmt: skip
     Path(args.out, f"{name}.json").write_text(json.dumps(report))
+
+
+class FlipFirstRead:
+    """A worker's NIXL reads as they land, the first byte of the first bucket read from ``rank`` flipped."""
+
+    def __init__(self, reader: Any, rank: int) -> None:
+        self.rank, self.first, self.flipped = rank, None, False
+        self.read, self.wait = reader.read, reader.wait
+        reader.read, reader.wait = self._read, self._wait
+
+    def _read(self, rank: int, pieces: Any) -> None:
+        if rank == self.rank and self.first is None:
+            self.first = pieces[0][3]
+        self.read(rank, pieces)
+
+    def _wait(self, rank: int, timeout_s: float) -> None:
+        self.wait(rank, timeout_s)
+        if rank == self.rank and self.first is not None and not self.flipped:
+            self.first[0] ^= 0x10
+            self.flipped = True
 
 
 class Faulty:

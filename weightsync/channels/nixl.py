@@ -167,7 +167,7 @@ class VersionMeta:
         return cls(got_version, epoch, mem, tuple(locations), found, table)
 
 
-def _nixl_agent(name: str) -> Any:
+def new_agent(name: str) -> Any:
     try:
         api: Any = importlib.import_module("nixl._api")
     except ImportError as e:
@@ -187,7 +187,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-class _Registry:
+class Registry:
     """Storages registered with one agent, each once, kept alive while registered."""
 
     def __init__(self, agent: Any, device: torch.device) -> None:
@@ -246,13 +246,13 @@ class NixlSender(Sender):
         self.device = _device(device)
         self.timeout_s, self.window = timeout_s, window
         self.name = f"weightsync-trainer-{uuid.uuid4().hex[:12]}"
-        self._agent = _nixl_agent(self.name)
+        self._agent = new_agent(self.name)
         self._base = wire.serve_store(host, port, timeout_s)
         self.host, self.port = host, int(self._base.port)
         self._store: Any = None
         self._membership: Rendezvous | None = None
         self._tables = wire.Tables()
-        self._registry = _Registry(self._agent, self.device)
+        self._registry = Registry(self._agent, self.device)
         # name -> (the trainer's tensor, what travels for it, that memory's address then)
         self._located: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._owned: dict[str, torch.Tensor] = {}  # the sender's own buffer per tensor (casts, moved tensors)
@@ -328,7 +328,7 @@ class NixlSender(Sender):
             words = digests.words([located[s.name][1] for s in table], self.device)
             found = digests.from_words(table.tensors, words.cpu())
         _sync(self.device)  # a replica reads only finished bytes
-        live = {_Registry.key(w) for _, w, _ in located.values() if w.numel()}
+        live = {Registry.key(w) for _, w, _ in located.values() if w.numel()}
         changed |= self._registry.keep_only(live)
         self._located = located
         if changed:
@@ -389,13 +389,13 @@ class NixlReceiver(Receiver):
         assert rendezvous.endpoint is not None
         self.device, self.receiver, self.window = _device(device), rank, window
         self.timeout_s = rendezvous.timeout_s
-        self._agent = _nixl_agent(f"weightsync-replica-{rank}-{uuid.uuid4().hex[:12]}")
+        self._agent = new_agent(f"weightsync-replica-{rank}-{uuid.uuid4().hex[:12]}")
         store = wire.join_store(rendezvous.endpoint, rendezvous.join_timeout_s, self.timeout_s, Channel.NIXL)
         self._store = dist.PrefixStore(rendezvous.prefix, store)
         self._remote = rendezvous.agent
         self._load_metadata(rendezvous.metadata, f"the rendezvous' agent metadata (agent {rendezvous.agent!r})")
         self._epoch = rendezvous.epoch
-        self._registry = _Registry(self._agent, self.device)
+        self._registry = Registry(self._agent, self.device)
         self._staging: list[torch.Tensor] = []
         self._prepared: _Prepared | None = None
         self._tables = wire.Tables()
@@ -441,7 +441,7 @@ class NixlReceiver(Receiver):
             for k, n in enumerate(need)
         ]
         self._staging = staging
-        live = {_Registry.key(dests[n]) for n in direct} | {_Registry.key(b) for b in staging if b.numel()}
+        live = {Registry.key(dests[n]) for n in direct} | {Registry.key(b) for b in staging if b.numel()}
         self._registry.keep_only(live)
         for n in direct:
             self._registry.ensure(dests[n])

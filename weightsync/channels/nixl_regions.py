@@ -1,0 +1,272 @@
+"""Regions over NIXL: a worker reads its regions straight out of each trainer rank's registered shards.
+
+The sharded path's NIXL links, one transport of ``shard_reads`` (its handshake: placements, each version's digest
+words, the worker's done). Nothing is pushed and nothing is packed: the rank registers the memory of its local
+shards with its NIXL agent once (kept while the shard stays in the same memory, ``nixl.Registry``) and publishes
+its agent metadata with each placement (``md/<epoch>``, base64, NIXL's own bytes); a place is
+``[address, device, "VRAM"|"DRAM"]``. The worker loads a rank's metadata once a placement and, for each bucket of
+the rank's link, posts one READ of the bucket's regions: each region is as many descriptors as it has contiguous
+runs in the shard (one for a block of whole rows, one per row for a column slice of a row-major shard), landing
+back to back in the bucket, which the worker registers for the version. NIXL picks the transport (UCX: RDMA
+between hosts, NVLink or shared memory on one, TCP where nothing else is). ``settle`` waits for the link's READs
+(bounded: a READ past the transfer timeout, or one NIXL fails because the rank went away, fails the worker naming
+the rank), and the walk checks every region against the rank's digest word as for any link.
+
+    exporter = Exporter(store, rank, timeout_s)                   # a trainer rank, once per membership
+    exporter.publish(version, layout, local)                      # each version, once the shards are written
+    regions.send(None, layout, rank, local, mine, links={w: exporter.link(w) for w in workers})
+    exporter.release()                                            # before the shards change again
+
+    importer = Importer(store, worker, device, timeout_s)         # a worker, once per membership
+    for fill, data in regions.receive(None, ranks, worker, table, regions, tally, device,
+                                      links={r: importer.link(version, r, table) for r in ranks}): ...
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightsync.channels import gpu, nixl, shard_reads
+from weightsync.channels.wire import TORCH_DTYPES, wait_key
+from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError
+from weightsync.sharding.boxes import Box
+from weightsync.sharding.plans import Region
+from weightsync.tensors import TensorTable
+from weightsync.vocabulary import Channel
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.0002
+
+
+class _Registered:
+    """``shard_reads.Memory`` over NIXL: the rank's shards registered with its agent, a place their address."""
+
+    channel = Channel.NIXL
+
+    def __init__(self, store: Any, name: str) -> None:
+        self._store = store
+        self.agent = nixl.new_agent(name)
+        self._registries: dict[torch.device, nixl.Registry] = {}
+
+    def refuses(self, tensor: torch.Tensor) -> str:
+        return ""
+
+    def where(self, tensor: torch.Tensor) -> list[Any]:
+        return [tensor.data_ptr(), nixl.device_id(tensor.device), nixl.mem_type(tensor.device)]
+
+    def keep(self, tensors: Sequence[torch.Tensor]) -> bool:
+        live = {nixl.Registry.key(t) for t in tensors}
+        changed = any([r.keep_only(live) for r in self._registries.values()])
+        for t in tensors:
+            registry = self._registries.get(t.device)
+            if registry is None:
+                registry = self._registries[t.device] = nixl.Registry(self.agent, t.device)
+            changed |= registry.ensure(t)
+        return changed
+
+    def placed(self, epoch: int) -> None:
+        self._store.set(f"md/{epoch}", nixl.encode_metadata(self.agent.get_agent_metadata()))
+
+    def close(self) -> None:
+        for registry in self._registries.values():
+            registry.clear()
+
+
+class Exporter(shard_reads.Exporter):
+    """A trainer rank's side of its NIXL region links (``shard_reads.Exporter`` over NIXL)."""
+
+    def __init__(self, store: Any, rank: int, timeout_s: float = 120.0) -> None:
+        name = f"weightsync-r{rank}-{uuid.uuid4().hex[:12]}"
+        super().__init__(store, rank, lambda s: _Registered(s, name), timeout_s)
+
+
+@dataclass(frozen=True)
+class _Remote:
+    """A rank's shard as a worker reads it: where its first element lies, and its shape in elements."""
+
+    address: int
+    device: int
+    mem: str
+    itemsize: int
+    strides: tuple[int, ...]
+
+    def runs(self, box: Box, region: Box) -> tuple[np.ndarray, int]:
+        """``region`` of the shard (which holds ``box``) as contiguous runs: their addresses, and each run's bytes
+        (every run of one region has the same length; row-major order, as the bucket holds it)."""
+        lengths, strides = region.lengths, self.strides
+        start = self.address + self.itemsize * sum(
+            (o - b) * s for o, b, s in zip(region.offsets, box.offsets, strides, strict=True)
+        )
+        n = len(lengths)
+        outer, run = n, 1
+        if n and strides[-1] == 1:  # the innermost dimensions that lie back to back make one run
+            outer, run = n - 1, lengths[-1]
+            while outer and strides[outer - 1] == run:
+                outer -= 1
+                run *= lengths[outer]
+        at = np.zeros(1, dtype=np.int64)
+        for d in range(outer):
+            at = (at[:, None] + np.arange(lengths[d], dtype=np.int64) * (strides[d] * self.itemsize)).reshape(-1)
+        return start + at, run * self.itemsize
+
+
+def _place(rank: int, spec_name: str, itemsize: int, p: Any) -> tuple[_Remote, Box]:
+    """One entry of a rank's places, checked: its shard as the worker reads it, and the shard's box."""
+    try:
+        address, device, mem, offsets, lengths, strides = p
+        ok = all(isinstance(x, int) and x >= 0 for x in (address, device, *offsets, *lengths, *strides))
+        if not ok or mem not in ("VRAM", "DRAM") or not len(offsets) == len(lengths) == len(strides):
+            raise ValueError(p)
+    except (TypeError, ValueError):
+        raise PermanentError(
+            f"nixl regions: trainer rank {rank}'s place of {spec_name!r} is {str(p)[:120]}; expected [address, "
+            "device, VRAM|DRAM, box offsets, lengths, strides]"
+        ) from None
+    return _Remote(address, device, mem, itemsize, tuple(strides)), Box(tuple(offsets), tuple(lengths))
+
+
+class _Reads:
+    """``shard_reads.Reader`` over NIXL: each rank's agent metadata loaded once a placement, one READ per bucket."""
+
+    channel = Channel.NIXL
+
+    def __init__(self, worker: int, device: torch.device | str, timeout_s: float) -> None:
+        self.worker, self.timeout_s = worker, timeout_s
+        dev = torch.device(device)
+        self.device = dev if dev.type == "cpu" else gpu.cuda_device(dev)
+        self.agent = nixl.new_agent(f"weightsync-w{worker}-{uuid.uuid4().hex[:12]}")
+        self._agents: dict[int, str] = {}  # rank -> its agent's name, as loaded
+        self._buckets: dict[int, nixl.Registry] = {}  # rank -> the buckets of its link registered this version
+        self._posted: dict[int, list[Any]] = {}  # rank -> READs in flight
+
+    def open(
+        self, rank: int, store: Any, epoch: int, places: Sequence[Any], table: TensorTable
+    ) -> dict[int, tuple[_Remote, Box]]:
+        what = f"trainer rank {rank}'s agent metadata (epoch {epoch})"
+        md = nixl.decode_metadata(wait_key(store, f"md/{epoch}", self.timeout_s, what, Channel.NIXL).decode(), what)
+        try:
+            name = self.agent.add_remote_agent(md)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; name what failed
+            raise RetryableError(
+                f"nixl regions: worker {self.worker}: NIXL could not load {what} ({type(e).__name__}: {e}): the rank "
+                "went away, or this is not its agent's metadata; the version fails"
+            ) from None
+        self._agents[rank] = name.decode() if isinstance(name, bytes) else str(name)
+        shards: dict[int, tuple[_Remote, Box]] = {}
+        for t, p in enumerate(places):
+            if p is None:
+                continue
+            spec = table.tensors[t]
+            shards[t] = _place(rank, spec.name, TORCH_DTYPES[spec.dtype].itemsize, p)
+        return shards
+
+    def read(self, rank: int, pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]]) -> None:
+        remote_rows, local_rows = [], []
+        mem = pieces[0][0].mem
+        for shard, box, r, into in pieces:
+            registry = self._buckets.setdefault(rank, nixl.Registry(self.agent, self.device))
+            registry.ensure(into)
+            addresses, run = shard.runs(box, r.source)
+            if run * len(addresses) != r.nbytes or into.numel() != r.nbytes:
+                raise PermanentError(
+                    f"nixl regions: region {r.source} from trainer rank {rank} is {len(addresses)} runs of {run} "
+                    f"bytes; it holds {r.nbytes} (the rank's place and the plan disagree)"
+                )
+            lengths = np.full(len(addresses), run, dtype=np.int64)
+            remote_rows.append(np.stack([addresses, lengths, np.full_like(lengths, shard.device)], axis=1))
+            local = into.data_ptr() + np.arange(len(addresses), dtype=np.int64) * run
+            local_rows.append(np.stack([local, lengths, np.full_like(lengths, nixl.device_id(self.device))], axis=1))
+        try:
+            handle = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs(np.concatenate(local_rows), nixl.mem_type(self.device)),
+                self.agent.get_xfer_descs(np.concatenate(remote_rows), mem),
+                self._agents[rank],
+            )
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+            raise PermanentError(
+                f"nixl regions: NIXL refused worker {self.worker}'s READ from trainer rank {rank} "
+                f"({type(e).__name__}: {e}): the rank's places are not inside its registered memory"
+            ) from None
+        self._posted.setdefault(rank, []).append(handle)
+        if self._state(rank, lambda: self.agent.transfer(handle)) == "ERR":
+            raise RetryableError(
+                f"nixl regions: worker {self.worker} could not post its READ from trainer rank {rank} (the rank went "
+                "away?); the version fails"
+            )
+
+    def _state(self, rank: int, call: Callable[[], str]) -> str:
+        """A NIXL call's state; what NIXL raises (a peer that disconnected, say) as a failure naming the rank."""
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+            raise RetryableError(
+                f"nixl regions: worker {self.worker}'s READ from trainer rank {rank} failed in NIXL "
+                f"({type(e).__name__}: {e}): the rank went away, or freed its memory; the version fails"
+            ) from None
+
+    def wait(self, rank: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        posted = self._posted.get(rank, [])
+        while posted:
+            state = self._state(rank, lambda: self.agent.check_xfer_state(posted[0]))
+            if state == "DONE":
+                self.agent.release_xfer_handle(posted.pop(0))
+                continue
+            if state == "ERR":
+                raise RetryableError(
+                    f"nixl regions: worker {self.worker}'s READ from trainer rank {rank} failed in NIXL (the rank "
+                    "went away, or freed its memory); the version fails"
+                )
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"nixl regions: worker {self.worker}'s READ from trainer rank {rank} did not complete within "
+                    f"{timeout_s:.1f}s (the rank died or stalled); the version fails"
+                )
+            time.sleep(_POLL_S)
+
+    def finish(self, rank: int) -> str:
+        said = "ok"
+        try:
+            self.wait(rank, self.timeout_s)
+        except (RetryableError, TransferTimeoutError) as e:
+            said = str(e)
+        for handle in self._posted.pop(rank, []):
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; the version failed already
+                said = f"{said}; releasing a READ failed: {type(e).__name__}: {e}"
+        registry = self._buckets.pop(rank, None)
+        if registry is not None:
+            registry.clear()  # the buckets are the walk's: they go with it
+        return said
+
+    def close(self) -> None:
+        for rank in list(self._posted):
+            self.finish(rank)
+        for name in self._agents.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as e:  # noqa: BLE001 - the rank may be gone; nothing is read from it any more
+                log.debug("nixl regions: worker %d unloading agent %s: %s", self.worker, name, e)
+        self._agents = {}
+
+
+class Importer(shard_reads.Importer):
+    """A worker's side of its NIXL region links (``shard_reads.Importer`` over NIXL)."""
+
+    def __init__(
+        self, store: Any, worker: int, device: torch.device | str, timeout_s: float = 120.0, join_timeout_s: float = 0.0
+    ) -> None:
+        super().__init__(store, worker, _Reads(worker, device, timeout_s), timeout_s, join_timeout_s)
+
+
+__all__ = ["Exporter", "Importer"]
