@@ -240,7 +240,7 @@ def test_nixl_links_read_the_ranks_gpu_shards_bit_exact(fault: str) -> None:
     _need_gpus(1)
     from tests.integration.region_ranks import job
 
-    got = _run(_colocated, RANKS + WORKERS, 29634 if fault else 29635, fault, "nixl")
+    got = _run(_colocated, RANKS + WORKERS, 29637 if fault else 29638, fault, "nixl")
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
     if fault:
         name, box = got[1]["corrupted"]

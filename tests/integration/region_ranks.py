@@ -216,10 +216,10 @@ class FlipFirstRead:
         self.read, self.wait = reader.read, reader.wait
         reader.read, reader.wait = self._read, self._wait
 
-    def _read(self, rank: int, pieces: Any) -> None:
+    def _read(self, rank: int, first: int, pieces: Any, shared: Any) -> None:
         if rank == self.rank and self.first is None:
             self.first = pieces[0][3]
-        self.read(rank, pieces)
+        self.read(rank, first, pieces, shared)
 
     def _wait(self, rank: int, timeout_s: float) -> None:
         self.wait(rank, timeout_s)

@@ -140,8 +140,8 @@ def test_host_memory_round_trip_registers_once_and_verifies() -> None:
             elif version == 2:
                 assert (sender.epoch, sender.registrations) == (epoch, regs)  # nothing registered again
         assert sender.epoch == epoch + 1 and sender.registrations == regs
-        with pytest.raises(TransferTimeoutError, match=re.escape("v9 metadata did not arrive within 0.5s")):
-            list(receiver.receive(_ticket(9, timeout_s=0.5), lambda _: dests))
+        with pytest.raises(TransferTimeoutError, match=re.escape("v9 metadata did not arrive within 0.6s")):
+            list(receiver.receive(_ticket(9, timeout_s=0.5, join_timeout_s=0.1), lambda _: dests))
         with pytest.raises(TransferTimeoutError, match=re.escape("receiver 1's ack of v9 did not arrive within 0.5s")):
             sender.release(9, 0.5)
     finally:

@@ -41,7 +41,7 @@ def test_both_ends_cut_each_link_into_the_same_buckets_in_plan_order(seed: int) 
             link = [r for r in plan if r.rank == rank and r.worker == worker]
             assert [r for b in ours for r in b] == link  # every region once, in plan order
             for b in ours:  # a bucket stays within its size, or is one region larger than it
-                assert len(b) == 1 or sum(regions._aligned(r.nbytes) for r in b) <= bucket
+                assert len(b) == 1 or sum(regions.aligned(r.nbytes) for r in b) <= bucket
 
 
 def test_a_round_holds_the_next_bucket_of_every_link_that_has_one() -> None:

@@ -20,7 +20,7 @@ wait: the walk's digest kernels follow on the same stream); done once its stream
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +54,9 @@ class _Exported:
         return False  # a new export is a new id: the places differ
 
     def placed(self, epoch: int) -> None: ...
+
+    def stage(self, worker: int, cuts: Sequence[torch.Tensor]) -> dict[str, Any]:
+        return {}  # the worker copies strided regions itself, one kernel each
 
     def close(self) -> None:
         self.exports.keep(())
@@ -105,7 +108,13 @@ class _Mapped:
             shards[t] = (view, Box(tuple(offsets), tuple(lengths)))
         return shards
 
-    def read(self, rank: int, pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]]) -> None:
+    def read(
+        self,
+        rank: int,
+        first: int,
+        pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
+        shared: Callable[[], Mapping[str, Any]],
+    ) -> None:
         srcs = [view_of(shard, box, r.source) for shard, box, r, _ in pieces]
         dsts = [into.view(src.dtype).view(r.source.lengths) for src, (_, _, r, into) in zip(srcs, pieces, strict=True)]
         torch._foreach_copy_(dsts, srcs)

@@ -27,14 +27,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from weightsync.channels import gpu, nixl, shard_reads
+from weightsync.channels import gpu, nixl, regions, shard_reads
 from weightsync.channels.wire import TORCH_DTYPES, wait_key
 from weightsync.errors import PermanentError, RetryableError, TransferTimeoutError
 from weightsync.sharding.boxes import Box
@@ -47,7 +47,9 @@ _POLL_S = 0.0002
 
 
 class _Registered:
-    """``shard_reads.Memory`` over NIXL: the rank's shards registered with its agent, a place their address."""
+    """``shard_reads.Memory`` over NIXL: the rank's shards registered with its agent, a place their address; the
+    strided regions of each worker's link packed into a staging buffer of that link (registered once, reused while
+    it fits), so that each is one descriptor."""
 
     channel = Channel.NIXL
 
@@ -55,6 +57,10 @@ class _Registered:
         self._store = store
         self.agent = nixl.new_agent(name)
         self._registries: dict[torch.device, nixl.Registry] = {}
+        self._held: list[torch.Tensor] = []
+        self._staging: dict[int, torch.Tensor] = {}  # worker -> its link's staging buffer
+        self._md = ""  # the key of the newest agent metadata published (it describes every registration)
+        self._republished = 0
 
     def refuses(self, tensor: torch.Tensor) -> str:
         return ""
@@ -63,9 +69,15 @@ class _Registered:
         return [tensor.data_ptr(), nixl.device_id(tensor.device), nixl.mem_type(tensor.device)]
 
     def keep(self, tensors: Sequence[torch.Tensor]) -> bool:
-        live = {nixl.Registry.key(t) for t in tensors}
+        self._held = list(tensors)
+        return self._register()
+
+    def _register(self) -> bool:
+        """Register exactly the held shards and the staging buffers; True when that changed anything."""
+        kept = [*self._held, *self._staging.values()]
+        live = {nixl.Registry.key(t) for t in kept}
         changed = any([r.keep_only(live) for r in self._registries.values()])
-        for t in tensors:
+        for t in kept:
             registry = self._registries.get(t.device)
             if registry is None:
                 registry = self._registries[t.device] = nixl.Registry(self.agent, t.device)
@@ -73,9 +85,39 @@ class _Registered:
         return changed
 
     def placed(self, epoch: int) -> None:
-        self._store.set(f"md/{epoch}", nixl.encode_metadata(self.agent.get_agent_metadata()))
+        self._publish(f"md/{epoch}")
+
+    def _publish(self, key: str) -> None:
+        self._store.set(key, nixl.encode_metadata(self.agent.get_agent_metadata()))
+        self._md = key
+
+    def stage(self, worker: int, cuts: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """Pack the strided regions (a column slice of a row-major shard: a run per row) into ``worker``'s staging
+        buffer, at 16-byte boundaries in plan order (so that regions adjacent in a bucket are adjacent here)."""
+        at: list[int] = []
+        total = 0
+        for c in cuts:
+            at.append(-1 if c.is_contiguous() else total)
+            total += 0 if c.is_contiguous() else regions.aligned(c.numel() * c.element_size())
+        if not total:
+            return {"md": self._md}
+        device = next(c.device for c in cuts if not c.is_contiguous())
+        buf = self._staging.get(worker)
+        if buf is None or buf.numel() < total or buf.device != device:
+            self._staging[worker] = buf = torch.empty(total, dtype=torch.uint8, device=device)
+            self._register()
+            self._republished += 1
+            self._publish(f"{self._md.split('.')[0]}.{self._republished}")  # the readers load it before reading
+        srcs = [c for c, a in zip(cuts, at, strict=True) if a >= 0]
+        dsts = [
+            buf[a : a + c.numel() * c.element_size()].view(c.dtype).view(c.shape)
+            for c, a in zip(srcs, (a for a in at if a >= 0), strict=True)
+        ]
+        torch._foreach_copy_(dsts, srcs)
+        return {"md": self._md, "staged": self.where(buf), "at": at}
 
     def close(self) -> None:
+        self._held, self._staging = [], {}
         for registry in self._registries.values():
             registry.clear()
 
@@ -133,6 +175,45 @@ def _place(rank: int, spec_name: str, itemsize: int, p: Any) -> tuple[_Remote, B
     return _Remote(address, device, mem, itemsize, tuple(strides)), Box(tuple(offsets), tuple(lengths))
 
 
+def _staging(rank: int, message: Mapping[str, Any], upto: int) -> tuple[_Remote | None, list[int]]:
+    """The rank's staging buffer for this link (as a one-dimensional shard) and each region's offset in it (-1: read
+    from the shard), checked to cover the link's first ``upto`` regions."""
+    if "staged" not in message:
+        return None, []
+    staged, at = message["staged"], message.get("at")
+    try:
+        address, device, mem = staged
+        ok = isinstance(at, list) and len(at) >= upto and all(isinstance(a, int) and a >= -1 for a in at)
+        if not ok or not isinstance(address, int) or not isinstance(device, int) or mem not in ("VRAM", "DRAM"):
+            raise ValueError(staged)
+    except (TypeError, ValueError):
+        raise PermanentError(
+            f"nixl regions: trainer rank {rank}'s staging for this link is {str(staged)[:80]} at {str(at)[:80]}; "
+            f"expected [address, device, VRAM|DRAM] and an offset (or -1) for each of at least {upto} regions"
+        ) from None
+    return _Remote(address, device, mem, 1, (1,)), [int(a) for a in at or ()]
+
+
+def _coalesced(local: np.ndarray, remote: np.ndarray, sources: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Descriptor rows ``(address, bytes, device)`` paired local-remote, each pair merged into the previous one where
+    both continue it from the same remote memory (``sources``: -1 the staging buffer, else the table tensor whose
+    shard it is): regions packed back to back on both ends become one descriptor. Two shards may lie back to back in
+    the rank's memory, but each is registered apart, and NIXL refuses a descriptor across two registrations."""
+    if len(local) < 2:
+        return local, remote
+    joins = (
+        (local[:-1, 0] + local[:-1, 1] == local[1:, 0])
+        & (remote[:-1, 0] + remote[:-1, 1] == remote[1:, 0])
+        & (sources[:-1] == sources[1:])
+    )
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    lengths = np.add.reduceat(local[:, 1], starts)
+    merged = [rows[starts].copy() for rows in (local, remote)]
+    for rows in merged:
+        rows[:, 1] = lengths
+    return merged[0], merged[1]
+
+
 class _Reads:
     """``shard_reads.Reader`` over NIXL: each rank's agent metadata loaded once a placement, one READ per bucket."""
 
@@ -144,14 +225,14 @@ class _Reads:
         self.device = dev if dev.type == "cpu" else gpu.cuda_device(dev)
         self.agent = nixl.new_agent(f"weightsync-w{worker}-{uuid.uuid4().hex[:12]}")
         self._agents: dict[int, str] = {}  # rank -> its agent's name, as loaded
+        self._loaded: dict[int, tuple[Any, str]] = {}  # rank -> (its store, the key of its metadata loaded)
         self._buckets: dict[int, nixl.Registry] = {}  # rank -> the buckets of its link registered this version
         self._posted: dict[int, list[Any]] = {}  # rank -> READs in flight
 
-    def open(
-        self, rank: int, store: Any, epoch: int, places: Sequence[Any], table: TensorTable
-    ) -> dict[int, tuple[_Remote, Box]]:
-        what = f"trainer rank {rank}'s agent metadata (epoch {epoch})"
-        md = nixl.decode_metadata(wait_key(store, f"md/{epoch}", self.timeout_s, what, Channel.NIXL).decode(), what)
+    def _load(self, rank: int, store: Any, key: str) -> None:
+        """Load trainer ``rank``'s agent metadata published under ``key`` (it describes all its registrations)."""
+        what = f"trainer rank {rank}'s agent metadata ({key})"
+        md = nixl.decode_metadata(wait_key(store, key, self.timeout_s, what, Channel.NIXL).decode(), what)
         try:
             name = self.agent.add_remote_agent(md)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types; name what failed
@@ -160,6 +241,12 @@ class _Reads:
                 "went away, or this is not its agent's metadata; the version fails"
             ) from None
         self._agents[rank] = name.decode() if isinstance(name, bytes) else str(name)
+        self._loaded[rank] = (store, key)
+
+    def open(
+        self, rank: int, store: Any, epoch: int, places: Sequence[Any], table: TensorTable
+    ) -> dict[int, tuple[_Remote, Box]]:
+        self._load(rank, store, f"md/{epoch}")
         shards: dict[int, tuple[_Remote, Box]] = {}
         for t, p in enumerate(places):
             if p is None:
@@ -168,27 +255,46 @@ class _Reads:
             shards[t] = _place(rank, spec.name, TORCH_DTYPES[spec.dtype].itemsize, p)
         return shards
 
-    def read(self, rank: int, pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]]) -> None:
-        remote_rows, local_rows = [], []
-        mem = pieces[0][0].mem
-        for shard, box, r, into in pieces:
+    def read(
+        self,
+        rank: int,
+        first: int,
+        pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
+        shared: Callable[[], Mapping[str, Any]],
+    ) -> None:
+        message = shared()  # the rank packed the strided regions before it published this
+        staged, at = _staging(rank, message, first + len(pieces))
+        store, loaded = self._loaded[rank]
+        if message.get("md", loaded) != loaded:  # the rank registered a staging buffer since: load what says so
+            self._load(rank, store, str(message["md"]))
+        remote_rows, local_rows, sources = [], [], []
+        mem = staged.mem if staged is not None else pieces[0][0].mem
+        for k, (shard, box, r, into) in enumerate(pieces, first):
             registry = self._buckets.setdefault(rank, nixl.Registry(self.agent, self.device))
             registry.ensure(into)
-            addresses, run = shard.runs(box, r.source)
-            if run * len(addresses) != r.nbytes or into.numel() != r.nbytes:
+            if staged is not None and at[k] >= 0:
+                addresses, run, device = np.array([staged.address + at[k]], dtype=np.int64), r.nbytes, staged.device
+                source = -1
+            else:
+                (addresses, run), device, source = shard.runs(box, r.source), shard.device, r.tensor
+            if run * len(addresses) != r.nbytes or into.numel() != r.nbytes or shard.mem != mem:
                 raise PermanentError(
                     f"nixl regions: region {r.source} from trainer rank {rank} is {len(addresses)} runs of {run} "
-                    f"bytes; it holds {r.nbytes} (the rank's place and the plan disagree)"
+                    f"bytes in {shard.mem}; it holds {r.nbytes} (the rank's place and the plan disagree)"
                 )
             lengths = np.full(len(addresses), run, dtype=np.int64)
-            remote_rows.append(np.stack([addresses, lengths, np.full_like(lengths, shard.device)], axis=1))
+            remote_rows.append(np.stack([addresses, lengths, np.full_like(lengths, device)], axis=1))
             local = into.data_ptr() + np.arange(len(addresses), dtype=np.int64) * run
             local_rows.append(np.stack([local, lengths, np.full_like(lengths, nixl.device_id(self.device))], axis=1))
+            sources.append(np.full_like(lengths, source))
+        local_descs, remote_descs = _coalesced(
+            np.concatenate(local_rows), np.concatenate(remote_rows), np.concatenate(sources)
+        )
         try:
             handle = self.agent.initialize_xfer(
                 "READ",
-                self.agent.get_xfer_descs(np.concatenate(local_rows), nixl.mem_type(self.device)),
-                self.agent.get_xfer_descs(np.concatenate(remote_rows), mem),
+                self.agent.get_xfer_descs(local_descs, nixl.mem_type(self.device)),
+                self.agent.get_xfer_descs(remote_descs, mem),
                 self._agents[rank],
             )
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types

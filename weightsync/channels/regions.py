@@ -127,12 +127,12 @@ class _Bucket:
         at, out = 0, []
         for _, r in self.regions:
             out.append(at)
-            at += _aligned(r.nbytes)
+            at += aligned(r.nbytes)
         return out
 
     @property
     def words_at(self) -> int:
-        return sum(_aligned(r.nbytes) for _, r in self.regions)
+        return sum(aligned(r.nbytes) for _, r in self.regions)
 
     @property
     def nbytes(self) -> int:
@@ -147,7 +147,8 @@ class _Bucket:
         return buffer[self.words_at :].view(torch.int64)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to a region's alignment in a bucket."""
     return -(-n // _ALIGN) * _ALIGN
 
 
@@ -161,7 +162,7 @@ def _rounds(
     links: dict[int, list[list[tuple[int, Region]]]] = {}
     filled: dict[int, int] = {}  # bytes in each link's last bucket
     for i, r in enumerate(regions):
-        p, n = peer(r), _aligned(r.nbytes)
+        p, n = peer(r), aligned(r.nbytes)
         if p in skip:
             continue
         own = links.setdefault(p, [[]])

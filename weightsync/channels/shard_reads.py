@@ -74,6 +74,11 @@ class Memory(Protocol):
         """Called before placement ``epoch`` is published: publish what a reader needs for it."""
         ...
 
+    def stage(self, worker: int, cuts: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """What ``worker`` needs beyond the places to read these regions of its link (``cuts``: their views of
+        the shards, plan order): JSON sent with their digest words, which are computed after it on the stream."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -92,8 +97,16 @@ class Reader(Protocol):
         """Trainer ``rank``'s shards of placement ``epoch`` (``places``: the rank's list, one entry per tensor)."""
         ...
 
-    def read(self, rank: int, pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]]) -> None:
-        """Start reading each ``(shard, its box, region, into)`` (``into``: the region's flat uint8 bucket view)."""
+    def read(
+        self,
+        rank: int,
+        first: int,
+        pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
+        shared: Callable[[], Mapping[str, Any]],
+    ) -> None:
+        """Start reading each ``(shard, its box, region, into)`` (``into``: the region's flat uint8 bucket view; the
+        first is the link's region ``first`` in plan order); ``shared``: the rank's message for this worker (its
+        ``Memory.stage`` and the words), waited for when called."""
         ...
 
     def wait(self, rank: int, timeout_s: float) -> None:
@@ -174,11 +187,11 @@ class Exporter:
     def _share(self, worker: int, cuts: Sequence[torch.Tensor]) -> list[int]:
         if self._version is None:
             raise PermanentError(f"trainer rank {self.rank}: a region link shared before Exporter.publish")
+        staged = self.memory.stage(worker, cuts)
         # kernels where the shard lives; ``tolist`` waits for them and for every write the stream queued before
         words = [int(w) for w in digests.words(list(cuts)).tolist()] if cuts else []
-        self._store.set(
-            f"v{self._version}/w{worker}", json.dumps({"places": self._epoch, "words": words}, separators=(",", ":"))
-        )
+        message = {"places": self._epoch, "words": words, **staged}
+        self._store.set(f"v{self._version}/w{worker}", json.dumps(message, separators=(",", ":")))
         self._workers.add(worker)
         return words
 
@@ -264,7 +277,9 @@ class _Read:
         self._importer, self.version, self.rank, self._table = importer, version, rank, table
         self._store = prefixed(importer._store, rank)
         self._words: torch.Tensor | None = None
+        self._message: dict[str, Any] | None = None
         self._shards: Opened | None = None
+        self._filled = 0  # regions handed to the reader so far
         self._pending: list[tuple[torch.Tensor, int]] = []  # (a bucket's word slots, how many) not yet written
         self._at = 0
         self.nbytes = 0
@@ -295,15 +310,23 @@ class _Read:
                 ) from e
         return self._shards
 
-    def _sent(self) -> torch.Tensor:
-        if self._words is None:
+    def _shared(self) -> dict[str, Any]:
+        """The rank's message for this worker: the words, and what its ``Memory.stage`` said (waited for once)."""
+        if self._message is None:
             what = f"trainer rank {self.rank}'s regions of v{self.version} for worker {self._importer.worker}"
             raw = self._wait(f"v{self.version}/w{self._importer.worker}", what)
             try:
-                words = [int(w) for w in json.loads(raw)["words"]]
+                message = json.loads(raw)
+                words = [int(w) for w in message["words"]]
             except (KeyError, TypeError, ValueError) as e:
                 raise PermanentError(f"{self._channel} regions: malformed {what}: {raw[:120]!r} ({e})") from None
+            self._message = message
             self._words = torch.tensor(words, dtype=torch.int64).to(self._importer.reader.device, non_blocking=True)
+        return self._message
+
+    def _sent(self) -> torch.Tensor:
+        self._shared()
+        assert self._words is not None
         return self._words
 
     def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
@@ -320,7 +343,8 @@ class _Read:
             pieces.append((shard, box, r, view))
             self.nbytes += r.nbytes
         if pieces:
-            self._importer.reader.read(self.rank, pieces)
+            self._importer.reader.read(self.rank, self._filled, pieces, self._shared)
+        self._filled += len(pieces)
         self._pending.append((words, len(regions)))
 
     def settle(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,14 +36,16 @@ _CHECK = re.compile(r"_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:.*\
 
 
 def generate(out: Path) -> list[Path]:
-    """Run protoc into ``out`` and post-process; return the files written."""
-    from grpc_tools import protoc  # type: ignore[import-untyped,unused-ignore]  # dev dependency (grpcio-tools)
+    """Run protoc into ``out`` and post-process; return the files written.
 
+    protoc (grpcio-tools, a dev dependency) runs in a process of its own: its compiler carries its own protobuf,
+    which crashes a process that already loaded NIXL's (the unit tests load both)."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}", *PROTOS]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed on {PROTOS} (run from {ROOT})")
+        args = [sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}"]
+        done = subprocess.run([*args, *PROTOS], capture_output=True, text=True, check=False, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"protoc failed on {PROTOS} (run from {ROOT}): {done.stderr.strip()[-2000:]}")
         written = []
         for src in PROTOS:
             stem = Path(src).with_suffix("")
