@@ -59,6 +59,41 @@ def job(seed: int, ranks: int) -> tuple[Any, Any, list[Any], list[Any]]:
     return trainer, plan(trainer, members), members, full
 
 
+def outcome(out: Path, procs: list[Any]) -> dict[str, Any]:
+    """Wait for the job's processes (bounded; killed whatever happens), then what each wrote to ``out`` by name,
+    and their exit statuses under ``codes``."""
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    got: dict[str, Any] = {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
+    got["codes"] = {"codes": codes}
+    return got
+
+
+def assert_exact(out: dict[str, Any], ranks: int) -> None:
+    """What every run of the job without faults shows (``out``: each process's JSON by name): every worker's
+    parameters equal the full tensors where its layout says, it got exactly its regions' bytes, the ranks' and the
+    workers' per-region digests combine alike, and neither TP=2 worker got the whole table."""
+    from weightsync.channels import regions
+
+    trainer, result, _, _ = job(24, ranks)
+    for rid, n in REPLICAS.items():
+        rp = result.replica(rid)
+        assert rp.sharded and rp.regions
+        for w in range(n):
+            got = out[f"{rid}-w{w}"]
+            assert "error" not in got and got["wrong"] == [], got
+            assert got["nbytes"] == got["needed"] == sum(r.nbytes for r in rp.receives(w))
+        by_rank = {r: out[f"rank{r}"]["digests"][rid] for r in range(ranks)}
+        by_worker = {w: out[f"{rid}-w{w}"]["digests"] for w in range(n)}
+        sent = regions.combine(rp.regions, by_rank, regions.rank_of)
+        assert sent == regions.combine(rp.regions, by_worker, regions.worker_of)
+    tp2 = [out[f"tp2-w{w}"]["nbytes"] for w in range(2)]
+    assert all(0 < n < trainer.table.total_bytes for n in tp2)
+
+
 def colocated_targets(
     port: int, trainer: Any, engine: Any, ranks: tuple[str, ...], workers: tuple[str, ...], versions: int = 1
 ) -> list[Any]:

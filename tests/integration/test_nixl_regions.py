@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,8 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from tests import netns, support
-from tests.integration.region_ranks import REPLICAS, job
-from weightsync.channels import regions
+from tests.integration.region_ranks import REPLICAS, assert_exact, outcome
 
 pytestmark = [
     pytest.mark.integration,
@@ -53,32 +51,13 @@ def _run(tmp: Path, *fault: str) -> dict[str, dict[str, object]]:
         base += ["--store-host", hosts.bridge_address, "--port", str(store.port), "--out", str(tmp)]
         env = {**support.env_without_proxies(), "UCX_TLS": "tcp"}
         procs = [hosts.popen(h, [*base, *role, *fault], cwd=ROOT, env=env) for h, role in roles.items()]
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    out = {f.stem: json.loads(f.read_text()) for f in tmp.glob("*.json")}
-    out["codes"] = {"codes": codes}
-    return out
+        return outcome(tmp, procs)
 
 
 def test_each_worker_reads_exactly_its_regions_from_every_ranks_shards(tmp_path: Path) -> None:
     out = _run(tmp_path)
     assert out["codes"]["codes"] == [0] * (RANKS + 3), out
-    trainer, result, _, _ = job(24, RANKS)
-    for rid, n in REPLICAS.items():
-        rp = result.replica(rid)
-        for w in range(n):
-            got = out[f"{rid}-w{w}"]
-            assert "error" not in got and got["wrong"] == [], got
-            assert got["nbytes"] == got["needed"] == sum(r.nbytes for r in rp.receives(w))
-        by_rank = {r: out[f"rank{r}"]["digests"][rid] for r in range(RANKS)}  # type: ignore[index]
-        by_worker = {w: out[f"{rid}-w{w}"]["digests"] for w in range(n)}
-        sent = regions.combine(rp.regions, by_rank, regions.rank_of)  # type: ignore[arg-type]
-        assert sent == regions.combine(rp.regions, by_worker, regions.worker_of)  # type: ignore[arg-type]
-    tp2 = [out[f"tp2-w{w}"]["nbytes"] for w in range(2)]
-    assert all(0 < n < trainer.table.total_bytes for n in tp2)  # neither TP=2 worker reads the whole table
+    assert_exact(out, RANKS)
 
 
 def test_a_byte_flipped_on_the_way_fails_the_worker_naming_tensor_and_rank(tmp_path: Path) -> None:

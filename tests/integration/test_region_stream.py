@@ -12,7 +12,6 @@ link fails the worker naming tensor and rank; a rank that dies mid-send fails th
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -22,8 +21,7 @@ import pytest
 import torch.distributed as dist
 
 from tests import support
-from tests.integration.region_ranks import REPLICAS, job
-from weightsync.channels import regions
+from tests.integration.region_ranks import REPLICAS, assert_exact, job, outcome
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,34 +42,15 @@ def _run(tmp: Path, *fault: str) -> dict[str, dict[str, object]]:
         ["--role", "worker", "--replica", rid, "--worker", str(w)] for rid, n in REPLICAS.items() for w in range(n)
     ]
     procs = [subprocess.Popen([*base, *role, *fault], cwd=ROOT, env=support.env_without_proxies()) for role in roles]
-    try:
-        codes = [p.wait(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    out = {f.stem: json.loads(f.read_text()) for f in tmp.glob("*.json")}
-    out["codes"] = {"codes": codes}
-    return out
+    return outcome(tmp, procs)
 
 
 @FAULTS
 def test_each_rank_sends_its_shards_and_each_worker_gets_exactly_its_regions(tmp_path: Path) -> None:
     out = _run(tmp_path)
     assert out["codes"]["codes"] == [0] * (RANKS + 3)
-    trainer, result, _, _ = job(24, RANKS)
-    for rid, n in REPLICAS.items():
-        rp = result.replica(rid)
-        assert rp.sharded and rp.regions
-        for w in range(n):
-            got = out[f"{rid}-w{w}"]
-            assert "error" not in got and got["wrong"] == [], got
-            assert got["nbytes"] == got["needed"] == sum(r.nbytes for r in rp.receives(w))
-        by_rank = {r: out[f"rank{r}"]["digests"][rid] for r in range(RANKS)}  # type: ignore[index]
-        by_worker = {w: out[f"{rid}-w{w}"]["digests"] for w in range(n)}
-        sent = regions.combine(rp.regions, by_rank, regions.rank_of)  # type: ignore[arg-type]
-        assert sent == regions.combine(rp.regions, by_worker, regions.worker_of)  # type: ignore[arg-type]
-    tp2 = [out[f"tp2-w{w}"]["nbytes"] for w in range(2)]
-    assert all(0 < n < trainer.table.total_bytes for n in tp2)  # neither TP=2 worker receives the whole table
+    assert_exact(out, RANKS)
+    _, result, _, _ = job(24, RANKS)
     sent_bytes = [sum(out[f"rank{r}"]["nbytes"].values()) for r in range(RANKS)]  # type: ignore[union-attr]
     assert all(n > 0 for n in sent_bytes) and sum(sent_bytes) == sum(result.bytes_sent().values())
 
