@@ -607,10 +607,14 @@ class Agent:
         )
         return plan, info.table
 
+    def _newest_durable(self) -> tuple[int, tuple[models.ChannelPlan, models.TableSummary] | None]:
+        """The job's newest durable READY version, and how to load it from the volume (None: none, or no volume)."""
+        newest = self.client.get_job().newest_durable_ready
+        return newest, self._volume_plan(newest) if newest > 0 else None
+
     def recover(self) -> None:
         """Load the newest durable READY version as a whole (the only way out of TORN)."""
-        newest = self.client.get_job().newest_durable_ready
-        found = self._volume_plan(newest) if newest > 0 else None
+        newest, found = self._newest_durable()
         if found is None:
             (log.debug if self._waiting_for_durable else log.error)(
                 "replica %s is torn and no durable READY version exists yet; staying paused", self.config.replica_id
@@ -623,8 +627,7 @@ class Agent:
     def roll_back(self, failed: int) -> None:
         """Leave version ``failed``, which this replica loaded whole before the version failed: load the newest
         durable READY version (from the volume, as a recovery does)."""
-        newest = self.client.get_job().newest_durable_ready
-        found = self._volume_plan(newest) if newest > 0 else None
+        newest, found = self._newest_durable()
         if found is None:
             log.warning(
                 "replica %s: v%d failed after this replica loaded it, and no durable READY version exists to go back "

@@ -67,8 +67,8 @@ class Exporter(shard_reads.Exporter):
 
     memory: _Exported
 
-    def __init__(self, store: Any, rank: int, timeout_s: float = 120.0) -> None:
-        super().__init__(store, rank, _Exported, timeout_s)
+    def _memory(self, store: Any) -> _Exported:
+        return _Exported(store)
 
     @property
     def exported(self) -> int:
@@ -134,10 +134,8 @@ class _Mapped:
 class Importer(shard_reads.Importer):
     """A worker's side of its co-located links (``shard_reads.Importer`` over CUDA IPC)."""
 
-    def __init__(
-        self, store: Any, worker: int, device: torch.device | str, timeout_s: float = 120.0, join_timeout_s: float = 0.0
-    ) -> None:
-        super().__init__(store, worker, _Mapped(worker, device, timeout_s), timeout_s, join_timeout_s)
+    def _reader(self, device: torch.device | str) -> _Mapped:
+        return _Mapped(self.worker, device, self.timeout_s)
 
 
 __all__ = ["Exporter", "Importer"]

@@ -177,6 +177,19 @@ def new_agent(name: str) -> Any:
     return api.nixl_agent(name, api.nixl_agent_config(backends=BACKENDS))
 
 
+def poll(agent: Any, handle: Any, deadline: float) -> str:
+    """A posted transfer's state once it is DONE or ERR, or its state when ``deadline`` (monotonic) passed: spins
+    briefly, then sleeps between checks."""
+    start = time.monotonic()
+    while True:
+        state = str(agent.check_xfer_state(handle))
+        now = time.monotonic()
+        if state in ("DONE", "ERR") or now > deadline:
+            return state
+        if now - start > _SPIN_S:
+            time.sleep(_SLEEP_S)
+
+
 def _device(device: str | int | torch.device) -> torch.device:
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     return dev if dev.type == "cpu" else gpu.cuda_device(dev)
@@ -496,22 +509,15 @@ class NixlReceiver(Receiver):
     def _wait(self, read: _GroupRead, deadline: float, timeout_s: float) -> None:
         if read.handle is None:
             return
-        start = time.monotonic()
-        while True:
-            state = self._agent.check_xfer_state(read.handle)
-            if state == "DONE":
-                return
-            if state == "ERR":
-                self._prepared = None
-                raise RetryableError(f"nixl channel: {read.what} failed in NIXL (the trainer went away or its memory)")
-            now = time.monotonic()
-            if now > deadline:
-                self._prepared = None
-                raise TransferTimeoutError(
-                    f"nixl channel: {read.what} did not complete within {timeout_s:.1f}s (the trainer died or stalled)"
-                )
-            if now - start > _SPIN_S:
-                time.sleep(_SLEEP_S)
+        state = poll(self._agent, read.handle, deadline)
+        if state == "DONE":
+            return
+        self._prepared = None
+        if state == "ERR":
+            raise RetryableError(f"nixl channel: {read.what} failed in NIXL (the trainer went away or its memory)")
+        raise TransferTimeoutError(
+            f"nixl channel: {read.what} did not complete within {timeout_s:.1f}s (the trainer died or stalled)"
+        )
 
     def receive(self, ticket: UpdateTicket, place: Placement | None = None) -> Iterator[Group]:
         """Read the version into its destinations where they fit; yield the rest as staging views.

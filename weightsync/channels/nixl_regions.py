@@ -1,13 +1,16 @@
 """Regions over NIXL: a worker reads its regions straight out of each trainer rank's registered shards.
 
 The sharded path's NIXL links, one transport of ``shard_reads`` (its handshake: placements, each version's digest
-words, the worker's done). Nothing is pushed and nothing is packed: the rank registers the memory of its local
-shards with its NIXL agent once (kept while the shard stays in the same memory, ``nixl.Registry``) and publishes
-its agent metadata with each placement (``md/<epoch>``, base64, NIXL's own bytes); a place is
-``[address, device, "VRAM"|"DRAM"]``. The worker loads a rank's metadata once a placement and, for each bucket of
-the rank's link, posts one READ of the bucket's regions: each region is as many descriptors as it has contiguous
-runs in the shard (one for a block of whole rows, one per row for a column slice of a row-major shard), landing
-back to back in the bucket, which the worker registers for the version. NIXL picks the transport (UCX: RDMA
+words, the worker's done). Nothing is pushed: the rank registers the memory of its local shards with its NIXL agent
+once (kept while the shard stays in the same memory, ``nixl.Registry``) and publishes its agent metadata with each
+placement (``md/<epoch>``, base64, NIXL's own bytes); a place is ``[address, device, "VRAM"|"DRAM"]``. A strided
+region (a column slice of a row-major shard: a run per row) the rank packs into a staging buffer of the worker's
+link before it computes the link's words (``stage``: registered once, reused while it fits; a new one is announced
+with fresh agent metadata, ``md/<epoch>.<n>``, in the words message). The worker loads a rank's metadata once a
+placement (and again when the words message names newer) and, for each bucket of the rank's link, posts one READ
+of the bucket's regions: a descriptor per region, from the staging buffer or straight from the shard, merged where
+they continue each other in one memory, landing back to back in the bucket, which the worker registers for the
+version. NIXL picks the transport (UCX: RDMA
 between hosts, NVLink or shared memory on one, TCP where nothing else is). ``settle`` waits for the link's READs
 (bounded: a READ past the transfer timeout, or one NIXL fails because the rank went away, fails the worker naming
 the rank), and the walk checks every region against the rank's digest word as for any link.
@@ -43,7 +46,6 @@ from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
 log = logging.getLogger(__name__)
-_POLL_S = 0.0002
 
 
 class _Registered:
@@ -60,7 +62,8 @@ class _Registered:
         self._held: list[torch.Tensor] = []
         self._staging: dict[int, torch.Tensor] = {}  # worker -> its link's staging buffer
         self._md = ""  # the key of the newest agent metadata published (it describes every registration)
-        self._republished = 0
+        self._epoch = 0  # the placement's
+        self._republished = 0  # metadata published since, for new staging buffers
 
     def refuses(self, tensor: torch.Tensor) -> str:
         return ""
@@ -85,6 +88,7 @@ class _Registered:
         return changed
 
     def placed(self, epoch: int) -> None:
+        self._epoch = epoch
         self._publish(f"md/{epoch}")
 
     def _publish(self, key: str) -> None:
@@ -107,7 +111,7 @@ class _Registered:
             self._staging[worker] = buf = torch.empty(total, dtype=torch.uint8, device=device)
             self._register()
             self._republished += 1
-            self._publish(f"{self._md.split('.')[0]}.{self._republished}")  # the readers load it before reading
+            self._publish(f"md/{self._epoch}.{self._republished}")  # the readers load it before reading
         srcs = [c for c, a in zip(cuts, at, strict=True) if a >= 0]
         dsts = [
             buf[a : a + c.numel() * c.element_size()].view(c.dtype).view(c.shape)
@@ -125,9 +129,8 @@ class _Registered:
 class Exporter(shard_reads.Exporter):
     """A trainer rank's side of its NIXL region links (``shard_reads.Exporter`` over NIXL)."""
 
-    def __init__(self, store: Any, rank: int, timeout_s: float = 120.0) -> None:
-        name = f"weightsync-r{rank}-{uuid.uuid4().hex[:12]}"
-        super().__init__(store, rank, lambda s: _Registered(s, name), timeout_s)
+    def _memory(self, store: Any) -> _Registered:
+        return _Registered(store, f"weightsync-r{self.rank}-{uuid.uuid4().hex[:12]}")
 
 
 @dataclass(frozen=True)
@@ -269,8 +272,10 @@ class _Reads:
             self._load(rank, store, str(message["md"]))
         remote_rows, local_rows, sources = [], [], []
         mem = staged.mem if staged is not None else pieces[0][0].mem
+        registry = self._buckets.get(rank)
+        if registry is None:
+            registry = self._buckets[rank] = nixl.Registry(self.agent, self.device)
         for k, (shard, box, r, into) in enumerate(pieces, first):
-            registry = self._buckets.setdefault(rank, nixl.Registry(self.agent, self.device))
             registry.ensure(into)
             if staged is not None and at[k] >= 0:
                 addresses, run, device = np.array([staged.address + at[k]], dtype=np.int64), r.nbytes, staged.device
@@ -323,21 +328,18 @@ class _Reads:
         deadline = time.monotonic() + timeout_s
         posted = self._posted.get(rank, [])
         while posted:
-            state = self._state(rank, lambda: self.agent.check_xfer_state(posted[0]))
-            if state == "DONE":
-                self.agent.release_xfer_handle(posted.pop(0))
-                continue
+            state = self._state(rank, lambda: nixl.poll(self.agent, posted[0], deadline))
             if state == "ERR":
                 raise RetryableError(
                     f"nixl regions: worker {self.worker}'s READ from trainer rank {rank} failed in NIXL (the rank "
                     "went away, or freed its memory); the version fails"
                 )
-            if time.monotonic() > deadline:
+            if state != "DONE":
                 raise TransferTimeoutError(
                     f"nixl regions: worker {self.worker}'s READ from trainer rank {rank} did not complete within "
                     f"{timeout_s:.1f}s (the rank died or stalled); the version fails"
                 )
-            time.sleep(_POLL_S)
+            self.agent.release_xfer_handle(posted.pop(0))
 
     def finish(self, rank: int) -> str:
         said = "ok"
@@ -369,10 +371,8 @@ class _Reads:
 class Importer(shard_reads.Importer):
     """A worker's side of its NIXL region links (``shard_reads.Importer`` over NIXL)."""
 
-    def __init__(
-        self, store: Any, worker: int, device: torch.device | str, timeout_s: float = 120.0, join_timeout_s: float = 0.0
-    ) -> None:
-        super().__init__(store, worker, _Reads(worker, device, timeout_s), timeout_s, join_timeout_s)
+    def _reader(self, device: torch.device | str) -> _Reads:
+        return _Reads(self.worker, device, self.timeout_s)
 
 
 __all__ = ["Exporter", "Importer"]

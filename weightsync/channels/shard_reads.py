@@ -121,17 +121,22 @@ class Reader(Protocol):
 
 
 class Exporter:
-    """A trainer rank's side of its reading workers' links: placements, each version's words, the wait for done."""
+    """A trainer rank's side of its reading workers' links: placements, each version's words, the wait for done.
+    A transport's subclass makes its ``Memory`` (``_memory``)."""
 
-    def __init__(self, store: Any, rank: int, memory: Callable[[Any], Memory], timeout_s: float = 120.0) -> None:
+    def __init__(self, store: Any, rank: int, timeout_s: float = 120.0) -> None:
         self.rank, self.timeout_s = rank, timeout_s
         self._store = prefixed(store, rank)
-        self.memory = memory(self._store)
+        self.memory = self._memory(self._store)
         self._places = ""
         self._epoch = 0
         self._version: int | None = None
         self._workers: set[int] = set()
         self._layout: tuple[TrainerLayout, list[Any]] | None = None  # what was last published, to skip it when same
+
+    def _memory(self, store: Any) -> Memory:
+        """The transport's side on this rank, keeping its keys on ``store`` (the rank's)."""
+        raise NotImplementedError
 
     def publish(self, version: int, layout: TrainerLayout, local: Sequence[torch.Tensor | None]) -> None:
         """Share ``version`` of the rank's local shards (``local[i]``: its shard of table tensor ``i``, or None):
@@ -232,15 +237,20 @@ class _Shared:
 
 
 class Importer:
-    """A worker's side of its reading links: each rank's placement opened once an epoch."""
+    """A worker's side of its reading links: each rank's placement opened once an epoch. A transport's subclass
+    makes its ``Reader`` (``_reader``)."""
 
     def __init__(
-        self, store: Any, worker: int, reader: Reader, timeout_s: float = 120.0, join_timeout_s: float = 0.0
+        self, store: Any, worker: int, device: torch.device | str, timeout_s: float = 120.0, join_timeout_s: float = 0.0
     ) -> None:
         self.worker, self.timeout_s, self.join_timeout_s = worker, timeout_s, join_timeout_s
-        self.reader = reader
+        self.reader = self._reader(device)
         self._store = store
         self._shards: dict[int, tuple[int, Opened]] = {}  # rank -> (epoch, shards)
+
+    def _reader(self, device: torch.device | str) -> Reader:
+        """The transport's side on this worker, reading into buckets on ``device``."""
+        raise NotImplementedError
 
     def link(self, version: int, rank: int, table: TensorTable) -> _Read:
         """The receiving end of the link from trainer ``rank`` for ``version`` (``regions.receive``'s links)."""
