@@ -42,10 +42,11 @@ With ``--gpus 2``:
   shares rank 0's GPU; its copy is not counted (optimistic for the baseline). The bytes are not the table's
   values and are not checked. The all-gather (to the ranks' CUDA-synchronised mark after it) and the broadcast
   (from that mark to the end) are reported apart;
-- ``nixl`` (with ``--nixl``): every link, co-located or crossing, by NIXL (``nixl_regions``: each rank registers its
-  shards once, each worker reads its regions out of both ranks' GPU memory, one READ per bucket, a descriptor per
-  contiguous run of a region), checked and landed as in ``sharded``; in round 0 the workers' parameters are zeroed
-  before it and checked bit-exact after it;
+- ``nixl`` (with ``--nixl``): the replica as the coordinator plans it on NIXL, every link, co-located or crossing,
+  read by its worker (``send_to``/``walk`` with the NIXL rendezvous, ``nixl_regions``: each rank registers its
+  shards once and packs strided regions into a staging buffer per link, each worker reads its regions out of both
+  ranks' GPU memory, one READ per bucket), checked and landed as in ``sharded``; in round 0 the workers' parameters
+  are zeroed before it and checked bit-exact after it;
 - ``bound``: the link bound of the same run, raw: at once, each crossing link moves the bytes the plan puts on it
   (one NCCL ``send``/``recv`` over the same pair group, both crossing links at once) and each worker makes one flat
   device copy of as many bytes as its co-located link carries (its own buffers); the slowest link sets the time.
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import json
 import statistics
@@ -174,7 +176,10 @@ class _Process:
         }
         self.trainers = _nccl(self.store, "trainers", idx) if gpus == 2 and self.is_rank else None
         self.marks: dict[str, float] = {}
-        self.nixl_end: Any = None  # the rank's nixl_regions.Exporter or the worker's Importer, made on first use
+        # the same replica planned on NIXL: its membership of its own, every link read (nothing copied)
+        rdv = dataclasses.replace(self.target.rendezvous, channel=Channel.NIXL)
+        self.nixl_target = dataclasses.replace(self.target, rendezvous=rdv, copied=frozenset())
+        self.nixl_kept = region_groups.Kept()
         self._step = 0
         self.needed = 0
         self.copy: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -227,28 +232,9 @@ class _Process:
         return self.gathered() if mode == "gathered" else self.bound()
 
     def nixl(self, version: int) -> int:
-        """Every link by NIXL (``nixl_regions``), landed as in ``sharded``."""
-        from weightsync.channels import nixl_regions
-
-        store = dist.PrefixStore("nixl", self.store)
-        if self.is_rank:
-            self.nixl_end = self.nixl_end or nixl_regions.Exporter(store, self.idx, TIMEOUT_S)
-            self.nixl_end.publish(version, self.trainer, self.local)
-            mine = [r for r in self.rows if r.rank == self.idx]
-            ends = {w: self.nixl_end.link(w) for w in range(TP)}
-            tally = regions.send(None, self.trainer, self.idx, self.local, mine, links=ends)
-            self.marks["shared"] = time.perf_counter()
-            self.nixl_end.release()
-            return tally.nbytes
-        self.nixl_end = self.nixl_end or nixl_regions.Importer(store, self.worker, self.device, TIMEOUT_S)
-        tally = regions.Tally()
-        reads = {r: self.nixl_end.link(version, r, self.table) for r in range(RANKS)}
-        for fill, data in regions.receive(
-            None, RANKS, self.worker, self.table, self.rows, tally, self.device, links=reads
-        ):
-            into = self.wholes[fill.tensor] if fill.param == WHOLE else self.params[fill.param]
-            into[_slices(fill.dest)].copy_(data.reshape(fill.dest.lengths))
-        return tally.nbytes
+        """Every link by NIXL, as the coordinator plans a replica on NIXL (``region_sends.send_to`` on the ranks,
+        ``sharded.walk`` on the workers: ``nixl_regions``), landed as in ``sharded``."""
+        return self._product(self.nixl_kept, self.nixl_target, version, land=True)
 
     def clear(self) -> None:
         """Zero a worker's parameters (before a mode whose landing round 0 checks)."""
@@ -258,14 +244,16 @@ class _Process:
     def sharded(self, version: int, land: bool) -> int:
         """``ipc``/``sharded`` (``land``) and ``walk``: one version through the product's ends, each link IPC or NCCL
         as the plan says (``region_sends.send_to`` on the ranks, ``sharded.walk`` on the workers)."""
+        return self._product(self.kept, self.target, version, land)
+
+    def _product(self, kept: region_groups.Kept, t: region_sends.Target, version: int, land: bool) -> int:
         if self.is_rank:
-            n = region_sends.send_to(self.kept, self.target, version, self.idx, self.trainer, self.local, self.device)
+            n = region_sends.send_to(kept, t, version, self.idx, self.trainer, self.local, self.device)
             self.marks["shared"] = time.perf_counter()
             return n.nbytes
         tally = regions.Tally()
-        t = self.target
         order = sharded_updates.Order(version, t.rendezvous, t.regions, t.copied)
-        for fill, data in sharded_updates.walk(self.kept, order, self.worker, self.table, tally, self.device):
+        for fill, data in sharded_updates.walk(kept, order, self.worker, self.table, tally, self.device):
             if "first" not in self.marks:
                 torch.cuda.synchronize(self.device)
                 self.marks["first"] = time.perf_counter()
@@ -323,8 +311,7 @@ class _Process:
 
     def close(self) -> None:
         self.kept.close()  # the workers unmap before the ranks exit: a rank keeps its memory while a worker maps it
-        if self.nixl_end is not None:
-            self.nixl_end.close()
+        self.nixl_kept.close()
         self.barrier()
         for pg in [*self.pairs.values(), *([self.trainers] if self.trainers is not None else [])]:
             pg.abort()

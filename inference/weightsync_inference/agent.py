@@ -117,7 +117,7 @@ class _Refused:
 
 def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Capabilities:
     """What this replica discovered of its engine, with the job's channels it can receive (``channels.rules``)."""
-    from weightsync.channels import nccl
+    from weightsync.channels import nccl, nixl
 
     gpu = bool(workers) and all(w.gpu for w in workers)
     found = models.Capabilities(
@@ -126,12 +126,14 @@ def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Cap
         gpu_uuids=tuple(w.gpu_uuid for w in sorted(workers, key=lambda w: w.rank) if w.gpu_uuid),
         devices=max(1, len(workers)),
         nccl_domain=config.nccl_domain,
-        nixl=gpu and all(w.nixl for w in workers),
+        nixl=bool(workers) and all(w.nixl for w in workers),
         volume_id=config.volume_id if config.volume else "",
         volume_mount=str(config.volume or ""),
         engine=models.EngineKind.GPU if gpu else models.EngineKind.CPU,
     )
-    channels, why = rules.usable(config.channels, found, sends=False, nccl_transport=nccl.transport())
+    channels, why = rules.usable(
+        config.channels, found, sends=False, nccl_transport=nccl.transport(), nixl_memory=nixl.memory()
+    )
     for ch, reason in why.items():
         log.info("replica %s does not receive %s: %s", config.replica_id, ch.value, reason)
     return dataclasses.replace(found, channels=channels)

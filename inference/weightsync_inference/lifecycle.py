@@ -221,10 +221,20 @@ class Replica:
     def init_transfer(
         self, init_info: dict[str, Any], rendezvous: Callable[[], None] | None = None, timeout_s: float = 120
     ) -> None:
-        """Initialise the engine's receiver; ``rendezvous`` runs the sender's side concurrently."""
-        _concurrently(
-            lambda: self.control.init_transfer(init_info), rendezvous, timeout_s, "init_weight_transfer_engine"
-        )
+        """Initialise the engine's receiver; ``rendezvous`` runs the sender's side concurrently. A receiver its
+        workers could not start (vLLM's executor raises its plain ``Exception`` for a worker's error) fails as
+        ``RetryableError``, which the agent acks as its channel's failure, the weights untouched."""
+
+        def start() -> None:
+            try:
+                self.control.init_transfer(init_info)
+            except WeightsyncError:
+                raise
+            except Exception as e:
+                channel = init_info.get("channel", "its channel")
+                raise RetryableError(f"the engine could not start its {channel} receiver: {e}") from e
+
+        _concurrently(start, rendezvous, timeout_s, "init_weight_transfer_engine")
 
     def apply(self, ticket: UpdateTicket, send: Callable[[], None] | None = None) -> UpdateOutcome:
         """Load ``ticket``'s version; ``send`` runs the sender concurrently when it lives in this process."""

@@ -6,7 +6,7 @@ of trainer ranks: they hold group ranks ``0..rank-1``, and worker ``w`` of the r
 as ``rank + w`` of ``world_size``; over NCCL on the worker's GPU; kept across versions while
 the plan names the same group, ``region_groups.Kept``; where the plan copies some of its
 links, ``walk``: those by CUDA IPC from the trainer rank on its GPU, the others over the
-ranks' own groups), checks
+ranks' own groups; planned on NIXL, it reads every region itself), checks
 the table against vLLM's loader (``dryrun``, changing nothing), then inside vLLM's layerwise
 reload receives its regions in plan order (``weightsync.channels.regions.receive``: each
 region's digest checked on arrival) and
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import ipc_regions, region_groups, regions
+from weightsync.channels import ipc_regions, nixl_regions, region_groups, regions
 from weightsync.channels.base import Rendezvous
 from weightsync.errors import PermanentError
 from weightsync.sharding import plans
@@ -34,6 +34,7 @@ from weightsync.sharding.fills import Fill, WorkerLayout
 from weightsync.sharding.links import Link
 from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
+from weightsync.vocabulary import Channel
 from weightsync_inference.landing import Landing
 
 
@@ -84,9 +85,19 @@ def walk(
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Worker ``worker``'s regions of ``order`` as they arrive and check (``regions.receive``), over what ``kept``
     holds for the replica's membership (formed now where it holds nothing yet; every formation bounded): its region
-    group, or, with copied links, the trainer ranks' groups it is in (in rank order, as every worker forms them,
-    so none waits on another in a cycle) and its IPC end."""
+    group; or, with copied links, the trainer ranks' groups it is in (in rank order, as every worker forms them,
+    so none waits on another in a cycle) and its IPC end; or, planned on NIXL, its NIXL reader (every link read
+    out of the ranks' registered shards)."""
     rdv = order.rendezvous
+    if rdv.channel is Channel.NIXL:
+        reader = kept.reads_end(
+            rdv,
+            Channel.NIXL,
+            lambda store: nixl_regions.Importer(store, worker, device, rdv.timeout_s, rdv.join_timeout_s),
+        )
+        ranks = sorted({r.rank for r in order.regions if r.worker == worker})
+        reads = {r: reader.link(order.version, r, table) for r in ranks}
+        return regions.receive(None, rdv.rank, worker, table, order.regions, tally, device, links=reads)
     if not order.copied:
         group = kept.get(rdv, rdv.rank + worker, device)
         on = device if isinstance(group, region_groups.NcclMember) else "cpu"
@@ -102,8 +113,10 @@ def walk(
             links[rank] = regions.Wire(group.pg, 0)
     near = sorted({r for r, w in order.copied if w == worker})
     if near:
-        importer = kept.ipc_end(
-            rdv, lambda store: ipc_regions.Importer(store, worker, device, rdv.timeout_s, rdv.join_timeout_s)
+        importer = kept.reads_end(
+            rdv,
+            Channel.IPC,
+            lambda store: ipc_regions.Importer(store, worker, device, rdv.timeout_s, rdv.join_timeout_s),
         )
         links.update({r: importer.link(order.version, r, table) for r in near})
     bound = region_groups.bound(*wired)

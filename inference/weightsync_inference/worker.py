@@ -115,10 +115,11 @@ class WorkerExtension:
         return answer
 
     def weightsync_release_regions(self) -> dict[str, Any]:
-        """Let this worker's region groups and IPC mappings go (its replica left the sharded path): an NCCL
-        communicator holds GPU memory, and a mapping keeps a trainer rank's shard memory alive. Answers how many."""
+        """Let this worker's region groups and its IPC mappings or NIXL reader go (its replica left the sharded
+        path): an NCCL communicator holds GPU memory, a mapping keeps a trainer rank's shard memory alive, a NIXL
+        agent its registrations. Answers how many."""
         regions = self._weightsync_engine().updater.regions
-        released = len(regions.groups) + (regions.ipc is not None)
+        released = len(regions.groups) + (regions.reads is not None)
         regions.close()
         return {"released": released}
 

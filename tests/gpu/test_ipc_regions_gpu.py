@@ -320,12 +320,14 @@ def test_mixed_links_on_two_gpus() -> None:
     assert_landed(got, replica)
 
 
-def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any]:
+def _product_plan(port: int, uuids: tuple[str, str], nixl: bool = False) -> tuple[Any, Any]:
     """What the coordinator plans for the tp2 replica on the trainer ranks' two GPUs, for versions 1 and 2: each
-    version's ``Target`` (the ranks') and ``sharded.Order`` (the workers')."""
+    version's ``Target`` (the ranks') and ``sharded.Order`` (the workers'). ``nixl``: the replica planned on NIXL
+    instead (its rendezvous on that channel, nothing copied: every link read, ``versions._Planned.parts``)."""
     import dataclasses
 
     from tests.integration.region_ranks import colocated_targets, job
+    from weightsync.vocabulary import Channel
     from weightsync_inference import sharded
 
     trainer, _, members, _ = job(24, RANKS)
@@ -333,7 +335,10 @@ def _product_plan(port: int, uuids: tuple[str, str]) -> tuple[Any, Any]:
     targets, orders = [], []
     for v, t in enumerate(colocated_targets(port, trainer, engine, uuids, uuids, versions=2), 1):
         rdv = dataclasses.replace(t.rendezvous, timeout_s=TIMEOUT_S, join_timeout_s=10.0)
-        targets.append(dataclasses.replace(t, rendezvous=rdv))
+        if nixl:
+            rdv = dataclasses.replace(rdv, channel=Channel.NIXL)
+        t = dataclasses.replace(t, rendezvous=rdv, copied=frozenset() if nixl else t.copied)
+        targets.append(t)
         orders.append(sharded.Order(v, rdv, t.regions, t.copied))
     return targets, orders
 
@@ -386,7 +391,7 @@ def _product(idx: int, plans: Any, port: int, targets: Any, orders: Any, die: in
                 torch.cuda.synchronize(device)
                 out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
                 out[f"formed{v}"] = [id(g) for g in kept.groups.values()]
-                out[f"exported{v}"] = kept.ipc.exported
+                out[f"exported{v}"] = getattr(kept.reads, "exported", 0)  # CUDA IPC's count
             return out
         worker = idx - RANKS
         layout = next(m.layout for m in members if m.replica_id == "tp2").workers[worker]
@@ -440,4 +445,32 @@ def test_the_products_ends_on_two_gpus(die: int) -> None:
     assert "digests2" in got[0], got[0]  # rank 0's links ended: its wire to worker 1, its copies by worker 0
     for g, within in ((got[1], TIMEOUT_S), (got[2], 10.0 + TIMEOUT_S)):  # the wire, then the IPC link from rank 1
         assert "trainer rank 1" in g["failed"] and g["after_s"] < within + 5.0, g
+        assert "failed here in an earlier version" in g["again"] and g["again_s"] < 1.0, g
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not importable (carry .whl/nixl)")
+@pytest.mark.parametrize("die", [-1, 1], ids=["two-versions", "rank-1-exits"])
+def test_the_products_nixl_ends_on_two_gpus(die: int) -> None:
+    """The same replica planned on NIXL, through the product's ends (``region_sends.send_to``, ``sharded.walk``:
+    ``nixl_regions`` formed from the plan's rendezvous): every link read by its worker, the co-located ones too; two
+    versions bit-exact, no group formed; rank 1 exiting before the second fails both workers naming it, and the
+    membership is not formed again under its name."""
+    _need_gpus(2)
+    from weightsync.channels import gpu
+
+    uuids = (gpu.uuid(torch.device("cuda", 0)), gpu.uuid(torch.device("cuda", 1)))
+    port = 29639 + max(die, 0)
+    targets, orders = _product_plan(port, uuids, nixl=True)
+    assert targets[0].copied == frozenset() and targets[0].rendezvous.channel.value == "nixl", targets
+    got = _run(_product, RANKS + WORKERS, port, targets, orders, die)
+    assert [g.get("error") for g in got] == [None] * len(got), got
+    if die < 0:
+        for v in ("1", "2"):
+            assert_landed(got, targets[0], v)
+        assert all(g["formed1"] == g["formed2"] == [] for g in got), got
+        return
+    assert [g["rank"] for g in got] == [0, 2, 3], got
+    assert "digests2" in got[0], got[0]  # rank 0's links ended: both workers read theirs
+    for g in got[1:]:  # each worker reads from rank 1 too: its placement never comes
+        assert "trainer rank 1" in g["failed"] and g["after_s"] < 10.0 + TIMEOUT_S + 5.0, g
         assert "failed here in an earlier version" in g["again"] and g["again_s"] < 1.0, g

@@ -120,8 +120,9 @@ def main() -> None:
         tls = TlsConfig(ca_file=args.ca)
         client = CoordinatorClient(args.coordinator, token=os.environ["WEIGHTSYNC_TOKEN"], tls=tls, timeout_s=30)
     verdict_s = 2 * args.timeout  # the version's timeout must exceed the transfer's
-    # NCCL too (over gloo: WEIGHTSYNC_NCCL_TRANSPORT=gloo) for the replica of make sharded that declares only it
-    channels = (Channel.CPU, Channel.NCCL, *((Channel.VOLUME,) if args.checkpoint else ()))
+    # NCCL too (over gloo: WEIGHTSYNC_NCCL_TRANSPORT=gloo) and NIXL (host memory: WEIGHTSYNC_NIXL_MEMORY=host, else
+    # not offered) for the replicas of make sharded that declare only them
+    channels = (Channel.CPU, Channel.NCCL, Channel.NIXL, *((Channel.VOLUME,) if args.checkpoint else ()))
     config = jobconfig.JobConfig(
         "job", channels, transfer_timeout_s=args.timeout, timeout_s=verdict_s, nccl_domain="sharded"
     )

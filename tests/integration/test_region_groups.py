@@ -82,7 +82,7 @@ class _End:
         self.closed = True
 
 
-def test_a_memberships_groups_per_rank_and_its_ipc_end_are_kept_together_and_let_go_together() -> None:
+def test_a_memberships_groups_per_rank_and_its_reads_end_are_kept_together_and_let_go_together() -> None:
     from weightsync.sharding.boxes import Box
     from weightsync.sharding.plans import Region
 
@@ -108,15 +108,16 @@ def test_a_memberships_groups_per_rank_and_its_ipc_end_are_kept_together_and_let
             return a.result(timeout=60), b.result(timeout=60)
 
         (g1, got1), (w1, _) = both(1)
-        end = rank0.ipc_end(membership, _End)
-        assert rank0.ipc_end(membership, _End) is end and end.store.get("seen") == b"1"
+        end = rank0.reads_end(membership, Channel.IPC, _End)
+        assert rank0.reads_end(membership, Channel.IPC, _End) is end and end.store.get("seen") == b"1"
         (g2, got2), (w2, _) = both(2)
         assert (got1, got2) == (201, 202) and g1 is g2 and w1 is w2  # kept under the membership, with its IPC end
-        assert rank0.ipc_end(membership, _End) is end
+        assert rank0.reads_end(membership, Channel.IPC, _End) is end
 
         renamed = dataclasses.replace(membership, group="cpu-regions-r-2051", secret="01" * 16, generation=2051)
-        assert rank0.ipc_end(renamed, _End) is not end and end.closed and not rank0.groups  # a new one lets all go
+        # a new one lets all go
+        assert rank0.reads_end(renamed, Channel.IPC, _End) is not end and end.closed and not rank0.groups
         rank0.close()
-        with pytest.raises(TransferTimeoutError, match="co-located links of 'cpu-regions-r-2051' failed here"):
-            rank0.ipc_end(renamed, _End)  # formed once per name, as the groups
+        with pytest.raises(TransferTimeoutError, match="the ipc links of 'cpu-regions-r-2051' failed here"):
+            rank0.reads_end(renamed, Channel.IPC, _End)  # formed once per name, as the groups
     worker1.close()

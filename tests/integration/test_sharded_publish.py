@@ -12,11 +12,12 @@ rank sends from its local shards, and the replica acks the combined digest its w
 (each region's digest checked at the receiver); each of its workers then holds, bit for bit, what the gathered
 replica's same worker holds (vLLM's own loader given the full tensors; ``held``, packed weights included).
 
-``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions in the same versions (a third engine,
-so make test keeps two) and, on that fleet, 4 FSDP2 ranks publishing, a byte flipped on one rank's link (the
-version fails naming the tensor and the rank) and a rank killed mid-send (the version fails; a region replica left
-torn reloads the previous version from the sharded volume, the gathered replica that loaded the failed version goes
-back to the previous one, and the next version moves as regions again).
+``make sharded`` (WEIGHTSYNC_SHARDED=all) adds a TP=1 replica taking regions over NCCL and a TP=2 replica reading
+them over NIXL in the same versions (a third and a fourth engine, so make test keeps two) and, on that fleet,
+4 FSDP2 ranks publishing, a byte flipped on one rank's link (the version fails naming the tensor and the rank) and
+a rank killed mid-send (the version fails; a region replica left torn reloads the previous version from the sharded
+volume, the gathered replica that loaded the failed version goes back to the previous one, and the next version
+moves as regions again).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ TP1 = "replica-tp1"
 """``make sharded`` only: a TP=1 replica taking regions too (a third engine; make test keeps two), over the NCCL
 channel (its code over gloo, ``WEIGHTSYNC_NCCL_TRANSPORT=gloo``): its region group forms on rank 0's NCCL store,
 apart from the gathered NCCL group."""
-CHANNELS = {REPLICA: Channel.CPU, WHOLE: Channel.CPU, TP1: Channel.NCCL}
+NIXL_TP2 = "replica-nixl"
+"""``make sharded`` only: a TP=2 replica on NIXL (a fourth engine): its workers read their regions out of the
+ranks' registered shards (``nixl_regions``; host memory, ``WEIGHTSYNC_NIXL_MEMORY=host``; UCX over TCP between
+the hosts), the first version whole over the NIXL channel."""
+CHANNELS = {REPLICA: Channel.CPU, WHOLE: Channel.CPU, TP1: Channel.NCCL, NIXL_TP2: Channel.NIXL}
 """The channel each replica declares (with the volume)."""
 RANKS = 4 if ALL else 2
 """Hosts for trainer ranks: ``make sharded`` also publishes from 4 FSDP2 ranks."""
@@ -111,17 +116,18 @@ def _mint(folder: Path, address: str) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with running(tmp_path_factory.mktemp("sharded-publish"), support.tiny_model(), (2, 2, 1) if ALL else (2, 2)) as f:
+    sizes = (2, 2, 1, 2) if ALL else (2, 2)
+    with running(tmp_path_factory.mktemp("sharded-publish"), support.tiny_model(), sizes) as f:
         yield f
 
 
 @contextmanager
 def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
     """The fleet for ``model``: a replica taking regions at TP ``sizes[0]``, the ``WholeOnly`` one at ``sizes[1]``,
-    and one more taking regions at ``sizes[2]`` where given (the TP=1 replica of make sharded)."""
+    and more taking regions at ``sizes[2:]`` where given (make sharded's TP=1 replica on NCCL, TP=2 on NIXL)."""
     from prometheus_client import CollectorRegistry
 
-    from weightsync.channels import nccl
+    from weightsync.channels import nccl, nixl
     from weightsync.coordinator import jobs, server
     from weightsync.coordinator.client import CoordinatorClient
     from weightsync.coordinator.tls import ServerTls, TlsConfig
@@ -142,13 +148,17 @@ def running(work: Path, model: Path, sizes: tuple[int, ...]) -> Iterator[Fleet]:
         config = server.ServerConfig(host=hosts.bridge_address, port=0, token=TOKEN, tls=tls, metrics_port=0)
         coordinator = server.CoordinatorServer(config, registry=CollectorRegistry()).start()
         mp.setenv(nccl.TRANSPORT_ENV, "gloo")  # the NCCL channel's code on CPU tensors, here and in the ranks
-        ids = (REPLICA, WHOLE, TP1)
+        ids = (REPLICA, WHOLE, TP1, NIXL_TP2)[: len(sizes)]
+        if NIXL_TP2 in ids:  # before the engines start: their workers read with these
+            mp.setenv(nixl.MEMORY_ENV, "host")
+            mp.setenv("UCX_TLS", "tcp")  # the hosts share this machine's memory, which separate hosts would not
+            # this host reaches the ranks' over a Linux bridge, whose interfaces UCX's TCP transport skips by default
+            mp.setenv("UCX_TCP_BRIDGE_ENABLE", "y")
         engines = [
-            OfflineEngine(model, CHANNELS[rid], tensor_parallel_size=tp)
-            for rid, tp in zip(ids[: len(sizes)], sizes, strict=True)
+            OfflineEngine(model, CHANNELS[rid], tensor_parallel_size=tp) for rid, tp in zip(ids, sizes, strict=True)
         ]
         replicas: list[tuple[str, Any]] = [(REPLICA, engines[0]), (WHOLE, WholeOnly(engines[1]))]
-        replicas += [(TP1, engine) for engine in engines[2:]]
+        replicas += list(zip(ids[2:], engines[2:], strict=True))
         volume = work / "volume"
         volume.mkdir()
         agents, threads = [], []

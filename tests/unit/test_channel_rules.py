@@ -32,7 +32,30 @@ def test_a_replica_receives_by_its_engine() -> None:
     channels, why = rules.usable(ALL, CPU_END, sends=False)
     assert channels == (Channel.CPU, Channel.VOLUME)
     assert why[Channel.IPC] == "the engine runs on the CPU"
-    assert why[Channel.NIXL] == "NIXL is not importable in every worker or the weights are not on a GPU"
+    assert why[Channel.NIXL] == "NIXL is not importable in every worker"
+
+
+def test_nixl_moves_host_memory_only_when_told_to() -> None:
+    cpu_with_nixl = Capabilities(nixl=True, volume_mount="/ckpt")
+    assert rules.own(Channel.NIXL, cpu_with_nixl, sends=True) == (
+        "the trainer's weights are not on a GPU (WEIGHTSYNC_NIXL_MEMORY=host lets NIXL move host memory)"
+    )
+    assert rules.own(Channel.NIXL, cpu_with_nixl, sends=False).startswith("the engine runs on the CPU (")
+    assert rules.own(Channel.NIXL, cpu_with_nixl, sends=True, nixl_memory="host") == ""
+    assert rules.own(Channel.NIXL, cpu_with_nixl, sends=False, nixl_memory="host") == ""
+    assert rules.own(Channel.NIXL, CPU_END, sends=False, nixl_memory="host") == "NIXL is not importable in every worker"
+
+
+def test_the_nixl_memory_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsync.channels import nixl
+    from weightsync.errors import PermanentError
+
+    assert nixl.memory() == "device"
+    monkeypatch.setenv(nixl.MEMORY_ENV, "host")
+    assert nixl.memory() == "host"
+    monkeypatch.setenv(nixl.MEMORY_ENV, "dram")
+    with pytest.raises(PermanentError, match="WEIGHTSYNC_NIXL_MEMORY='dram'; use device"):
+        nixl.memory()
 
 
 def test_nccl_on_the_cpu_only_over_its_gloo_transport() -> None:

@@ -317,3 +317,34 @@ def test_a_replica_on_the_trainers_gpus_copies_its_colocated_links_by_ipc_and_ta
     assert not gathered.same_membership(colocated.rendezvous)
     with pytest.raises(Exception, match=r"copies links \[\(0, 7\)\]"):
         region_groups.rank_groups(colocated.rendezvous, part.regions, frozenset({(0, 7)}))
+
+
+def test_a_replica_on_nixl_reads_every_link_itself_on_the_trainers_gpus_too() -> None:
+    """NIXL carries regions: a replica planned on it gets a membership of its own on the NIXL offer's store (the
+    trainer's ranks and its workers), and no copied links even where its workers share the ranks' GPUs (each worker
+    reads every link out of the ranks' registered shards, ``nixl_regions``); the trainer's ranks get their parts.
+    A replica whose only NIXL-capable peer is IPC keeps the gathered path, the plan saying why."""
+    trainer = dataclasses.replace(NCCL_TRAINER, channels=(Channel.IPC, Channel.NIXL, Channel.VOLUME), nixl=True)
+    offers = (
+        Offer(Channel.IPC, Endpoint("10.0.0.1", 29601), devices=("g0",)),
+        Offer(Channel.NIXL, Endpoint("10.0.0.1", 29602), agent="trainer-agent", metadata="bWQ="),
+        Offer(Channel.VOLUME),
+    )
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    lease = core.register("job", Role.TRAINER, "t", "t1", trainer, offers=offers, layout=TRAINER).lease_id
+    on_nixl = dataclasses.replace(_gpus("g0", "g1"), host="t", channels=(Channel.NIXL, Channel.VOLUME), nixl=True)
+    core.register("job", Role.REPLICA, "r-nixl", "i0", on_nixl, layout=ENGINE)
+    on_ipc = dataclasses.replace(_gpus("g0"), host="t", channels=(Channel.IPC, Channel.VOLUME))
+    core.register("job", Role.REPLICA, "r-ipc", "i1", on_ipc, layout=random_replica(random.Random(4), TABLE, 1))
+    opened = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    plans = {p.replica_id: p for p in opened.plans}
+
+    nixl = plans["r-nixl"]
+    part = nixl.regions_part()
+    assert nixl.channel is Channel.NIXL and part is not None and part.copied == frozenset()
+    assert {(r.rank, r.worker) for r in part.regions} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    rdv = nixl.rendezvous
+    assert (rdv.endpoint, rdv.rank, rdv.world_size) == (offers[1].endpoint, 2, 4) and "nixl-regions" in rdv.group
+    assert {r.rank for p in opened.transfers for r in p.replica("r-nixl").regions} == {0, 1}
+    ipc = plans["r-ipc"].transfer.replica("r-ipc")  # type: ignore[union-attr]
+    assert plans["r-ipc"].channel is Channel.IPC and "'ipc' carries whole tensors only" in ipc.gathered

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from weightsync.channels.base import UpdateTicket
+from weightsync.errors import RetryableError
 from weightsync.vocabulary import Channel
 from weightsync_inference import lifecycle
 
@@ -80,3 +81,15 @@ def test_a_version_one_worker_finished_and_another_refused_is_torn() -> None:
     assert merge([refused, done]).torn
     both = merge([refused, Receipt(2, Channel.CPU, ok=False, torn=False, error="refused too")])
     assert not both.ok and not both.torn  # refused everywhere: the previous version is whole
+
+
+def test_a_receiver_the_engine_cannot_start_fails_as_the_channels_failure_not_the_agents() -> None:
+    """vLLM's executor raises its plain ``Exception`` when a worker could not start its receiver (seen for real: a
+    NIXL worker that could not load the trainer's agent metadata, UCX finding no route); it used to end the agent's
+    thread. It fails as a ``RetryableError`` naming the channel, which the agent acks as its channel's failure
+    (``Agent._assign``), with nothing loaded."""
+    engine = FailingEngine()
+    replica = lifecycle.Replica(engine, version=1)  # type: ignore[arg-type]
+    with pytest.raises(RetryableError, match="the engine could not start its nixl receiver: Call to collective_rpc"):
+        replica.init_transfer({"channel": "nixl"}, timeout_s=5)
+    assert engine.calls == ["init_transfer"] and replica.state is lifecycle.EngineState.SERVING

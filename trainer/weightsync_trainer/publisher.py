@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from weightsync import channels, jobconfig
-from weightsync.channels import nccl, rules
+from weightsync.channels import nccl, nixl, rules
 from weightsync.channels.base import Sender, SenderConfig, SendReport, UpdateTicket
 from weightsync.channels.volume import VolumeSender
 from weightsync.coordinator import auth, models
@@ -216,7 +216,9 @@ class Publisher:
         dev = torch.device(device)
         volume = Path(checkpoint_dir) if checkpoint_dir else None
         found = self._discover(dev, node, nccl_domain or (config.nccl_domain if config else ""), volume, job, volume_id)
-        offered, why = rules.usable(channels_, found, sends=True, nccl_transport=nccl.transport())
+        offered, why = rules.usable(
+            channels_, found, sends=True, nccl_transport=nccl.transport(), nixl_memory=nixl.memory()
+        )
         for ch, reason in why.items():
             log.warning("not offering %s: %s", ch.value, reason)
         sender_config = SenderConfig(host=host, device=device, timeout_s=timeout_s, root=str(volume or ""))
@@ -259,7 +261,7 @@ class Publisher:
             host=node or socket.gethostname(),
             gpu_uuids=(gpu.uuid(dev),) if cuda else (),
             nccl_domain=domain,
-            nixl=cuda and importlib.util.find_spec("nixl") is not None,
+            nixl=importlib.util.find_spec("nixl") is not None,
             volume_id=volume_id or (job if volume else ""),
             volume_mount=str(volume or ""),
             engine=models.EngineKind.GPU if cuda else models.EngineKind.CPU,

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import exchanges, ipc_regions, region_groups, regions, wire
+from weightsync.channels import exchanges, ipc_regions, nixl_regions, region_groups, regions, shard_reads, wire
 from weightsync.channels.base import Rendezvous
 from weightsync.coordinator import models
 from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
@@ -56,6 +56,7 @@ from weightsync.sharding import plans
 from weightsync.sharding.links import Link
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
+from weightsync.vocabulary import Channel
 from weightsync_trainer.layouts import local_shards
 from weightsync_trainer.sources import ModuleSource
 
@@ -236,11 +237,20 @@ def send_to(
     device: torch.device,
 ) -> regions.Tally:
     """Trainer ``rank``'s regions of ``t`` (from its ``local`` shards) over what ``kept`` holds for the replica's
-    membership, formed now where it holds nothing yet (every formation bounded): its region group, or, where some
+    membership, formed now where it holds nothing yet (every formation bounded): its region group; or, where some
     of its workers share the trainer's GPUs (``t.copied``), the co-located links by CUDA IPC (the rank publishes its
     shards and each region's digest word, the worker copies) and the others over the rank's own group
-    (``region_groups.rank_groups``); the shards stay unchanged until those workers said they are done."""
+    (``region_groups.rank_groups``); or, for a replica planned on NIXL, every link read by its worker out of the
+    rank's registered shards (``nixl_regions``). The shards stay unchanged until the reading workers said they are
+    done."""
     ours = [g for g in t.regions if g.rank == rank]
+    # its workers say done when their walk ended, failed too: a walk waits up to the join deadline and the timeout
+    # for another rank's placement, then the timeout for its reads; the rank waits longer, so that a worker failed
+    # by another rank's death says so before this rank gives up on it (and the version fails naming that rank)
+    wait_s = t.rendezvous.join_timeout_s + 2 * t.rendezvous.timeout_s
+    if t.rendezvous.channel is Channel.NIXL:
+        reads = kept.reads_end(t.rendezvous, Channel.NIXL, lambda store: nixl_regions.Exporter(store, rank, wait_s))
+        return _shared(reads, version, layout, rank, local, ours, sorted({g.worker for g in ours}), {})
     if not t.copied:
         group = kept.get(t.rendezvous, rank, device)
         return regions.send(group.pg, layout, rank, local, ours, bound=region_groups.bound(group))
@@ -253,16 +263,30 @@ def send_to(
         wired.append(group)
         links.update({w: regions.Wire(group.pg, 1 + i) for i, w in enumerate(workers)})
     near = sorted({w for r, w in t.copied if r == rank})
-    exporter = None
-    if near:
-        # its workers say done when their whole walk ended, which may wait the join deadline and the timeout itself
-        wait_s = t.rendezvous.join_timeout_s + t.rendezvous.timeout_s
-        exporter = kept.ipc_end(t.rendezvous, lambda store: ipc_regions.Exporter(store, rank, wait_s))
-        exporter.publish(version, layout, local)
-        links.update({w: exporter.link(w) for w in near})
-    tally = regions.send(None, layout, rank, local, ours, links=links, bound=region_groups.bound(*wired))
-    if exporter is not None:
-        exporter.release()
+    if not near:
+        return regions.send(None, layout, rank, local, ours, links=links, bound=region_groups.bound(*wired))
+    copies = kept.reads_end(t.rendezvous, Channel.IPC, lambda store: ipc_regions.Exporter(store, rank, wait_s))
+    return _shared(copies, version, layout, rank, local, ours, near, links, region_groups.bound(*wired))
+
+
+def _shared(
+    exporter: shard_reads.Exporter,
+    version: int,
+    layout: TrainerLayout,
+    rank: int,
+    local: Sequence[torch.Tensor | None],
+    ours: Sequence[Region],
+    readers: Sequence[int],
+    links: dict[int, regions.Wire | regions.Shared],
+    bound: Any = None,
+) -> regions.Tally:
+    """The rank's regions with the links of ``readers`` read by those workers from ``exporter`` (its shards
+    published for ``version``), the others over ``links``; the shards stay unchanged until the readers said they
+    are done."""
+    exporter.publish(version, layout, local)
+    links.update({w: exporter.link(w) for w in readers})
+    tally = regions.send(None, layout, rank, local, ours, links=links, bound=bound)
+    exporter.release()
     return tally
 
 

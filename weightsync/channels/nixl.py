@@ -45,6 +45,7 @@ import base64
 import binascii
 import importlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -101,6 +102,18 @@ def decode_metadata(text: Any, what: str) -> bytes:
         return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError) as e:
         raise PermanentError(f"nixl channel: {what} is not base64 NIXL agent metadata: {e}") from None
+
+
+MEMORY_ENV = "WEIGHTSYNC_NIXL_MEMORY"
+
+
+def memory() -> str:
+    """What NIXL may move: ``device`` (the default: weights on a GPU) or ``host`` (CPU engines and trainers too,
+    their weights registered as DRAM: CPU fleets, and the tests)."""
+    value = os.environ.get(MEMORY_ENV, "device")
+    if value not in ("device", "host"):
+        raise PermanentError(f"{MEMORY_ENV}={value!r}; use device (default) or host")
+    return value
 
 
 def mem_type(device: torch.device) -> str:

@@ -17,6 +17,8 @@ the plan names the same group (``Kept``):
   rank's memory by CUDA IPC, ``ipc_regions``, on the same store), and the replica's other links go over one group
   per trainer rank instead (``rank_groups``: the rank and the workers it sends to over the wire, none of them on
   its GPU). Both ends derive those groups from the plan, so no word passes between them.
+- NIXL: no group; each worker reads its regions out of each rank's registered shards (``nixl_regions``), the
+  handshake on the same store (``Kept.reads_end``).
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ class Kept:
     def __init__(self) -> None:
         self.groups: dict[str, Member] = {}
         """Store prefix -> the group formed under it."""
-        self.ipc: Any = None
-        """The membership's IPC end (``ipc_regions.Exporter`` or ``Importer``), where it has copied links."""
+        self.reads: Any = None
+        """The membership's end of the links a worker reads itself (``shard_reads``' ``Exporter`` or ``Importer``:
+        over CUDA IPC where it has copied links, over NIXL for a replica planned on NIXL)."""
         self._membership = ""
         self._formed: set[str] = set()
 
@@ -157,21 +160,24 @@ class Kept:
         self.groups[rendezvous.prefix] = group
         return group
 
-    def ipc_end(self, membership: Rendezvous, make: Callable[[Any], End]) -> End:
-        """The membership's IPC end: the one kept, or ``make(store)`` on a store of its own under the membership's
-        prefix on trainer rank 0's store (the one its groups form on)."""
+    def reads_end(self, membership: Rendezvous, channel: Channel, make: Callable[[Any], End]) -> End:
+        """The membership's end of the links its workers read over ``channel`` (IPC or NIXL): the one kept, or
+        ``make(store)`` on a store of its own under the membership's prefix on trainer rank 0's store (the one its
+        groups form on)."""
         self._enter(membership)
-        if self.ipc is None:
-            prefix = membership.prefix + "ipc/"
-            self._first(prefix, f"the co-located links of {membership.group!r}", Channel.IPC)
+        if self.reads is None:
+            prefix = membership.prefix + f"{channel.value}/"
+            self._first(prefix, f"the {channel.value} links of {membership.group!r}", channel)
             if membership.endpoint is None:
-                raise PermanentError(f"region membership {membership.group!r} names no endpoint for its IPC links")
+                raise PermanentError(
+                    f"region membership {membership.group!r} names no endpoint for its {channel.value} links"
+                )
             store = wire.join_store(
                 membership.endpoint, membership.join_timeout_s, membership.timeout_s, membership.channel
             )
-            self.ipc = make(dist.PrefixStore(prefix, store))
-        ipc: End = self.ipc
-        return ipc
+            self.reads = make(dist.PrefixStore(prefix, store))
+        reads: End = self.reads
+        return reads
 
     def _enter(self, membership: Rendezvous) -> None:
         if membership.prefix != self._membership:
@@ -189,11 +195,11 @@ class Kept:
     def close(self) -> None:
         """Let everything go (a walk failed, or the plan names another membership): never formed again here."""
         groups, self.groups = self.groups, {}
-        ipc, self.ipc = self.ipc, None
+        reads, self.reads = self.reads, None
         for group in groups.values():
             group.close()
-        if ipc is not None:
-            ipc.close()
+        if reads is not None:
+            reads.close()
 
 
 def rank_groups(

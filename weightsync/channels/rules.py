@@ -36,11 +36,13 @@ replica takes ``devices`` consecutive ranks) under a store prefix only planned m
 not live: a replica planned on it loads a version once it is durable."""
 
 
-REGION_CHANNELS = frozenset({Channel.CPU, Channel.NCCL})
+REGION_CHANNELS = frozenset({Channel.CPU, Channel.NCCL, Channel.NIXL})
 """Channels that carry a transfer plan's regions (the sharded path: every trainer rank sends its own, every worker
-receives only its own), point to point over one group per replica of the trainer's ranks and its workers
-(``channels.regions``): the CPU stream over gloo, NCCL over NCCL. A replica planned on another channel takes the
-gathered path in the same version, the plan saying why (``regions``)."""
+receives only its own): point to point over one group per replica of the trainer's ranks and its workers
+(``channels.regions``), the CPU stream over gloo, NCCL over NCCL; or read by each worker out of each rank's
+registered shards, NIXL (``channels.nixl_regions``). A replica planned on another channel (IPC: whole tensors
+between one trainer process and its GPUs) takes the gathered path in the same version, the plan saying why
+(``regions``)."""
 
 
 def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capabilities | None = None) -> str:
@@ -48,7 +50,8 @@ def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capa
     ``plans.Member.refused`` says for a replica planned on it. An NCCL communicator takes one rank per GPU, so a
     replica with a worker on a trainer rank's GPU takes regions only where that pair can copy them by CUDA IPC
     instead (``sharding.links.colocated``: one host, the replica receives IPC, a GPU UUID for every worker);
-    its other links then go over a group per trainer rank (``region_groups.rank_groups``)."""
+    its other links then go over a group per trainer rank (``region_groups.rank_groups``). NIXL reads every link,
+    a worker on a rank's GPU too, so it holds no such rule."""
     if channel not in REGION_CHANNELS:
         over = ", ".join(sorted(c.value for c in REGION_CHANNELS))
         return f"its channel {channel.value!r} carries whole tensors only (regions go over: {over})"
@@ -103,17 +106,23 @@ class Capabilities:
             raise PermanentError(f"capabilities.devices must be 1..64 (a replica's workers), got {self.devices}")
 
 
-def own(channel: Channel, caps: Capabilities, *, sends: bool, nccl_transport: str = "nccl") -> str:
+def own(
+    channel: Channel, caps: Capabilities, *, sends: bool, nccl_transport: str = "nccl", nixl_memory: str = "device"
+) -> str:
     """Why this end cannot use ``channel`` (empty when it can). ``sends``: the trainer's side, else a replica's.
-    ``nccl_transport`` is the NCCL channel's (``gloo`` runs it on CPU tensors: tests and CPU-only machines)."""
+    ``nccl_transport`` is the NCCL channel's (``gloo`` runs it on CPU tensors: tests and CPU-only machines);
+    ``nixl_memory`` what NIXL may move (``host``: weights in host memory too, ``nixl.MEMORY_ENV``)."""
     gpu = caps.engine is EngineKind.GPU
     off_gpu = "the trainer's weights are not on a GPU" if sends else "the engine runs on the CPU"
     if channel is Channel.VOLUME and not caps.volume_mount:
         return "no checkpoint directory" if sends else "no checkpoint volume mounted"
     if channel is Channel.IPC and not gpu:
         return off_gpu
-    if channel is Channel.NIXL and not (gpu and caps.nixl):
-        return "NIXL is not importable" + ("" if sends else " in every worker") + " or the weights are not on a GPU"
+    if channel is Channel.NIXL:
+        if not caps.nixl:
+            return "NIXL is not importable" + ("" if sends else " in every worker")
+        if not gpu and nixl_memory != "host":
+            return off_gpu + " (WEIGHTSYNC_NIXL_MEMORY=host lets NIXL move host memory)"
     if channel is Channel.NCCL:
         if not caps.nccl_domain:
             return "the job has no NCCL domain"
@@ -125,10 +134,19 @@ def own(channel: Channel, caps: Capabilities, *, sends: bool, nccl_transport: st
 
 
 def usable(
-    wanted: Iterable[Channel], caps: Capabilities, *, sends: bool, nccl_transport: str = "nccl"
+    wanted: Iterable[Channel],
+    caps: Capabilities,
+    *,
+    sends: bool,
+    nccl_transport: str = "nccl",
+    nixl_memory: str = "device",
 ) -> tuple[tuple[Channel, ...], dict[Channel, str]]:
     """The channels of ``wanted`` this end can use (in ``wanted``'s order), and why it cannot use the others."""
-    why = {ch: r for ch in wanted if (r := own(ch, caps, sends=sends, nccl_transport=nccl_transport))}
+    why = {
+        ch: r
+        for ch in wanted
+        if (r := own(ch, caps, sends=sends, nccl_transport=nccl_transport, nixl_memory=nixl_memory))
+    }
     return tuple(ch for ch in wanted if ch not in why), why
 
 

@@ -209,7 +209,8 @@ class _Planned:
             rdv, part = p.rendezvous, self.whole.part_for_replica(p.replica_id)
             if p.replica_id in sharded and m.layout is not None:
                 rdv = region_group(rdv, self.layout.world_size, len(m.layout.workers))
-                part = self._with_copies(part)
+                if p.channel is Channel.NCCL:  # NIXL reads every link, a worker on a rank's GPU too
+                    part = self._with_copies(part)
             out.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
         return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
 
