@@ -8,10 +8,11 @@ the plan names the same group, ``region_groups.Kept``; where the plan copies som
 links, ``walk``: those by CUDA IPC from the trainer rank on its GPU, the others over the
 ranks' own groups; planned on NIXL, it reads every region itself), checks
 the table against vLLM's loader (``dryrun``, changing nothing), then inside vLLM's layerwise
-reload receives its regions in plan order (``weightsync.channels.regions.receive``: each
-region's digest checked on arrival) and
-lands each one (``landing.Landing``); a failure after the first byte landed leaves the
-worker torn (the updater's fail-stop state), as any in-place update does.
+reload receives its regions in plan order (``weightsync.channels.regions.receive``: every
+region's digest checked once all arrived, one host sync) and
+lands each one (``landing.Landing``); a failure after the first byte landed (a region whose
+digest differs included) leaves the worker torn (the updater's fail-stop state), as any
+in-place update does.
 
 Answers what it received: bytes, each region's digest in its order (the agent combines
 the workers' lists in plan order, ``regions.combine``), seconds.

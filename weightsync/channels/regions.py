@@ -12,20 +12,24 @@ workers (group rank = trainer world size + worker):
   ``BUCKET`` bytes where the shard lives: one copy per region into the bucket, then every region's digest word
   (``digests.words``: one batched kernel per bucket on a GPU) appended, so a bucket is one message;
 - ``receive``: a worker posts the receives of its buckets (it cuts the same buckets from the same plan; messages
-  between two group ranks arrive in the order they were sent), checks each region's word against its own
-  digest of the bytes that arrived (one batched kernel per bucket) before yielding it, and yields the region as
-  a ``(Fill, tensor)`` piece (a view of the bucket) for ``weightsync_inference.landing``. A region whose bytes
-  changed on the way fails naming tensor, box, sending rank and worker.
+  between two group ranks arrive in the order they were sent), yields each region as a ``(Fill, tensor)`` piece
+  (a view of the bucket) for ``weightsync_inference.landing`` once its bucket arrived, with its own digest of the
+  bytes queued (one batched kernel per bucket), and checks every region's word against the one its rank sent at
+  the end of the walk (one host sync for the version). A region whose bytes changed on the way fails the walk
+  naming tensor, box, sending rank and worker; it may have landed by then, as every region before it did: a
+  failed walk leaves the worker torn, which it is from its first landed byte anyway (the updater's fail-stop
+  state).
 
 Both sides go in rounds, round ``k`` being the ``k``-th bucket of each of the side's links: on a group whose
 backend batches point-to-point calls (NCCL), a round is one ``batch_isend_irecv`` (the links move at once; a
 send or receive per region, each its own serialized NCCL launch, ran 4-40x the link bound), elsewhere (gloo) one
-call per bucket. ``WINDOW`` rounds are in flight, so packing the next overlaps the wire, and the host waits
-(one sync per round, the digest words) only on the oldest. Both return each region's digest in their own
-plan order; ``combine`` puts a replica's digests (all its workers', or all ranks') back in plan order into one
-digest, the sender's and the engine's side alike. Every wait is bounded by the group's timeout (gloo's
-point-to-point calls take the one the group was formed with, NCCL's watchdog its own): a rank that dies
-mid-send makes its peers' receives fail at once or at that timeout.
+call per bucket. ``WINDOW`` rounds are in flight, so packing the next overlaps the wire; the host waits on the
+oldest round's works only, and reads the digest words once, at the end (a sync per round, where each side's
+GPU is time-sliced with the other's process, cost a wait for the other's slice each time). Both return each
+region's digest in their own plan order; ``combine`` puts a replica's digests (all its workers', or all ranks')
+back in plan order into one digest, the sender's and the engine's side alike. Every wait is bounded by the
+group's timeout (gloo's point-to-point calls take the one the group was formed with, NCCL's watchdog its own): a
+rank that dies mid-send makes its peers' receives fail at once or at that timeout.
 
 Each link takes its bytes from its own transport (``links``, keyed by the other end: worker on the sending side,
 trainer rank on the receiving side): a ``Wire`` (a group and the other end's rank in it; by default the one
@@ -97,16 +101,21 @@ class Shared(Protocol):
 
 
 class Copied(Protocol):
-    """The receiving end of a co-located link (``ipc_regions``): fills buckets from the rank's shard."""
+    """The receiving end of a link the worker reads itself (``ipc_regions``, ``nixl_regions``): fills buckets from
+    the rank's shard."""
 
     def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
         """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (flat uint8 views of a bucket), and
-        the rank's digest words for them into ``words`` now or at the latest in ``settle``; kernels queued on the
-        current stream."""
+        the rank's digest words for them into ``words`` now or at the latest in ``settle``."""
+        ...
+
+    def arrived(self) -> None:
+        """Return once the bytes of every bucket filled so far are in place, or ordered before the kernels the walk
+        queues next on the current stream (bounded): the walk calls it before it yields a round."""
         ...
 
     def settle(self) -> None:
-        """Write the words of every bucket filled so far: the walk calls it before it checks a round."""
+        """Write the words of every bucket filled so far (bounded): the walk calls it once, before its check."""
         ...
 
     def release(self) -> None:
@@ -246,35 +255,44 @@ def send(
     ``local[i]`` is the rank's local shard of table tensor ``i`` (None where it holds none). Each link's regions
     go packed in buckets of about ``bucket`` bytes with their digest words; the links of a round go at once.
     ``links`` maps a worker to its link's transport (default: ``Wire(pg, layout.world_size + worker)``); a
-    ``Shared`` link's regions are handed to it whole, before the wire's rounds start. ``bound``: the group's
-    bounded wait, where a work's own wait does not block (NCCL).
+    ``Shared`` link's regions are handed to it whole, once the wire's first ``window`` rounds are posted.
+    ``bound``: the group's bounded wait, where a work's own wait does not block (NCCL).
     """
     got: list[str] = [""] * len(regions)
     tally = Tally()
     route = _routes(links, lambda w: Wire(pg, layout.world_size + w), (r.worker for r in regions), "worker")
     shared = {w: link for w, link in route.items() if not isinstance(link, Wire)}
-    for w, link in shared.items():
-        own = [(i, r) for i, r in enumerate(regions) if r.worker == w]
-        words = link.share([r for _, r in own], [_cut(layout, rank, local, r) for _, r in own])
-        for (i, r), word in zip(own, words, strict=True):
-            got[i] = _digest(r.nbytes, word)
-            tally.nbytes += r.nbytes
+
+    def share() -> None:
+        for w, link in shared.items():
+            own = [(i, r) for i, r in enumerate(regions) if r.worker == w]
+            words = link.share([r for _, r in own], [_cut(layout, rank, local, r) for _, r in own])
+            for (i, r), word in zip(own, words, strict=True):
+                got[i] = _digest(r.nbytes, word)
+                tally.nbytes += r.nbytes
+
+    rounds = _rounds(regions, worker_of, bucket, frozenset(shared))
+    # the shared links' words once the wire's first rounds are on their way: a worker that reads its regions itself
+    # needs them only at its walk's end, a worker on the wire needs its buckets now
+    first = min(window, len(rounds))
+    if not first:
+        share()
     posted: collections.deque[tuple[list[_Bucket], list[Any], list[torch.Tensor]]] = collections.deque()
+    sent: list[tuple[list[_Bucket], torch.Tensor]] = []  # each round's regions and its words, read at the end
 
     def done() -> None:
         rnd, works, buffers = posted.popleft()
         _wait(works, bound, f"trainer rank {rank}'s sends to worker {', '.join(str(b.peer) for b in rnd)}")
-        # the buffers had to live until here; one host sync
-        words = torch.cat([b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]).tolist()
-        for (i, r), w in zip((x for b in rnd for x in b.regions), words, strict=True):
-            got[i] = _digest(r.nbytes, w)
-            tally.nbytes += r.nbytes
+        # the buffers had to live until here; their words go on without them
+        sent.append((rnd, torch.cat([b.words(buf) for b, buf in zip(rnd, buffers, strict=True)])))
 
     try:
-        for rnd in _rounds(regions, worker_of, bucket, frozenset(shared)):
+        for k, rnd in enumerate(rounds):
             buffers = [_pack(layout, rank, local, b) for b in rnd]
             ops = [("send", buf, route[b.peer]) for b, buf in zip(rnd, buffers, strict=True)]
             posted.append((rnd, [w for w, _ in _post_links(ops)], buffers))
+            if k + 1 == first:
+                share()
             while len(posted) > window:
                 done()
         while posted:
@@ -284,6 +302,11 @@ def send(
             f"trainer rank {rank}: sending its regions failed or exceeded the group's timeout ({e}); the version "
             "fails and the group must be rebuilt"
         ) from e
+    if sent:  # one host sync
+        words = torch.cat([w for _, w in sent]).tolist()
+        for (i, r), w in zip((x for rnd, _ in sent for b in rnd for x in b.regions), words, strict=True):
+            got[i] = _digest(r.nbytes, w)
+            tally.nbytes += r.nbytes
     tally.digests = got
     return tally
 
@@ -344,6 +367,21 @@ def view_of(tensor: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
     return tensor.as_strided(box.lengths, strides, tensor.storage_offset() + at)
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """A round of ``receive`` in flight: its buckets, their works (with the buckets each stands for), each bucket's
+    region views and where the words its rank sent are (in the bucket, or apart for a copied link)."""
+
+    rnd: list[_Bucket]
+    works: list[tuple[Any, list[int]]]
+    views: list[list[torch.Tensor]]
+    sent: list[torch.Tensor]
+
+
+_Arrived = tuple[list[_Bucket], torch.Tensor, list[torch.Tensor]]
+"""A round that arrived: its buckets, our digest words of their regions, the words their ranks sent (per bucket)."""
+
+
 def receive(
     pg: Any,
     trainers: int,
@@ -358,20 +396,18 @@ def receive(
     bound: Bound | None = None,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Receive ``worker``'s ``regions`` (its replica's, in plan order) from ``trainers`` trainer ranks; yield each
-    as a ``(Fill, tensor)`` piece once its digest checked, bucket by bucket (the links of a round interleaved, not
-    in plan order). ``tally`` gets each region's digest (in plan order, once all arrived) and bytes. ``bucket``
-    must be the senders' (``send``) on wire links. ``links`` maps a trainer rank to its link's transport (default:
-    ``Wire(pg, rank)``); a ``Copied`` link fills its buckets by copying, is checked like the rest, and is released
+    as a ``(Fill, tensor)`` piece once its bucket arrived, bucket by bucket (the links of a round interleaved, not
+    in plan order), and check every region's digest once all arrived (the walk raises then, after the last piece).
+    ``tally`` gets each region's digest (in plan order) and bytes once they checked. ``bucket`` must be the
+    senders' (``send``) on wire links. ``links`` maps a trainer rank to its link's transport (default:
+    ``Wire(pg, rank)``); a ``Copied`` link fills its buckets itself, is checked like the rest, and is released
     when the walk ends, however it ends. ``bound``: as for ``send``."""
     mine = [r for r in regions if r.worker == worker]
-    got: list[str] = [""] * len(mine)
     route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
     copied = {r: link for r, link in route.items() if not isinstance(link, Wire)}
     rounds = iter(_rounds(mine, rank_of, bucket))
-    posted: collections.deque[
-        tuple[list[_Bucket], list[tuple[Any, list[int]]], list[torch.Tensor], list[list[torch.Tensor]]]
-    ]
-    posted = collections.deque()
+    posted: collections.deque[_Posted] = collections.deque()
+    arrived: list[_Arrived] = []
 
     def post() -> None:
         rnd = next(rounds, None)
@@ -387,20 +423,25 @@ def receive(
                 f"worker {worker}: posting the receives from trainer rank {', '.join(str(b.peer) for b in rnd)} "
                 f"failed ({e}); the version fails and the group must be rebuilt"
             ) from e
-        posted.append((rnd, [(w, [wired[k] for k in ks]) for w, ks in works], buffers, views))
+        # a copied link's words go apart from its bucket: written at ``settle``, after the bucket is gone
+        sent = [
+            torch.empty(len(b.regions), dtype=torch.int64, device=device) if b.peer in copied else b.words(buf)
+            for b, buf in zip(rnd, buffers, strict=True)
+        ]
+        posted.append(_Posted(rnd, [(w, [wired[k] for k in ks]) for w, ks in works], views, sent))
         # the copies after the wire's receives are posted: a rank slow to place its shards holds no other rank's
-        for b, buf, into in zip(rnd, buffers, views, strict=True):
+        for b, into, words in zip(rnd, views, sent, strict=True):
             if b.peer in copied:
-                copied[b.peer].fill([r for _, r in b.regions], into, b.words(buf))
+                copied[b.peer].fill([r for _, r in b.regions], into, words)
 
     try:
         for _ in range(window):
             post()
         while posted:
-            rnd, works, buffers, views = posted.popleft()
+            p = posted.popleft()
             # one work per bucket (gloo), or one for a group's batch (NCCL): name the ranks it waited for
-            for work, ks in works:
-                late = [rnd[k] for k in ks]
+            for work, ks in p.works:
+                late = [p.rnd[k] for k in ks]
                 try:
                     _wait([work], bound, f"worker {worker}'s receives from trainer rank {late[0].peer}")
                 except (RuntimeError, TransferTimeoutError) as e:
@@ -411,40 +452,40 @@ def receive(
                         f"({e}); the version fails and the group must be rebuilt"
                     ) from e
             post()
-            for peer in dict.fromkeys(b.peer for b in rnd if b.peer in copied):
-                copied[peer].settle()
-            checked = _check(worker, table, rnd, buffers, views)
-            for b, into in zip(rnd, views, strict=True):
-                for (i, r), data in zip(b.regions, into, strict=True):
-                    got[i] = checked[i]
-                    tally.nbytes += r.nbytes
+            for peer in dict.fromkeys(b.peer for b in p.rnd if b.peer in copied):
+                copied[peer].arrived()
+            # our words queued now, the wire's kept apart from their bucket: the round's buffers go with it
+            ours = torch.cat([digests.words(v) for v in p.views])
+            sent = [w if b.peer in copied else w.clone() for b, w in zip(p.rnd, p.sent, strict=True)]
+            arrived.append((p.rnd, ours, sent))
+            for b, into in zip(p.rnd, p.views, strict=True):
+                for (_, r), data in zip(b.regions, into, strict=True):
                     spec = table.tensors[r.tensor]
                     yield (
                         Fill(r.tensor, r.source, r.param, r.dest),
                         data.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths),
                     )
+        for link in copied.values():
+            link.settle()
+        tally.digests.extend(_check(worker, table, len(mine), arrived))
+        tally.nbytes += sum(r.nbytes for r in mine)
     finally:
         for link in copied.values():
             link.release()
-    tally.digests.extend(got)
 
 
-def _check(
-    worker: int,
-    table: TensorTable,
-    rnd: Sequence[_Bucket],
-    buffers: Sequence[torch.Tensor],
-    views: Sequence[Sequence[torch.Tensor]],
-) -> dict[int, str]:
-    """Each region's digest of what arrived (``views``: each bucket's regions) against the word its rank sent with
-    it (one batched digest kernel per bucket, one host sync per round); a difference fails naming tensor, box,
-    sending rank and worker."""
-    ours = [digests.words(v) for v in views]
-    theirs = [b.words(buf) for b, buf in zip(rnd, buffers, strict=True)]
-    both = torch.cat([*ours, *theirs]).tolist()
+def _check(worker: int, table: TensorTable, count: int, rounds: Sequence[_Arrived]) -> list[str]:
+    """Each region's digest of what arrived against the word its rank sent with it (one host sync for all
+    ``rounds``: each its buckets, our words, theirs per bucket), in the worker's plan order (``count`` regions);
+    a difference fails naming tensor, box, sending rank and worker."""
+    if not rounds:
+        return []
+    ours = torch.cat([o for _, o, _ in rounds])
+    both = torch.cat([ours, *(t for _, _, theirs in rounds for t in theirs)]).tolist()
     half = len(both) // 2
-    out: dict[int, str] = {}
-    for (i, r), got, sent in zip((x for b in rnd for x in b.regions), both[:half], both[half:], strict=True):
+    out = [""] * count
+    regions = (x for rnd, _, _ in rounds for b in rnd for x in b.regions)
+    for (i, r), got, sent in zip(regions, both[:half], both[half:], strict=True):
         if got != sent:
             raise IntegrityError(
                 f"worker {worker}: region {r.source} of tensor {table.tensors[r.tensor].name!r} from trainer rank "

@@ -6,10 +6,10 @@ the shard stays in the same memory) and publishes where each shard lies in it, w
 word of each of that link's regions, computed where the shard lives (``regions.send`` hands it the regions' views:
 ``Exporter.link``). The worker opens the rank's memory once a placement and, inside ``regions.receive``'s walk,
 reads each bucket's regions from the rank's shards into the bucket as soon as the version's placement is out
-(``Importer.link``), so its reads overlap the rank's digests; before the walk checks a round it waits for its reads
-and writes the rank's words after the regions (``settle``): the bucket is then what the wire would have delivered,
-and the walk checks every region's digest against the rank's word before it yields it, failing naming tensor, box,
-rank and worker, as for any link. Bytes are counted by the walk: a worker reads exactly its regions' bytes.
+(``Importer.link``), so its reads overlap the rank's digests; before the walk yields a round it waits for its reads
+(``arrived``), and before it checks, at its end, it writes the rank's words beside the regions' (``settle``): the
+walk then checks every region's digest against the rank's word, failing naming tensor, box, rank and worker, as
+for any link. Bytes are counted by the walk: a worker reads exactly its regions' bytes.
 
 How a shard's memory is made readable and read is the link's transport (``Memory`` on the rank, ``Reader`` on the
 worker): CUDA IPC where the two share a GPU (``ipc_regions``: the worker maps the rank's memory and copies), NIXL
@@ -280,8 +280,9 @@ class Importer:
 
 class _Read:
     """``regions.Copied`` for one rank and version of an ``Importer``: reads start once the rank published where its
-    shards lie (``publish``); the rank's words, computed meanwhile, are fetched when the walk first checks, then
-    consumed in plan order (the walk fills a link's buckets in order)."""
+    shards lie (``publish``); the rank's words, computed meanwhile, are fetched when the walk checks, at its end
+    (or earlier where the transport needs the rank's message to read), and consumed in plan order (the walk fills
+    a link's buckets in order)."""
 
     def __init__(self, importer: Importer, version: int, rank: int, table: TensorTable) -> None:
         self._importer, self.version, self.rank, self._table = importer, version, rank, table
@@ -357,11 +358,16 @@ class _Read:
         self._filled += len(pieces)
         self._pending.append((words, len(regions)))
 
+    def arrived(self) -> None:
+        """Wait for the reads so far (bounded)."""
+        self._importer.reader.wait(self.rank, self._importer.timeout_s)
+
     def settle(self) -> None:
-        """Wait for the reads so far, then write the rank's words into the buckets filled so far (bounded)."""
+        """Wait for the reads so far, then write the rank's words into the word slots of the buckets filled so far
+        (bounded)."""
         if not self._pending:
             return
-        self._importer.reader.wait(self.rank, self._importer.timeout_s)
+        self.arrived()
         sent = self._sent()
         for words, n in self._pending:
             if self._at + n > sent.numel():
