@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -263,13 +263,15 @@ def send(
     route = _routes(links, lambda w: Wire(pg, layout.world_size + w), (r.worker for r in regions), "worker")
     shared = {w: link for w, link in route.items() if not isinstance(link, Wire)}
 
+    def account(indexed: Iterable[tuple[int, Region]], words: Sequence[int]) -> None:
+        for (i, r), word in zip(indexed, words, strict=True):
+            got[i] = _digest(r.nbytes, word)
+            tally.nbytes += r.nbytes
+
     def share() -> None:
         for w, link in shared.items():
             own = [(i, r) for i, r in enumerate(regions) if r.worker == w]
-            words = link.share([r for _, r in own], [_cut(layout, rank, local, r) for _, r in own])
-            for (i, r), word in zip(own, words, strict=True):
-                got[i] = _digest(r.nbytes, word)
-                tally.nbytes += r.nbytes
+            account(own, link.share([r for _, r in own], [_cut(layout, rank, local, r) for _, r in own]))
 
     rounds = _rounds(regions, worker_of, bucket, frozenset(shared))
     # the shared links' words once the wire's first rounds are on their way: a worker that reads its regions itself
@@ -303,10 +305,7 @@ def send(
             "fails and the group must be rebuilt"
         ) from e
     if sent:  # one host sync
-        words = torch.cat([w for _, w in sent]).tolist()
-        for (i, r), w in zip((x for rnd, _ in sent for b in rnd for x in b.regions), words, strict=True):
-            got[i] = _digest(r.nbytes, w)
-            tally.nbytes += r.nbytes
+        account((x for rnd, _ in sent for b in rnd for x in b.regions), torch.cat([w for _, w in sent]).tolist())
     tally.digests = got
     return tally
 
@@ -467,24 +466,24 @@ def receive(
                     )
         for link in copied.values():
             link.settle()
-        tally.digests.extend(_check(worker, table, len(mine), arrived))
+        tally.digests.extend(_check(worker, table, arrived))
         tally.nbytes += sum(r.nbytes for r in mine)
     finally:
         for link in copied.values():
             link.release()
 
 
-def _check(worker: int, table: TensorTable, count: int, rounds: Sequence[_Arrived]) -> list[str]:
+def _check(worker: int, table: TensorTable, rounds: Sequence[_Arrived]) -> list[str]:
     """Each region's digest of what arrived against the word its rank sent with it (one host sync for all
-    ``rounds``: each its buckets, our words, theirs per bucket), in the worker's plan order (``count`` regions);
-    a difference fails naming tensor, box, sending rank and worker."""
-    if not rounds:
+    ``rounds``: each its buckets, our words, theirs per bucket), in the worker's plan order; a difference fails
+    naming tensor, box, sending rank and worker."""
+    regions = [x for rnd, _, _ in rounds for b in rnd for x in b.regions]
+    if not regions:
         return []
     ours = torch.cat([o for _, o, _ in rounds])
     both = torch.cat([ours, *(t for _, _, theirs in rounds for t in theirs)]).tolist()
     half = len(both) // 2
-    out = [""] * count
-    regions = (x for rnd, _, _ in rounds for b in rnd for x in b.regions)
+    out = [""] * len(regions)
     for (i, r), got, sent in zip(regions, both[:half], both[half:], strict=True):
         if got != sent:
             raise IntegrityError(
