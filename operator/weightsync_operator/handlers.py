@@ -19,7 +19,10 @@ in a burst, and a change made in the seconds after it waited behind them.)
 
 A job left alone for about ``resync_seconds`` gets one pass that reads the API
 itself: the safety net for what a watch cannot say (kopf re-lists after a watch
-expires but reports no deletion that happened in between). Each wait is drawn
+expires but reports no deletion that happened in between). A job deleted with no
+finalizer left never reaches the cleanup and kopf does not stop its loop: its
+next pass fails, and a failing pass reads the RLJob; if it is gone, the loop
+releases what the operator kept of it (its admission first) and ends. Each wait is drawn
 from half to one and a half periods, so jobs created together (or all woken by
 an operator's start) spread their safety-net reads over a period instead of
 sending them in one burst. Secrets are not watched (the operator may only get
@@ -248,6 +251,28 @@ def build_registry(
         spec = body.metadata.get("generation") != body.get("status", {}).get("observedGeneration")
         wakers.wake((str(body.metadata.namespace), str(body.metadata.name)), spec)
 
+    def vanished(key: tuple[str, str], uid: str) -> tuple[str, str] | None:
+        """Why the job's RLJob is no longer the one its loop serves, with what its loop does about it; None while it
+        is (or the API cannot say). kopf forgets a job deleted with no finalizer left without stopping its loop or
+        calling the cleanup (a finalizer taken off, or a namespace deleted under an operator that just listed it):
+        its failing passes ask here."""
+        try:
+            found = api.get(KIND, *key)
+        except Exception:  # noqa: BLE001 - cannot tell: the loop goes on retrying
+            return None
+        if found is None:
+            return "deleted", "its admission and what the operator kept of it are released and its loop ends"
+        if found["metadata"].get("uid") != uid:
+            return "replaced by a new RLJob of its name", "its loop ends and leaves the key to the new job's"
+        return None
+
+    def forget(key: tuple[str, str]) -> None:
+        """What the operator keeps of a job, dropped: its phase count, its memory, its admission grant."""
+        phases.set(key, None)
+        memory.forget(*key)
+        if gate is not None:
+            gate.release(key)
+
     def record(body: kopf.Body, key: tuple[str, str], outcome: Outcome, started: float) -> None:
         changed = outcome.patched or outcome.writes
         metrics.reconciles_total.labels(KIND, "changed" if changed else "unchanged").inc()
@@ -269,7 +294,7 @@ def build_registry(
     )
     async def run(body: kopf.Body, **kwargs: Any) -> None:
         """Reconcile on every wake-up, from the indexes; from the API after a quiet ``resync_seconds``."""
-        key = (str(body.metadata.namespace), str(body.metadata.name))
+        key, uid = (str(body.metadata.namespace), str(body.metadata.name)), str(body.metadata.uid)
         loop = asyncio.get_running_loop()
         wake = wakers.register(key)
         from_api, backoff = False, 0.0  # the indexes are complete before any daemon starts (module docstring)
@@ -287,6 +312,14 @@ def build_registry(
                     )
                 except Exception as err:  # noqa: BLE001 - the daemon must live on (kopf would not restart it)
                     metrics.reconciles_total.labels(KIND, "error").inc()
+                    why = await loop.run_in_executor(pool, vanished, key, uid)
+                    if why is not None:
+                        log.warning(
+                            "RLJob %s/%s is gone (%s) without its deletion reaching the cleanup: %s", *key, *why
+                        )
+                        if why[0] == "deleted":
+                            forget(key)
+                        return
                     backoff = min(max(backoff * 2, 1.0), 30.0)
                     log.warning("reconcile of %s/%s failed (retrying in %.0fs): %s", *key, backoff, err)
                 else:
@@ -310,10 +343,7 @@ def build_registry(
         selector = names.label_selector(name)
         for item in api.list("WeightVersion", namespace, selector):
             api.delete("WeightVersion", namespace, item["metadata"]["name"])
-        phases.set((namespace, name), None)
-        memory.forget(namespace, name)
-        if gate is not None:
-            gate.release((namespace, name))
+        forget((namespace, name))
 
     @kopf.on.probe(id="rljobs", registry=registry)  # type: ignore[untyped-decorator,unused-ignore]
     def alive(**_: Any) -> str:

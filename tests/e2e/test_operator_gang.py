@@ -15,6 +15,8 @@ back, and the oldest queued jobs are admitted.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from typing import Any
 
@@ -158,3 +160,52 @@ def test_ten_jobs_on_sixteen_gpus_run_whole_or_wait_whole_and_in_turn(
 ) -> None:
     """The built-in gang admission: a queued job is Pending with no pod, and says what is short."""
     run_ten_jobs(kube, namespace, {}, "Pending", "the whole job does not fit now", in_order=True)
+
+
+def test_a_job_deleted_out_of_the_operators_sight_gives_its_room_back(
+    kube: Kube, namespace: str, operator: Operator
+) -> None:
+    """An admitted RLJob deleted with no finalizer left (taken off while the operator was stopped, then the job
+    deleted): kopf forgets a finalizer-less object on its deletion without stopping its daemon or calling the
+    cleanup, as when a namespace is deleted under an operator that has just listed its jobs (seen in CI on
+    2026-11-30: such a ghost held 4 of 16 GPUs until the operator restarted). The job's loop finds the RLJob gone on
+    its next pass and releases its admission: the queued job is admitted into its room."""
+    names = [f"ghost-{i}" for i in range(GPUS // PER_JOB + 1)]
+    for name in names:
+        kube.prebind_checkpoint_volume(namespace, name)
+    jobs = {"apiVersion": "v1", "kind": "List", "items": [example(n) for n in names]}
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(jobs))
+    try:
+
+        def split() -> tuple[list[str], list[str]] | None:
+            conditions = {n: _admission(kube, namespace, n) for n in names}
+            granted = [n for n, c in conditions.items() if c is not None and c["status"] == "True"]
+            queued = [n for n, c in conditions.items() if c is not None and c.get("reason") == "Queued"]
+            return (granted, queued) if len(granted) == GPUS // PER_JOB and len(queued) == 1 else None
+
+        granted, (queued,) = kube.wait_for(split, TURN_S, "4 jobs admitted and 1 queued", interval=1.0)
+        ghost = granted[0]
+        pid = operator.proc.pid if operator.proc is not None else 0
+        os.kill(pid, signal.SIGSTOP)  # a few seconds, well inside its leader lease
+        try:
+            kube.kubectl("patch", "rlj", ghost, "-n", namespace, "--type=json", "-p",
+                         '[{"op": "remove", "path": "/metadata/finalizers"}]')  # fmt: skip
+            kube.kubectl("delete", "rlj", ghost, "-n", namespace, "--timeout", "30s")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        def admitted() -> bool:
+            condition = _admission(kube, namespace, queued)
+            return condition is not None and condition["status"] == "True"
+
+        kube.wait_for(admitted, TURN_S, f"{queued} admitted into the room of the deleted {ghost}", interval=1.0)
+        assert "is gone" in operator.log.read_text()
+    finally:
+        kube.kubectl("delete", "rlj", "--all", "-n", namespace, "--timeout", f"{Timeouts.DELETE:.0f}s", check=False)
+        for name in names:
+            kube.kubectl("delete", "pv", f"{namespace}-{name}", "--wait=false", check=False)
+
+
+def _admission(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    conditions = rljob(kube, namespace, name).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == "Admitted"), None)
