@@ -1,4 +1,4 @@
-"""An in-process vLLM engine (``vllm.LLM``) behind the lifecycle's ``EngineControl``.
+"""An in-process vLLM engine (``vllm.LLM``, its core in this process) behind the lifecycle's ``EngineControl``.
 
 Used by the sandbox and the tests, where trainer and engine share one process. The
 offline API has no request queue to pause, so pause/resume are no-ops; everything
@@ -7,7 +7,11 @@ else is vLLM's own weight-transfer lifecycle.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,32 @@ from weightsync.sharding.fills import EngineLayout
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 from weightsync_inference import receipts, staging, worker
+
+
+@contextlib.contextmanager
+def _core_in_process() -> Iterator[None]:
+    """vLLM's engine core in this process: by default ``LLM`` starts the core in a process of its own, which imports
+    vLLM again before it starts the workers (on 2 CPU cores a tiny model's engine took 59 s to start, 18-24 s with
+    the core here, about 3 s once this process imported vLLM). With one worker vLLM's executor runs it in the core's
+    process, so here too (its gloo group of one included); tensor-parallel workers keep processes of their own. vLLM
+    reads the switch from the environment only, so it is set for the engine's construction and put back; what a core
+    does to its process once it started is undone here, as this process is not only the engine's: vLLM's cache of
+    its environment is turned off (settings made later still count) and the heap it froze is thawed (this process's
+    objects, the engine's once closed, stay collectable)."""
+    from vllm import envs
+
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+        envs.disable_envs_cache()
+        gc.unfreeze()
 
 
 class OfflineEngine:
@@ -29,16 +59,17 @@ class OfflineEngine:
     ) -> None:
         from vllm import LLM
 
-        self.llm = LLM(
-            model=str(model),
-            dtype="bfloat16",
-            enforce_eager=True,
-            gpu_memory_utilization=memory_fraction,
-            seed=seed,
-            weight_transfer_config={"backend": channel.engine_name},
-            worker_extension_cls=worker.QUALNAME,
-            **llm_kwargs,
-        )
+        with _core_in_process():
+            self.llm = LLM(
+                model=str(model),
+                dtype="bfloat16",
+                enforce_eager=True,
+                gpu_memory_utilization=memory_fraction,
+                seed=seed,
+                weight_transfer_config={"backend": channel.engine_name},
+                worker_extension_cls=worker.QUALNAME,
+                **llm_kwargs,
+            )
 
     def close(self) -> None:
         """Stop the engine's processes now rather than at interpreter exit."""
