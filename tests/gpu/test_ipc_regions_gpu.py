@@ -231,6 +231,40 @@ def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout()
         assert g["elapsed"] < TIMEOUT_S + 5.0, g
 
 
+def test_a_bucket_a_link_fills_itself_is_no_block_that_queued_kernels_still_use() -> None:
+    """NIXL's READs land outside the stream's order. A bucket from the current stream's pool can be a block freed
+    while a kernel queued on that stream still writes it, which then overwrites the bytes that landed (a region of
+    the NIXL test below arrived as zeros about once in ten runs): the walk takes the buckets of the links that fill
+    them themselves from a stream that runs nothing (``regions._bucket``), and keeps each from being handed out
+    again before the kernels queued on it ran."""
+    _need_gpus(1)
+    from weightsync.channels import regions
+
+    device, n = torch.device("cuda", 0), 1 << 22
+    torch.cuda.set_device(device)
+    quiet = torch.cuda.Stream(device)
+    # a free segment in each pool and the kernels loaded: a cudaMalloc or a kernel's first (lazy) load below would
+    # wait for the device, ending the sleep
+    for stream in (quiet, torch.cuda.current_stream(device)):
+        with torch.cuda.stream(stream):
+            torch.empty(2, n, dtype=torch.uint8, device=device).add_(1).sum()
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(2_000_000_000)  # the current stream busy for about a second
+    doomed = torch.empty(n, dtype=torch.uint8, device=device)
+    doomed.add_(1)  # a kernel queued behind the sleep: it writes after the free below
+    freed = doomed.data_ptr()
+    del doomed
+    assert regions._bucket(n, device, None).data_ptr() == freed  # the hazard: handed out again at once
+    bucket = regions._bucket(n, device, quiet)
+    assert bucket.data_ptr() != freed
+    bucket.sum()  # a kernel queued on the current stream reads it (the walk's digest)
+    used = bucket.data_ptr()
+    del bucket
+    assert not torch.cuda.current_stream(device).query(), "the sleep ended before the test did (its premise)"
+    assert regions._bucket(n, device, quiet).data_ptr() != used  # not again before that kernel ran
+    torch.cuda.synchronize(device)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not importable (carry .whl/nixl)")
 @pytest.mark.parametrize("fault", ["", "corrupt"], ids=["two-versions", "corrupt"])
 def test_nixl_links_read_the_ranks_gpu_shards_bit_exact(fault: str) -> None:
@@ -247,7 +281,8 @@ def test_nixl_links_read_the_ranks_gpu_shards_bit_exact(fault: str) -> None:
         assert got[RANKS].get("error_type") == "IntegrityError", got[RANKS]
         assert f"region {box} of tensor {name!r} from trainer rank 1" in got[RANKS]["raised"], got[RANKS]
         return
-    assert all("raised" not in g for g in got), [(g.get("error_type"), g.get("raised")) for g in got]
+    # what each process raised, and which versions it got through (a worker's digests<v> once v landed)
+    assert all("raised" not in g for g in got), [(g.get("error_type"), g.get("raised"), sorted(g)) for g in got]
     replica = job(24, RANKS)[1].replica("tp2")
     for v in ("1", "2"):
         assert_landed(got, replica, v)
