@@ -231,38 +231,31 @@ def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout()
         assert g["elapsed"] < TIMEOUT_S + 5.0, g
 
 
-def test_a_bucket_a_link_fills_itself_is_no_block_that_queued_kernels_still_use() -> None:
-    """NIXL's READs land outside the stream's order. A bucket from the current stream's pool can be a block freed
-    while a kernel queued on that stream still writes it, which then overwrites the bytes that landed (a region of
-    the NIXL test below arrived as zeros about once in ten runs): the walk takes the buckets of the links that fill
-    them themselves from a stream that runs nothing (``regions._bucket``), and keeps each from being handed out
-    again before the kernels queued on it ran."""
+def test_a_bucket_can_be_a_block_a_queued_kernel_still_writes_so_nixl_reads_wait_for_it() -> None:
+    """NIXL's READs land outside the stream's order. A bucket from the caching allocator can be a block freed while a
+    kernel queued on the stream still writes it, which would then overwrite the bytes that landed (a region of the
+    NIXL test below arrived as zeros about once in ten runs): the NIXL reader posts a READ only once the kernels
+    queued before it ran (``nixl_regions.landing_ready``)."""
     _need_gpus(1)
-    from weightsync.channels import regions
+    from weightsync.channels.nixl_regions import landing_ready
 
     device, n = torch.device("cuda", 0), 1 << 22
     torch.cuda.set_device(device)
-    quiet = torch.cuda.Stream(device)
-    # a free segment in each pool and the kernels loaded: a cudaMalloc or a kernel's first (lazy) load below would
-    # wait for the device, ending the sleep
-    for stream in (quiet, torch.cuda.current_stream(device)):
-        with torch.cuda.stream(stream):
-            torch.empty(2, n, dtype=torch.uint8, device=device).add_(1).sum()
+    stream = torch.cuda.current_stream(device)
+    # a free segment in the pool and the kernel loaded: a cudaMalloc or a kernel's first (lazy) load below would wait
+    # for the device, ending the sleep
+    torch.empty(2, n, dtype=torch.uint8, device=device).add_(1)
     torch.cuda.synchronize(device)
-    torch.cuda._sleep(2_000_000_000)  # the current stream busy for about a second
+    torch.cuda._sleep(2_000_000_000)  # the stream busy for about a second
     doomed = torch.empty(n, dtype=torch.uint8, device=device)
     doomed.add_(1)  # a kernel queued behind the sleep: it writes after the free below
     freed = doomed.data_ptr()
     del doomed
-    assert regions._bucket(n, device, None).data_ptr() == freed  # the hazard: handed out again at once
-    bucket = regions._bucket(n, device, quiet)
-    assert bucket.data_ptr() != freed
-    bucket.sum()  # a kernel queued on the current stream reads it (the walk's digest)
-    used = bucket.data_ptr()
-    del bucket
-    assert not torch.cuda.current_stream(device).query(), "the sleep ended before the test did (its premise)"
-    assert regions._bucket(n, device, quiet).data_ptr() != used  # not again before that kernel ran
-    torch.cuda.synchronize(device)
+    bucket = torch.empty(n, dtype=torch.uint8, device=device)
+    assert bucket.data_ptr() == freed  # the hazard: handed out again at once, under the queued kernel
+    assert not stream.query(), "the sleep ended before the test did (its premise)"
+    landing_ready(device)
+    assert stream.query()  # a READ posted now lands after that kernel wrote
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not importable (carry .whl/nixl)")

@@ -308,6 +308,7 @@ class _Reads:
                 f"({type(e).__name__}: {e}): the rank's places are not inside its registered memory"
             ) from None
         self._posted.setdefault(rank, []).append(handle)
+        landing_ready(self.device)
         if self._state(rank, lambda: self.agent.transfer(handle)) == "ERR":
             raise RetryableError(
                 f"nixl regions: worker {self.worker} could not post its READ from trainer rank {rank} (the rank went "
@@ -366,6 +367,16 @@ class _Reads:
             except Exception as e:  # noqa: BLE001 - the rank may be gone; nothing is read from it any more
                 log.debug("nixl regions: worker %d unloading agent %s: %s", self.worker, name, e)
         self._agents = {}
+
+
+def landing_ready(device: torch.device) -> None:
+    """Return once the kernels queued on ``device``'s current stream ran. NIXL's READs land outside the stream's
+    order, and the caching allocator hands a block back to its stream's pool at its free, while kernels queued on
+    that stream may still write it: a bucket just allocated can be a block a queued kernel (a freed temporary's
+    zeroing, say) still writes, which would overwrite bytes that landed (seen: a region that arrived as zeros, about
+    once in ten runs of the GPU test). One wait per READ posted, which the walk's rounds overlap."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class Importer(shard_reads.Importer):

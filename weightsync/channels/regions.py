@@ -404,9 +404,6 @@ def receive(
     mine = [r for r in regions if r.worker == worker]
     route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
     copied = {r: link for r, link in route.items() if not isinstance(link, Wire)}
-    quiet = None  # where the buckets of the links that fill them themselves come from (``_bucket``)
-    if copied and torch.device(device).type == "cuda":
-        quiet = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     rounds = iter(_rounds(mine, rank_of, bucket))
     posted: collections.deque[_Posted] = collections.deque()
     arrived: list[_Arrived] = []
@@ -415,7 +412,7 @@ def receive(
         rnd = next(rounds, None)
         if rnd is None:
             return
-        buffers = [_bucket(b.nbytes, device, quiet if b.peer in copied else None) for b in rnd]
+        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
         views = [b.views(buf) for b, buf in zip(rnd, buffers, strict=True)]  # once: the walk's per-region cost
         wired = [k for k, b in enumerate(rnd) if b.peer not in copied]
         try:  # gloo refuses to post on a pair its peer already closed
@@ -474,21 +471,6 @@ def receive(
     finally:
         for link in copied.values():
             link.release()
-
-
-def _bucket(nbytes: int, device: torch.device | str, quiet: Any) -> torch.Tensor:
-    """A bucket; one that a link fills itself (``quiet``: a stream that runs nothing) comes from that stream's pool.
-    A link may write outside the current stream's order (NIXL's READs land when the transfer does), and the caching
-    allocator hands a block back to its stream's pool at its free, while kernels queued on that stream may still
-    write it (a freed digest's zeroing, say): a bucket from the current stream's pool could be overwritten after its
-    bytes landed (seen: a region that arrived as zeros). Marked as used on the current stream, so that its memory
-    is not handed out again before the walk's kernels on it ran."""
-    if quiet is None:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    with torch.cuda.stream(quiet):
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    buffer.record_stream(torch.cuda.current_stream(buffer.device))
-    return buffer
 
 
 def _check(worker: int, table: TensorTable, rounds: Sequence[_Arrived]) -> list[str]:
