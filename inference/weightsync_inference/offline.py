@@ -72,7 +72,7 @@ class OfflineEngine:
             )
 
     def close(self) -> None:
-        """Stop the engine's processes now rather than at interpreter exit."""
+        """Stop the engine now (its core here, tensor-parallel workers' processes) rather than at interpreter exit."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def pause(self) -> None:
