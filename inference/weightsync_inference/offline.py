@@ -24,13 +24,15 @@ from weightsync_inference import receipts, staging, worker
 
 @contextlib.contextmanager
 def _core_in_process() -> Iterator[None]:
-    """vLLM's engine core in this process: by default ``LLM`` starts the core in a process of its own, which imports
-    vLLM again before it starts the workers (on 2 CPU cores a tiny model's engine took 59 s to start, 18-24 s with
-    the core here, about 3 s once this process imported vLLM). With one worker vLLM's executor runs it in the core's
-    process, so here too (its gloo group of one included); tensor-parallel workers keep processes of their own. vLLM
-    reads the switch from the environment only, so it is set for the engine's construction and put back; what a core
-    does to its process once it started is undone here, as this process is not only the engine's: vLLM's cache of
-    its environment is turned off (settings made later still count) and the heap it froze is thawed (this process's
+    """vLLM's engine core in this process, its workers in processes of their own: by default ``LLM`` starts the core
+    in a process of its own too, which imports vLLM again before it starts the workers (on 2 CPU cores a tiny
+    model's engine took 59 s to start, 22 s with the core here). The workers stay apart (``OfflineEngine`` asks for
+    the ``mp`` executor, which vLLM would otherwise leave for one worker): vLLM's CPU worker sizes its KV cache as
+    its share of the machine's memory less its process's (in this process, a trainer's memory or a test run's would
+    count against it; a worker here failed to start for that), and sets up OpenMP for its process. vLLM reads the
+    switch from the environment only, so it is set for the engine's construction and put back; what a core does to
+    its process once it started is undone here, as this process is not only the engine's: vLLM's cache of its
+    environment is turned off (settings made later still count) and the heap it froze is thawed (this process's
     objects, the engine's once closed, stay collectable)."""
     from vllm import envs
 
@@ -68,11 +70,11 @@ class OfflineEngine:
                 seed=seed,
                 weight_transfer_config={"backend": channel.engine_name},
                 worker_extension_cls=worker.QUALNAME,
-                **llm_kwargs,
+                **{"distributed_executor_backend": "mp", **llm_kwargs},
             )
 
     def close(self) -> None:
-        """Stop the engine now (its core here, tensor-parallel workers' processes) rather than at interpreter exit."""
+        """Stop the engine's processes (and its core here) now rather than at interpreter exit."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def pause(self) -> None:
