@@ -403,27 +403,8 @@ def timeouts() -> type[Timeouts]:
 def operator(kube: Kube, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tests.e2e.chart import installed
 
-    _earlier_namespaces_gone(kube)
     with installed(kube, tmp_path_factory.mktemp("operator")) as op:
         yield op
-
-
-def _earlier_namespaces_gone(kube: Kube) -> None:
-    """Wait (bounded by ``Timeouts.DELETE``, then go on) until no earlier test's namespace is still being deleted.
-    An operator that starts meanwhile lists the RLJobs in it (a module without an operator leaves them without a
-    finalizer) and may admit one whose namespace then vanishes without its daemon seeing the deletion (seen in CI,
-    2026-11-30: a ghost ``grpo-qwen`` of test_operator_crds.py held 4 of the gang test's 16 GPUs). The operator now
-    releases such a job's room on its loop's next failing pass (test_operator_gang.py causes it on purpose); here
-    the modules do not share jobs, so no test's timing depends on when that pass comes."""
-
-    def none_terminating() -> bool:
-        namespaces = kube.core.list_namespace(label_selector=f"{E2E_LABEL}=true").items
-        return not any(ns.status.phase == "Terminating" for ns in namespaces)
-
-    try:
-        kube.wait_for(none_terminating, Timeouts.DELETE, "earlier tests' namespaces deleted", interval=1.0)
-    except WaitTimeout as e:
-        sys.stderr.write(f"going on: {e}\n")
 
 
 def _slug(text: str, limit: int = 40) -> str:
