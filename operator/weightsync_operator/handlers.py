@@ -251,20 +251,18 @@ def build_registry(
         spec = body.metadata.get("generation") != body.get("status", {}).get("observedGeneration")
         wakers.wake((str(body.metadata.namespace), str(body.metadata.name)), spec)
 
-    def vanished(key: tuple[str, str], uid: str) -> tuple[str, str] | None:
-        """Why the job's RLJob is no longer the one its loop serves, with what its loop does about it; None while it
-        is (or the API cannot say). kopf forgets a job deleted with no finalizer left without stopping its loop or
-        calling the cleanup (a finalizer taken off, or a namespace deleted under an operator that just listed it):
-        its failing passes ask here."""
+    def vanished(key: tuple[str, str], uid: str) -> str | None:
+        """ "deleted" or "replaced" (a new RLJob of its name) when the job's RLJob is no longer the one its loop
+        serves; None while it is (or the API cannot say). kopf forgets a job deleted with no finalizer left without
+        stopping its loop or calling the cleanup (a finalizer taken off, or a namespace deleted under an operator
+        that just listed it): its failing passes ask here."""
         try:
             found = api.get(KIND, *key)
         except Exception:  # noqa: BLE001 - cannot tell: the loop goes on retrying
             return None
         if found is None:
-            return "deleted", "its admission and what the operator kept of it are released and its loop ends"
-        if found["metadata"].get("uid") != uid:
-            return "replaced by a new RLJob of its name", "its loop ends and leaves the key to the new job's"
-        return None
+            return "deleted"
+        return "replaced" if found["metadata"].get("uid") != uid else None
 
     def forget(key: tuple[str, str]) -> None:
         """What the operator keeps of a job, dropped: its phase count, its memory, its admission grant."""
@@ -313,12 +311,16 @@ def build_registry(
                 except Exception as err:  # noqa: BLE001 - the daemon must live on (kopf would not restart it)
                     metrics.reconciles_total.labels(KIND, "error").inc()
                     why = await loop.run_in_executor(pool, vanished, key, uid)
-                    if why is not None:
+                    if why == "deleted":
                         log.warning(
-                            "RLJob %s/%s is gone (%s) without its deletion reaching the cleanup: %s", *key, *why
+                            "RLJob %s/%s is gone (deleted) without its deletion reaching the cleanup: its admission "
+                            "and what the operator kept of it are released and its loop ends",
+                            *key,
                         )
-                        if why[0] == "deleted":
-                            forget(key)
+                        forget(key)
+                        return
+                    if why == "replaced":
+                        log.warning("RLJob %s/%s was replaced by a new one of its name: the old one's loop ends", *key)
                         return
                     backoff = min(max(backoff * 2, 1.0), 30.0)
                     log.warning("reconcile of %s/%s failed (retrying in %.0fs): %s", *key, backoff, err)

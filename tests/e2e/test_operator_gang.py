@@ -168,8 +168,8 @@ def test_a_job_deleted_out_of_the_operators_sight_gives_its_room_back(
     """An admitted RLJob deleted with no finalizer left (taken off while the operator was stopped, then the job
     deleted): kopf forgets a finalizer-less object on its deletion without stopping its daemon or calling the
     cleanup, as when a namespace is deleted under an operator that has just listed its jobs (seen in CI on
-    2026-11-30: such a ghost held 4 of 16 GPUs until the operator restarted). The job's loop finds the RLJob gone on
-    its next pass and releases its admission: the queued job is admitted into its room."""
+    2026-11-30: such a ghost held 4 of 16 GPUs through the whole of the next test). The job's loop finds the RLJob
+    gone on its next pass and releases its admission: the queued job is admitted into its room."""
     names = [f"ghost-{i}" for i in range(GPUS // PER_JOB + 1)]
     for name in names:
         kube.prebind_checkpoint_volume(namespace, name)
@@ -185,7 +185,8 @@ def test_a_job_deleted_out_of_the_operators_sight_gives_its_room_back(
 
         granted, (queued,) = kube.wait_for(split, TURN_S, "4 jobs admitted and 1 queued", interval=1.0)
         ghost = granted[0]
-        pid = operator.proc.pid if operator.proc is not None else 0
+        assert operator.proc is not None
+        pid = operator.proc.pid
         os.kill(pid, signal.SIGSTOP)  # a few seconds, well inside its leader lease
         try:
             kube.kubectl("patch", "rlj", ghost, "-n", namespace, "--type=json", "-p",
