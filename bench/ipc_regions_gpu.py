@@ -24,9 +24,12 @@ from a store barrier of all four (each CUDA-synchronised) to the last process's 
 ``time.perf_counter`` (one monotonic clock on the host). The modes, with ``--gpus 1``:
 
 - ``ipc``: each rank publishes its shards (exports reused after the first round) and its links' digest words
-  (computed on the device), each worker walks its regions (``sharded.walk``: ``regions.receive`` with IPC links,
-  default bucket: copies into buckets, digests checked on the device) and lands each in its parameters; the ranks
+  (computed on the device), each worker walks its regions (``sharded.walk``: ``regions.receive`` with IPC links
+  and the worker's parameters as its ``Places``, as the product's ``Landing`` gives them: each region copied from
+  the rank's shard straight into its box of its parameter and digested there, checked on the device); the ranks
   wait for the workers' done (``release``, inside ``send_to``);
+- ``buckets``: the same with every region copied into the walk's buckets (default bucket) and landed from there
+  (one ``copy_`` each into its sliced parameter), as before the walk took places;
 - ``walk``: the same without the landing copies (what the channel costs alone);
 - ``raw``: each worker one flat device-to-device copy of as many bytes as its regions hold (the floor: the same
   bytes read and written once), the two workers at once (``bound`` with no crossing link).
@@ -35,6 +38,7 @@ With ``--gpus 2``:
 
 - ``sharded``: ``ipc`` with mixed links: the co-located by IPC, the crossing ones as buckets over their rank's
   group, in the same walk of the same version, landed likewise;
+- ``buckets``: ``sharded`` with the co-located regions through the walk's buckets too, landed from there;
 - ``walk``: the same without the landing copies;
 - ``gathered``: today's path before any overhead, raw NCCL: the ranks all-gather the table's bytes as one flat
   uint8 buffer, half from each (one ``_allgather_base`` on a 2-rank NCCL group of the ranks: one launch, where
@@ -56,16 +60,18 @@ With ``--gpus 2``:
 Round 0 is a warm-up (each NCCL communicator is formed by its first call there), and in it each worker checks its
 parameters after ``ipc``/``sharded`` bit-exact against the full tensors. Printed: the plan's bytes per link (near:
 IPC, far: NCCL), per worker bytes received (the walk's tally, both kinds of link) / bytes its layout needs, the
-median of each mode with its ratio to ``raw`` (``--gpus 1``) or ``sharded / bound`` and ``sharded / gathered``
-(``--gpus 2``), and for ``walk`` when each process reached each step (the ranks: shared (their ``send_to``
-returned, its co-located workers done); the workers: first region; all: end). ``--json`` writes the summaries,
-every sample in.
+median of each mode with its ratios to the baselines of the run (``raw``; ``bound`` and ``gathered``), and for
+``sharded`` and ``walk`` when each process reached each step (the ranks: shared (their ``send_to`` returned, its
+co-located workers done); the workers: first region; all: end). ``--json`` writes the summaries, every sample
+in; ``--mode`` runs some modes only; ``--trace DIR`` profiles each mode's last repetition (a Chrome trace per
+process).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -90,9 +96,11 @@ from weightsync_trainer import region_sends
 ROOT = Path(__file__).resolve().parents[1]
 RANKS, TP = 2, 2
 MODELS = ("job", "qwen3-1.7b", "qwen3-8b")
-MODES = {1: ("ipc", "walk", "raw"), 2: ("sharded", "walk", "gathered", "bound")}
+MODES = {1: ("ipc", "buckets", "walk", "raw"), 2: ("sharded", "buckets", "walk", "gathered", "bound")}
 NIXL = "nixl"
 """The mode ``--nixl`` adds to either."""
+CHECKED = (NIXL,)
+"""Modes after the first whose landing round 0 checks too (the parameters zeroed before)."""
 """Each repetition's modes by ``--gpus``, in order; the first lands the regions and is checked in round 0."""
 MARKS = ("shared", "first", "gathered")
 TIMEOUT_S = 300.0
@@ -225,8 +233,8 @@ class _Process:
         self.store.wait([f"b{self._step}/{i}" for i in range(RANKS + TP)])
 
     def run(self, mode: str, version: int) -> int:
-        if mode in ("ipc", "sharded", "walk"):
-            return self.sharded(version, land=mode != "walk")
+        if mode in ("ipc", "sharded", "buckets", "walk"):
+            return self.sharded(version, land=mode != "walk", direct=mode in ("ipc", "sharded"))
         if mode == NIXL:
             return self.nixl(version)
         return self.gathered() if mode == "gathered" else self.bound()
@@ -234,26 +242,40 @@ class _Process:
     def nixl(self, version: int) -> int:
         """Every link by NIXL, as the coordinator plans a replica on NIXL (``region_sends.send_to`` on the ranks,
         ``sharded.walk`` on the workers: ``nixl_regions``), landed as in ``sharded``."""
-        return self._product(self.nixl_kept, self.nixl_target, version, land=True)
+        return self._product(self.nixl_kept, self.nixl_target, version, land=True, direct=True)
 
     def clear(self) -> None:
         """Zero a worker's parameters (before a mode whose landing round 0 checks)."""
         for t in [*getattr(self, "params", []), *getattr(self, "wholes", {}).values()]:
             t.zero_()
 
-    def sharded(self, version: int, land: bool) -> int:
-        """``ipc``/``sharded`` (``land``) and ``walk``: one version through the product's ends, each link IPC or NCCL
-        as the plan says (``region_sends.send_to`` on the ranks, ``sharded.walk`` on the workers)."""
-        return self._product(self.kept, self.target, version, land)
+    def sharded(self, version: int, land: bool, direct: bool) -> int:
+        """``ipc``/``sharded`` (``land``, ``direct``), ``buckets`` (``land``) and ``walk``: one version through the
+        product's ends, each link IPC or NCCL as the plan says (``region_sends.send_to`` on the ranks,
+        ``sharded.walk`` on the workers)."""
+        return self._product(self.kept, self.target, version, land, direct)
 
-    def _product(self, kept: region_groups.Kept, t: region_sends.Target, version: int, land: bool) -> int:
+    def place(self, fill: Any) -> torch.Tensor | None:
+        """``regions.Places`` over this worker's parameters, as the engine's ``Landing`` gives them: a fill's box as
+        a view of the region's shape (whole tensors come as pieces)."""
+        if fill.param == WHOLE or self.params[fill.param].dtype != TORCH_DTYPES[self.table.tensors[fill.tensor].dtype]:
+            return None
+        try:
+            return self.params[fill.param][_slices(fill.dest)].view(fill.source.lengths)
+        except RuntimeError:
+            return None
+
+    def landed(self, fill: Any) -> None: ...
+
+    def _product(self, kept: region_groups.Kept, t: region_sends.Target, version: int, land: bool, direct: bool) -> int:
         if self.is_rank:
             n = region_sends.send_to(kept, t, version, self.idx, self.trainer, self.local, self.device)
             self.marks["shared"] = time.perf_counter()
             return n.nbytes
         tally = regions.Tally()
         order = sharded_updates.Order(version, t.rendezvous, t.regions, t.copied)
-        for fill, data in sharded_updates.walk(kept, order, self.worker, self.table, tally, self.device):
+        places = self if direct else None
+        for fill, data in sharded_updates.walk(kept, order, self.worker, self.table, tally, self.device, places):
             if "first" not in self.marks:
                 torch.cuda.synchronize(self.device)
                 self.marks["first"] = time.perf_counter()
@@ -319,7 +341,7 @@ class _Process:
             time.sleep(1.0)  # the store lives here: let the others' last wait return
 
 
-def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[str, ...], out: str) -> None:
+def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[str, ...], out: str, trace: str) -> None:
     proc = _Process(idx, model, port, gpus)
     torch.cuda.synchronize(proc.device)
     samples: list[dict[str, Any]] = []
@@ -330,19 +352,23 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[st
         for mode in modes:
             version += 1
             proc.marks.clear()
-            if rep == 0 and mode == NIXL:
+            if rep == 0 and mode in CHECKED:
                 proc.clear()
             proc.barrier()
-            start = time.perf_counter()
-            n = proc.run(mode, version)
-            torch.cuda.synchronize(proc.device)
-            end = time.perf_counter()
+            profiler = _profiler() if trace and rep == reps else contextlib.nullcontext()
+            with profiler:
+                start = time.perf_counter()
+                n = proc.run(mode, version)
+                torch.cuda.synchronize(proc.device)
+                end = time.perf_counter()
+            if isinstance(profiler, torch.profiler.profile):
+                profiler.export_chrome_trace(str(Path(trace, f"{model}-{mode}-{idx}.json")))
             if rep == 0:
                 moved[mode] = n
                 if mode == modes[0]:
                     mismatches = proc.wrong()
-                elif mode == NIXL:
-                    mismatches += [f"{NIXL}: {name}" for name in proc.wrong()]
+                elif mode in CHECKED:
+                    mismatches += [f"{mode}: {name}" for name in proc.wrong()]
             else:
                 samples.append({"mode": mode, "start": start, "end": end, **proc.marks})
     report = {
@@ -354,18 +380,23 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[st
     proc.close()
 
 
+def _profiler() -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    return torch.profiler.profile(activities=activities)
+
+
 def _slices(box: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
-def run_one(model: str, reps: int, port: int, gpus: int, modes: tuple[str, ...]) -> dict[str, Any]:
+def run_one(model: str, reps: int, port: int, gpus: int, modes: tuple[str, ...], trace: str = "") -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        args = (model, port, reps, gpus, modes, out)
+        args = (model, port, reps, gpus, modes, out, trace)
         procs = [ctx.Process(target=child, args=(i, *args)) for i in range(RANKS + TP)]
         for p in procs:
             p.start()
@@ -411,7 +442,8 @@ def summarise(model: str, gpus: int, reports: list[dict[str, Any]], modes: tuple
         "links": {k: {"bytes": n, "near": k in near} for k, n in reports[0]["links"].items()},
         "per_worker": [f"{w['moved'][land]}/{w['needed']}" for w in workers],
         "exact": all(
-            w["wrong"] == [] and all(w["moved"][m] == w["needed"] for m in (land, NIXL) if m in modes) for w in workers
+            w["wrong"] == [] and all(w["moved"][m] == w["needed"] for m in (land, *CHECKED) if m in modes)
+            for w in workers
         ),
         "moved": [r["moved"] for r in reports],
         "median_ms": med,
@@ -428,27 +460,17 @@ def summarise(model: str, gpus: int, reports: list[dict[str, Any]], modes: tuple
         for k, v in summary["links"].items()
     )
     print(f"  the plan's bytes per link (rank->worker): {'; '.join(where)}", flush=True)
-    if gpus == 1:
-        summary["ratio_to_raw"] = {m: med[m] / med["raw"] for m in med}
-        print("  " + ", ".join(f"{m} {med[m]:.3f} ms ({med[m] / med['raw']:.2f}x raw)" for m in med), flush=True)
-    else:
+    print("  " + ", ".join(f"{m} {v:.3f} ms" for m, v in med.items()), flush=True)
+    base = [b for b in ("raw", "bound", "gathered") if b in med]
+    summary["ratios"] = {f"{m} / {b}": med[m] / med[b] for m in med if m not in base for b in base}
+    if "gathered" in med:
         summary["gathered_ms"] = g = {k: statistics.median(v) * 1e3 for k, v in split.items()}
-        summary["ratios"] = {
-            "sharded / bound": med["sharded"] / med["bound"],
-            "sharded / gathered": med["sharded"] / med["gathered"],
-            "walk / bound": med["walk"] / med["bound"],
-            **({"nixl / bound": med[NIXL] / med["bound"]} if NIXL in med else {}),
-        }
-        print(
-            f"  sharded {med['sharded']:.3f} ms, walk {med['walk']:.3f} ms, "
-            + (f"nixl {med[NIXL]:.3f} ms, " if NIXL in med else "")
-            + f"gathered {med['gathered']:.3f} ms "
-            f"(all-gather {g['all_gather']:.3f} + broadcast {g['broadcast']:.3f}), bound {med['bound']:.3f} ms; "
-            + ", ".join(f"{k} {v:.2f}" for k, v in summary["ratios"].items()),
-            flush=True,
-        )
-    walk = {k: round(v, 2) for k, v in summary["phases_ms"]["walk"].items()}
-    print("  walk, ms from the barrier (process 0-1 ranks, 2-3 workers):", walk, flush=True)
+        print(f"  gathered: all-gather {g['all_gather']:.3f} + broadcast {g['broadcast']:.3f} ms", flush=True)
+    print("  " + ", ".join(f"{k} {v:.2f}" for k, v in summary["ratios"].items()), flush=True)
+    for m in ("sharded", "walk"):
+        if m in phases:
+            marks = {k: round(v, 2) for k, v in summary["phases_ms"][m].items()}
+            print(f"  {m}, ms from the barrier (process 0-1 ranks, 2-3 workers):", marks, flush=True)
     return summary
 
 
@@ -463,23 +485,38 @@ def main() -> None:
         type=int,
         choices=sorted(MODES),
         default=1,
-        help="1: all four processes on GPU 0, every link by IPC; modes ipc, walk, raw. 2: trainer rank i and worker i "
-        "on GPU i, the crossing links over NCCL; modes sharded, walk, gathered, bound (default 1)",
+        help="1: all four processes on GPU 0, every link by IPC; modes ipc, buckets, walk, raw. 2: trainer rank i and "
+        "worker i on GPU i, the crossing links over NCCL; modes sharded, buckets, walk, gathered, bound "
+        "(default 1)",
     )
     p.add_argument("--reps", type=int, default=7, help="timed repetitions after the warm-up round (default 7)")
     p.add_argument(
         "--port", type=int, default=29660, help="the first model's store port, + 1 per model (default 29660)"
     )
     p.add_argument("--json", default="", help="write the summaries (every sample) to this file")
+    p.add_argument(
+        "--trace",
+        default="",
+        help="profile each mode's last repetition (torch.profiler, CPU and CUDA): a Chrome trace per process, "
+        "<model>-<mode>-<process>.json, in this folder (the profiler's cost is in that repetition's time)",
+    )
+    p.add_argument("--mode", action="append", help="only these modes (repeatable; default: every mode of --gpus)")
     p.add_argument("--nixl", action="store_true", help="add the nixl mode (every link by NIXL; needs nixl importable)")
     args = p.parse_args()
     modes = MODES[args.gpus] + ((NIXL,) if args.nixl else ())
+    if args.mode:
+        unknown = sorted(set(args.mode) - set(modes))
+        if unknown:
+            raise SystemExit(f"--mode {', '.join(unknown)}: not a mode of --gpus {args.gpus} (its modes: {modes})")
+        modes = tuple(m for m in modes if m in args.mode)
     if torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: this host has {torch.cuda.device_count()} GPU(s)")
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(args.gpus))
     print(f"devices: {names}, torch {torch.__version__}", flush=True)
     models = args.model or ["job", "qwen3-1.7b"]
-    got = [run_one(m, args.reps, args.port + i, args.gpus, modes) for i, m in enumerate(models)]
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+    got = [run_one(m, args.reps, args.port + i, args.gpus, modes, args.trace) for i, m in enumerate(models)]
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1))
 

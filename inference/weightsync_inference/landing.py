@@ -26,6 +26,11 @@ it, a dtype or size other than its fill's, more elements than the layout gives a
 parameter) fails before it writes, naming tensor and parameter. Once a piece landed
 the update is torn until it finishes (the updater's fail-stop state covers that).
 
+A link that copies regions itself (CUDA IPC from a trainer rank on the worker's GPU)
+writes them straight into their boxes instead: ``place`` gives a fill's box as a view
+(checked, its module materialised, as for a piece), ``landed`` says it was written
+(``weightsync.channels.regions.Places``).
+
 Use between the model's ``begin_load`` (``initialize_layerwise_reload``) and its
 ``end_load`` (``finalize_layerwise_reload``, which leaves untouched modules as they
 were)::
@@ -62,6 +67,7 @@ class Landing:
             if f.param != WHOLE:
                 self._needed[f.param] += f.dest.numel
         self._landed = [0] * len(layout.params)
+        self._claimed = [0] * len(layout.params)  # elements placed or written (landed, or about to be)
         self._module_of = [p.name.rpartition(".")[0] for p in layout.params]
         self._open: dict[str, list[int]] = {}  # materialised module -> its parameters
         self._whole_needed = {f.tensor: f.source.numel for f in layout.fills if f.param == WHOLE}
@@ -135,7 +141,40 @@ class Landing:
                 f"expected {fill.source.numel} of {TORCH_DTYPES[dtype]}"
             )
 
+    def place(self, fill: Fill) -> torch.Tensor | None:
+        """``regions.Places``: box ``dest`` of the fill's parameter as a view of the fill's source shape, to be
+        written by whoever received it (then ``landed``); checked as a piece is, its module materialised on its
+        first place. None where the bytes must come as a piece: a tensor the loader takes whole, a parameter of
+        another dtype than the tensor (a piece's ``copy_`` converts, a raw copy would not), a box no view of the
+        source's shape can be."""
+        spec = self.table.tensors[self._tensor_index(fill)]
+        check_inside(fill.source, spec.shape, f"tensor {spec.name!r}")
+        if fill.param == WHOLE:
+            return None
+        box = self._box(fill, spec.name)
+        if box.dtype != TORCH_DTYPES[spec.dtype]:
+            return None
+        try:
+            view = box.view(fill.source.lengths)
+        except RuntimeError:
+            return None
+        self._claimed[fill.param] += fill.dest.numel
+        return view
+
+    def landed(self, fill: Fill) -> None:
+        """``regions.Places``: the bytes of a placed fill were written (queued on the stream); its module is
+        finished once it was the last."""
+        self.nbytes += fill.source.numel * TORCH_DTYPES[self.table.tensors[fill.tensor].dtype].itemsize
+        self._done(fill)
+
     def _write(self, fill: Fill, data: torch.Tensor, name: str) -> None:
+        # through .data, like vLLM's default loader: a parameter that keeps requires_grad refuses in-place copies
+        self._box(fill, name).copy_(data.reshape(fill.dest.lengths))
+        self._claimed[fill.param] += fill.dest.numel
+        self._done(fill)
+
+    def _box(self, fill: Fill, name: str) -> torch.Tensor:
+        """Box ``dest`` of the fill's parameter (its ``.data``), checked to take the fill (nothing written yet)."""
         if not 0 <= fill.param < len(self.layout.params):
             raise ModelMismatchError(
                 f"a piece of tensor {name!r} names parameter #{fill.param}; worker {self.layout.rank}'s layout "
@@ -145,18 +184,19 @@ class Landing:
         check_inside(fill.dest, spec.shape, f"parameter {spec.name!r}")
         if not aligned(fill.source, fill.dest):
             raise ModelMismatchError(f"box {fill.source} of tensor {name!r} does not fill {fill.dest} of {spec.name!r}")
-        if self._landed[fill.param] + fill.dest.numel > self._needed[fill.param]:
+        if self._claimed[fill.param] + fill.dest.numel > self._needed[fill.param]:
             raise IntegrityError(
-                f"parameter {spec.name!r} would get {self._landed[fill.param] + fill.dest.numel} elements "
+                f"parameter {spec.name!r} would get {self._claimed[fill.param] + fill.dest.numel} elements "
                 f"(with box {fill.dest} of tensor {name!r}); its layout gives it {self._needed[fill.param]}"
             )
         layer = self._materialised(fill.param)
-        param = getattr(layer, spec.name.rpartition(".")[2])
-        # through .data, like vLLM's default loader: a parameter that keeps requires_grad refuses in-place copies
-        param.data[_slices(fill.dest)].copy_(data.reshape(fill.dest.lengths))
+        param: torch.Tensor = getattr(layer, spec.name.rpartition(".")[2]).data
+        return param[_slices(fill.dest)]
+
+    def _done(self, fill: Fill) -> None:
         self._landed[fill.param] += fill.dest.numel
         if self._landed[fill.param] == self._needed[fill.param]:
-            self._settle(fill.param, layer)
+            self._settle(fill.param)
 
     def _materialised(self, param: int) -> torch.nn.Module:
         """The parameter's module, materialised on its first piece (parameters short of full coverage zeroed)."""
@@ -182,7 +222,7 @@ class Landing:
         self._open[prefix] = members
         return layer
 
-    def _settle(self, param: int, layer: torch.nn.Module) -> None:
+    def _settle(self, param: int) -> None:
         """Finish the module when this was its last parameter short of elements: vLLM's own processing and copy
         into the kernel tensors (``_layerwise_process``, which materialises nothing more and replays no loader
         call: none were buffered for a module the layout fills by boxes)."""
@@ -191,6 +231,7 @@ class Landing:
         prefix = self._module_of[param]
         if any(self._landed[i] < self._needed[i] for i in self._open[prefix]):
             return
+        layer = self.model.get_submodule(prefix)
         _layerwise_process(layer, LAYERWISE_INFO[layer])
 
 

@@ -21,7 +21,7 @@ the workers' lists in plan order, ``regions.combine``), seconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,8 @@ def receive(engine: Any, order: Order, table: TensorTable, layout: WorkerLayout)
     tally = regions.Tally()
     t0 = time.perf_counter()
     try:
-        landed = land(engine, layout, table, walk(kept, order, worker, table, tally, device))
+        # the walk copies co-located regions straight into their places in the landing's parameters
+        landed = land(engine, layout, table, lambda landing: walk(kept, order, worker, table, tally, device, landing))
     except BaseException:
         kept.close()  # never formed again under its name: the coordinator names a new membership after a failure
         raise
@@ -83,12 +84,14 @@ def walk(
     table: TensorTable,
     tally: regions.Tally,
     device: torch.device | str,
+    places: regions.Places | None = None,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Worker ``worker``'s regions of ``order`` as they arrive and check (``regions.receive``), over what ``kept``
     holds for the replica's membership (formed now where it holds nothing yet; every formation bounded): its region
     group; or, with copied links, the trainer ranks' groups it is in (in rank order, as every worker forms them,
-    so none waits on another in a cycle) and its IPC end; or, planned on NIXL, its NIXL reader (every link read
-    out of the ranks' registered shards)."""
+    so none waits on another in a cycle) and its IPC end, which copies each region straight into its place where
+    ``places`` gives one (``regions.Places``: the engine's ``Landing``; those regions are not yielded); or, planned
+    on NIXL, its NIXL reader (every link read out of the ranks' registered shards)."""
     rdv = order.rendezvous
     if rdv.channel is Channel.NIXL:
         reader = kept.reads_end(
@@ -121,19 +124,24 @@ def walk(
         )
         links.update({r: importer.link(order.version, r, table) for r in near})
     bound = region_groups.bound(*wired)
-    return regions.receive(None, rdv.rank, worker, table, order.regions, tally, device, links=links, bound=bound)
+    return regions.receive(
+        None, rdv.rank, worker, table, order.regions, tally, device, links=links, bound=bound, places=places
+    )
 
 
-def land(engine: Any, layout: WorkerLayout, table: TensorTable, pieces: Iterable[tuple[Fill, Any]]) -> int:
-    """Land ``pieces`` (this worker's, as they arrive) in its parameters inside vLLM's layerwise reload, each module
-    finished as its last piece lands; the bytes landed. Torn from the first piece until every parameter is whole: a
+def land(
+    engine: Any, layout: WorkerLayout, table: TensorTable, pieces: Callable[[Landing], Iterable[tuple[Fill, Any]]]
+) -> int:
+    """Land ``pieces(landing)`` (this worker's, as they arrive; given the landing, a walk may write some in place
+    itself, ``Landing.place``) in its parameters inside vLLM's layerwise reload, each module finished as its last
+    piece lands; the bytes landed. Torn from the first piece until every parameter is whole: a
     failure leaves the worker torn (the updater's fail-stop state), its load abandoned."""
     model = engine.updater.model  # the engine's own adapter: what it fixed up once (MoE prepacking) stays once
     model.begin_load(table)
     engine.updater.torn = True
     try:
         landing = Landing(engine.model, layout, table)
-        landing.land(pieces)
+        landing.land(pieces(landing))
         landing.finish()
         model.end_load(False)
     except BaseException:

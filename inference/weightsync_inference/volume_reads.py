@@ -143,7 +143,7 @@ def read(engine: Any, directory: Path, manifest: manifests.Manifest, layout: Wor
 
     t0 = time.perf_counter()
     try:
-        landed = sharded.land(engine, layout, table, digested())
+        landed = sharded.land(engine, layout, table, lambda _: digested())
     finally:
         reader.close()
     seconds = {SyncPhase.LOAD: time.perf_counter() - t0}

@@ -60,6 +60,27 @@ def test_batched_digests_of_a_ranks_strided_regions_equal_per_tensor_digests() -
     assert changed == [len(cuts) - 1]
 
 
+def test_a_copy_digest_lands_a_ranks_regions_in_their_places_with_the_words_of_what_it_wrote() -> None:
+    """A co-located worker's copies: a 2-rank FSDP2 shard's TP=2 regions (row-parallel column halves, strided;
+    column-parallel rows, contiguous) into separate parameters, one launch: every byte lands and each word equals
+    ``digests.word`` of the written parameter."""
+    device = torch.device("cuda:0")
+    if not batched.available(device):
+        pytest.skip("Triton is not installed")
+    srcs = []
+    for t in _tensors(device):
+        if t.dim() == 2 and t.shape[0] % 2 == 0 and t.shape[1] % 16 == 0:
+            shard = t[: t.shape[0] // 2]
+            srcs += [shard[:, : t.shape[1] // 2], shard[: shard.shape[0] // 2]]
+    dests = [torch.zeros(s.shape, dtype=s.dtype, device=device) for s in srcs]
+    pairs = [batched.pairable(d, s) for d, s in zip(dests, srcs, strict=True)]
+    assert all(p is not None for p in pairs) and any(not s.is_contiguous() for s in srcs)
+    got = digests.copy_words(dests, srcs)
+    # as bits: random bits hold NaNs, which torch.equal calls unequal to themselves
+    assert all(torch.equal(d.view(torch.int16), s.view(torch.int16)) for d, s in zip(dests, srcs, strict=True))
+    assert torch.equal(got, torch.stack([digests.word(d) for d in dests]))
+
+
 def test_batched_copies_land_every_byte_into_separate_parameters() -> None:
     device = torch.device("cuda:0")
     if not batched.available(device):

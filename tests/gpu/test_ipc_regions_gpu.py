@@ -4,8 +4,10 @@ The same seeded job as ``test_regions_gpu.py`` (``tests.integration.region_ranks
 ``Shard(0)`` shards, a TP=2 replica whose workers keep tensors column-, row-wise, fused, padded, as experts and
 whole), with all four processes on GPU 0: every link is co-located (decided from the ends' GPU UUIDs,
 ``sharding.links.colocated``), so each worker copies its regions out of the ranks' shards inside
-``regions.receive``'s walk, in buckets of 4 KiB (many buckets and rounds per link). Two versions: the second
-written in place into the same shards after the first was released, so its exports are reused, none made.
+``regions.receive``'s walk, straight into their boxes of its parameters (the walk's ``Places``, as the engine's
+``Landing`` gives them; asserted per region) but for the whole tensors' and those the loader converts, which go
+through buckets of 4 KiB. Two versions: the second written in place into the same shards after the first was
+released, so its exports are reused, none made.
 
 Faults: a byte of a region changed in rank 1's shard after its digest was published (a real fault: the worker
 reads the changed memory) fails the workers reading it, naming tensor and rank 1; rank 1 exiting after it
@@ -29,6 +31,7 @@ Run on the GPU host: ``bash tools/gpu-host.sh python3 -m pytest -m gpu -v tests/
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import os
 import time
@@ -79,22 +82,75 @@ def _placed(idx: int, gpu_index: int, port: int) -> tuple[Any, ...]:
     return device, store, trainer, members, replica, [t.to(device) for t in full], near
 
 
-def _land(layout: Any, table: Any, pieces: Any, device: torch.device) -> tuple[list[Any], dict[int, Any]]:
-    """Write each piece where the worker's layout says: into its parameter, or the whole tensor for the loader."""
-    from tests.integration.region_ranks import _slices
-    from weightsync.channels.wire import TORCH_DTYPES
+class _Landed:
+    """A worker's parameters (zeros) and whole tensors, and the ``regions.Places`` over them as the engine's
+    ``Landing`` gives them: an IPC link copies each region straight into its box of its parameter; every other
+    piece is written where the layout says (whole tensors apart, for the loader)."""
+
+    def __init__(self, layout: Any, table: Any, device: torch.device) -> None:
+        from weightsync.channels.wire import TORCH_DTYPES
+
+        self.table, self.device = table, device
+        self.params = [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype], device=device) for s in layout.params]
+        self.wholes: dict[int, Any] = {}
+        self.placed = 0
+
+    def place(self, fill: Any) -> Any:
+        from tests.integration.region_ranks import _slices
+        from weightsync.channels.wire import TORCH_DTYPES
+        from weightsync.sharding.fills import WHOLE
+
+        if fill.param == WHOLE or self.params[fill.param].dtype != TORCH_DTYPES[self.table.tensors[fill.tensor].dtype]:
+            return None  # the loader converts it: a piece
+        return self.params[fill.param][_slices(fill.dest)].view(fill.source.lengths)
+
+    def landed(self, fill: Any) -> None:
+        self.placed += 1
+
+    def land(self, pieces: Any) -> None:
+        from tests.integration.region_ranks import _slices
+        from weightsync.sharding.fills import WHOLE
+
+        for fill, data in pieces:
+            if fill.param == WHOLE:
+                spec = self.table.tensors[fill.tensor]
+                target = self.wholes.setdefault(
+                    fill.tensor, torch.zeros(spec.shape, dtype=data.dtype, device=self.device)
+                )
+            else:
+                target = self.params[fill.param]
+            target[_slices(fill.dest)] = data.reshape(fill.dest.lengths)
+
+
+def _land(
+    layout: Any, table: Any, walk: Any, device: torch.device, out: dict[str, Any], v: int = 1
+) -> tuple[list[Any], dict[int, Any]]:
+    """Land ``walk(places=...)``'s pieces, the places being the worker's parameters; ``out[placed<v>]``: how many
+    regions a link copied straight into them."""
+    landed = _Landed(layout, table, device)
+    landed.land(walk(places=landed))
+    out[f"placed{v}"] = landed.placed
+    return landed.params, landed.wholes
+
+
+def _placeable(regions: Any, copied: Any) -> list[int]:
+    """Per worker, the regions of its ``copied`` links that land in a parameter box of their own dtype (not whole,
+    not converted by the loader): what a direct link copies straight into its place."""
+    from tests.integration.region_ranks import job
     from weightsync.sharding.fills import WHOLE
 
-    params = [torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype], device=device) for s in layout.params]
-    wholes: dict[int, Any] = {}
-    for fill, data in pieces:
-        if fill.param == WHOLE:
-            spec = table.tensors[fill.tensor]
-            target = wholes.setdefault(fill.tensor, torch.zeros(spec.shape, dtype=data.dtype, device=device))
-        else:
-            target = params[fill.param]
-        target[_slices(fill.dest)] = data.reshape(fill.dest.lengths)
-    return params, wholes
+    trainer, _, members, _ = job(24, RANKS)
+    workers = next(m.layout for m in members if m.replica_id == "tp2").workers
+    return [
+        sum(
+            r.param != WHOLE
+            and (r.rank, w) in copied
+            and workers[w].params[r.param].dtype == trainer.table.tensors[r.tensor].dtype
+            for r in regions
+            if r.worker == w
+        )
+        for w in range(WORKERS)
+    ]
 
 
 def _wrong(layout: Any, table: Any, full: list[Any], params: list[Any], wholes: dict[int, Any]) -> list[str]:
@@ -171,12 +227,13 @@ def _colocated(idx: int, plans: Any, port: int, fault: str, transport: str = "ip
             want = full if v == 1 else [t * 2 for t in full]
             tally = regions.Tally()
             start = time.monotonic()
-            pieces = regions.receive(
-                None, RANKS, worker, table, replica.regions, tally, device=device, bucket=BUCKET,
+
+            pieces = functools.partial(
+                regions.receive, None, RANKS, worker, table, replica.regions, tally, device=device, bucket=BUCKET,
                 links={r: importer.link(v, r, table) for r in range(RANKS)},
             )  # fmt: skip
             try:
-                params, wholes = _land(layout, table, pieces, device)
+                params, wholes = _land(layout, table, pieces, device, out, v)
             except Exception as e:  # noqa: BLE001 - the parent asserts on the message
                 out.update(error_type=type(e).__name__, raised=str(e), elapsed=time.monotonic() - start)
                 break
@@ -202,6 +259,8 @@ def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_ow
     assert all(g["near"] == [list(link) for link in every] for g in got[RANKS:])  # one GPU: every link co-located
     for v in ("1", "2"):
         assert_landed(got, replica, v)
+        # every region but the whole tensors' was copied straight into its parameter, none through a bucket
+        assert [g[f"placed{v}"] for g in got[RANKS:]] == _placeable(replica.regions, every), got
     assert got[0]["digests1"] != got[0]["digests2"]
     for r in range(RANKS):  # one export per storage, none when the second version is written in place
         assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
@@ -279,6 +338,7 @@ def test_nixl_links_read_the_ranks_gpu_shards_bit_exact(fault: str) -> None:
     replica = job(24, RANKS)[1].replica("tp2")
     for v in ("1", "2"):
         assert_landed(got, replica, v)
+        assert [g[f"placed{v}"] for g in got[RANKS:]] == [0] * WORKERS  # NIXL reads into the walk's buckets only
 
 
 def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:
@@ -324,8 +384,11 @@ def _mixed(idx: int, plans: Any, port: int) -> dict[str, Any]:
     route |= {r: regions.Wire(pair(r, worker), 0) for r, w in far if w == worker}
     tally = regions.Tally()
     try:
-        pieces = regions.receive(None, RANKS, worker, table, replica.regions, tally, device=device, links=route)
-        params, wholes = _land(layout, table, pieces, device)
+        params, wholes = _land(
+            layout, table,
+            functools.partial(regions.receive, None, RANKS, worker, table, replica.regions, tally, device, links=route),
+            device, out,
+        )  # fmt: skip
         torch.cuda.synchronize(device)
         out.update(
             wrong=_wrong(layout, table, full, params, wholes), digests=tally.digests, nbytes=tally.nbytes,
@@ -346,6 +409,7 @@ def test_mixed_links_on_two_gpus() -> None:
     replica = result.replica("tp2")
     assert got[0]["near"] == [[0, 0], [1, 1]] and got[0]["far"] == [[0, 1], [1, 0]], got[0]
     assert_landed(got, replica)
+    assert [g["placed1"] for g in got[RANKS:]] == _placeable(replica.regions, [(0, 0), (1, 1)]), got
 
 
 def _product_plan(port: int, uuids: tuple[str, str], nixl: bool = False) -> tuple[Any, Any]:
@@ -428,7 +492,8 @@ def _product(idx: int, plans: Any, port: int, targets: Any, orders: Any, die: in
             tally = regions.Tally()
             t0 = time.monotonic()
             try:
-                params, wholes = _land(layout, table, sharded.walk(kept, order, worker, table, tally, device), device)
+                walk = functools.partial(sharded.walk, kept, order, worker, table, tally, device)
+                params, wholes = _land(layout, table, walk, device, out, v)
             except WeightsyncError as e:
                 failed(e, t0)
                 t0 = time.monotonic()
@@ -464,6 +529,7 @@ def test_the_products_ends_on_two_gpus(die: int) -> None:
     if die < 0:
         for v in ("1", "2"):
             assert_landed(got, targets[0], v)
+            assert [g[f"placed{v}"] for g in got[RANKS:]] == _placeable(targets[0].regions, targets[0].copied), got
         for g in got:  # one group per rank, one per worker (the rank across its GPU), kept: formed once
             assert len(g["formed1"]) == 1 and g["formed1"] == g["formed2"], g
         for r in range(RANKS):  # the second version written in place: its exports reused, none made

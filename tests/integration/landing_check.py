@@ -5,7 +5,8 @@ In a process of its own (vLLM keeps process-wide state), for a tiny model of ``-
 replica of each ``--tp`` size: build the worker's model on the CPU, load checkpoint A and post-process it as an
 engine does; record the worker's layout; plan a 2-rank FSDP2 trainer (``Shard(0)``) to it, so its needs are cut
 at the trainer's shard boundaries as on the wire; then reload checkpoint B twice: once by landing the plan's
-pieces for this worker (in a shuffled order, in groups) inside vLLM's layerwise reload, once through vLLM's
+pieces for this worker (in a shuffled order, in groups, every other group written into the boxes ``place`` gives,
+as a link that copies regions itself writes them) inside vLLM's layerwise reload, once through vLLM's
 loader with every full tensor. ``--whole`` hands that module's tensors to the loader whole instead of as boxes
 (what a layout does for a loader a box cannot describe). Writes JSON to ``--out``: per size, per worker, the
 parameters whose landed values differ from the loader's, those A left unchanged, and bytes landed against the
@@ -70,8 +71,19 @@ def check(arch: str, tp: int, rank: int, whole: str) -> dict[str, Any]:
             for r in regions
         ]
         random.Random(rank).shuffle(pieces)
+        placed = 0
         for i in range(0, len(pieces), 7):
-            landing.land(pieces[i : i + 7])
+            if i % 2:  # as a link that copies regions itself writes them: into the places the landing gives
+                for fill, data in pieces[i : i + 7]:
+                    into = landing.place(fill)
+                    if into is None:
+                        landing.land([(fill, data)])
+                        continue
+                    into.copy_(data)
+                    landing.landed(fill)
+                    placed += 1
+            else:
+                landing.land(pieces[i : i + 7])
         landing.finish()
         finalize_layerwise_reload(model, vllm_config.model_config)
         landed = snapshot()
@@ -85,6 +97,7 @@ def check(arch: str, tp: int, rank: int, whole: str) -> dict[str, Any]:
         "nbytes": landing.nbytes,
         "needed": layout.bytes_needed(table),
         "pieces": len(pieces),
+        "placed": placed,
         "whole": sorted({table.tensors[f.tensor].name for f in layout.fills if f.param < 0}),
     }
 

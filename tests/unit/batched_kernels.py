@@ -108,3 +108,40 @@ def test_short_or_misaligned_runs_keep_the_per_tensor_path(monkeypatch: pytest.M
     assert batched.runs(x) == (x.data_ptr(), 64 * 128 * 4, (), ())  # contiguous: one run
     mixed = [x[:, :8], *_strided(), x[:, 2:126]]
     assert digests.words(mixed).tolist() == [int(digests.word(t)) for t in mixed]
+
+
+def test_a_copy_digest_writes_every_pair_and_gives_the_words_of_what_it_wrote() -> None:
+    """Strided sources (a rank's row-parallel cuts, rows longer than a chunk) into contiguous places and contiguous
+    pairs more than one chunk long: each destination equals its source, each word equals ``digests.word`` of the
+    destination, and nothing beside the destinations is written. A block of a 3-D tensor (rows at two strides) is
+    not one launch's (``copy_words`` copies it apart, below)."""
+    strided = _strided()
+    assert batched.pairable(torch.empty(strided[2].shape), strided[2]) is None
+    srcs = [*strided[:2], *strided[3:], *_weights()[:2]]
+    stage = torch.zeros(sum(t.numel() * t.element_size() for t in srcs) + 4096, dtype=torch.uint8)
+    dests, at = [], 16
+    for t in srcs:
+        n = t.numel() * t.element_size()
+        dests.append(stage[at : at + n].view(t.dtype).view(t.shape))
+        at += -(-n // 16) * 16
+    pairs = [batched.pairable(d, s) for d, s in zip(dests, srcs, strict=True)]
+    assert all(p is not None for p in pairs)
+    got = batched.copy_digest(dests, srcs, pairs)  # type: ignore[arg-type]
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs, strict=True))
+    assert got.tolist() == [int(digests.word(d)) for d in dests]
+    assert not stage[:16].any() and not stage[at:].any()
+    # a changed source byte changes its pair's word only
+    srcs[0][3, 5] += 1
+    again = batched.copy_digest(dests, srcs, pairs)  # type: ignore[arg-type]
+    assert again[0] != got[0] and again.tolist()[1:] == got.tolist()[1:]
+    assert again[0] == digests.word(dests[0])
+
+
+def test_copy_words_takes_the_pairs_a_launch_cannot_read_apart_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched, "available", lambda device: True)
+    x = torch.arange(64 * 128, dtype=torch.float32).view(64, 128)
+    srcs = [x[:, 2:126], *_strided(), x[:, :8]]  # misaligned rows, then short ones: torch's copies
+    dests = [torch.empty(s.shape, dtype=s.dtype) for s in srcs]
+    got = digests.copy_words(dests, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dests, srcs, strict=True))
+    assert got.tolist() == [int(digests.word(d)) for d in dests]

@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 from tests.integration.region_ranks import _slices, job
 from weightsync.channels import digests, regions
+from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import IntegrityError, PermanentError
 from weightsync.sharding import links
 from weightsync.sharding.boxes import Box
+from weightsync.sharding.fills import WHOLE, Fill
 from weightsync.sharding.plans import Region
 
 pytestmark = pytest.mark.unit
@@ -48,8 +50,9 @@ class _Near:
     """A stand-in co-located end: copies from the full tensors (as IPC copies from the rank's shard) and hands
     the rank's words, ``flip`` corrupting the first byte of the ``flip``-th region it copies."""
 
-    def __init__(self, full: list[torch.Tensor], rank: int, flip: int = -1) -> None:
+    def __init__(self, full: list[torch.Tensor], rank: int, flip: int = -1, direct: bool = False) -> None:
         self.full, self.rank, self.flip, self.copied, self.released = full, rank, flip, 0, False
+        self.direct = direct  # copies into any memory (IPC does): the walk may hand it the regions' places
 
     def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
         cuts = [self.full[r.tensor][_slices(r.source)] for r in regions]
@@ -57,7 +60,7 @@ class _Near:
         for view, cut in zip(into, cuts, strict=True):
             view.view(cut.dtype).view(cut.shape).copy_(cut)
             if self.copied == self.flip:
-                view[0] ^= 0x10
+                view.view(torch.uint8).view(-1)[0] ^= 0x10
             self.copied += 1
 
     def arrived(self) -> None:
@@ -129,6 +132,81 @@ def test_a_region_changed_on_a_colocated_link_fails_naming_tensor_box_rank_and_w
     name = trainer.table.tensors[first.tensor].name
     assert f"worker 0: region {first.source} of tensor {name!r} from trainer rank 1 arrived with digest" in str(e.value)
     assert ends[0].released and ends[1].released  # the ranks may change their shards again
+
+
+class _Places:
+    """``regions.Places`` over a worker's parameters (zeros), as the engine's ``Landing`` gives them; whole tensors
+    come as pieces."""
+
+    def __init__(self, layout: Any, table: Any) -> None:
+        self.table = table
+        self.params = [torch.zeros(p.shape, dtype=TORCH_DTYPES[p.dtype]) for p in layout.params]
+        self.placed: list[Fill] = []
+        self.landed_: list[Fill] = []
+
+    def place(self, fill: Fill) -> torch.Tensor | None:
+        if fill.param == WHOLE or self.params[fill.param].dtype != TORCH_DTYPES[self.table.tensors[fill.tensor].dtype]:
+            return None  # the loader converts it: a piece
+        self.placed.append(fill)
+        return self.params[fill.param][_slices(fill.dest)].view(fill.source.lengths)
+
+    def landed(self, fill: Fill) -> None:
+        self.landed_.append(fill)
+
+
+def test_a_direct_link_copies_regions_into_their_places_and_digests_them_there() -> None:
+    """Rank 0's link copies straight into worker 0's parameters (not yielded), rank 1's goes through buckets: the
+    parameters equal the layout's boxes of the full tensors, and the digests combine as on the wire."""
+    trainer, result, members, full = job(24, RANKS)
+    replica = result.replica("tp2")
+    layout = members[0].layout.workers[0]
+    places = _Places(layout, trainer.table)
+    ends = {0: _Near(full, 0, direct=True), 1: _Near(full, 1)}
+    tally = regions.Tally()
+    pieces = list(
+        regions.receive(None, RANKS, 0, trainer.table, replica.regions, tally, bucket=4096, links=ends, places=places)  # type: ignore[arg-type]
+    )
+    mine = [r for r in replica.regions if r.worker == 0]
+    own = [
+        r for r in mine if r.param != WHOLE and layout.params[r.param].dtype == trainer.table.tensors[r.tensor].dtype
+    ]
+    boxed = [r for r in own if r.rank == 0]  # rank 0's that land as they came (others the loader converts)
+    assert boxed and places.placed == places.landed_ == [Fill(r.tensor, r.source, r.param, r.dest) for r in boxed]
+    assert len(pieces) == len(mine) - len(boxed)  # rank 1's regions, and rank 0's whole tensors' pieces
+    for fill, data in pieces:
+        if fill.param != WHOLE:
+            places.params[fill.param][_slices(fill.dest)] = data.reshape(fill.dest.lengths)
+    for f in layout.fills:
+        if f.param != WHOLE:
+            want = full[f.tensor][_slices(f.source)].reshape(f.dest.lengths).to(places.params[f.param].dtype)
+            assert torch.equal(places.params[f.param][_slices(f.dest)], want), f
+    by_rank = {}
+    for rank in range(RANKS):
+        local = [None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)] for t in range(len(full))]
+        sends = [r for r in replica.regions if r.rank == rank and r.worker == 0]
+        by_rank[rank] = regions.send(None, trainer, rank, local, sends, links={0: _Shared()}).digests
+    assert regions.combine(mine, by_rank, regions.rank_of) == regions.combine(
+        mine, {0: tally.digests}, regions.worker_of
+    )
+    assert tally.nbytes == layout.bytes_needed(trainer.table)
+
+
+def test_a_region_changed_on_its_way_into_its_place_fails_naming_it() -> None:
+    trainer, result, members, full = job(24, RANKS)
+    mine = [r for r in result.replica("tp2").regions if r.worker == 0]
+    places = _Places(members[0].layout.workers[0], trainer.table)
+    rank0 = [r for r in mine if r.rank == 0]
+    k = next(i for i, r in enumerate(rank0) if places.place(Fill(r.tensor, r.source, r.param, r.dest)) is not None)
+    first, places.placed = rank0[k], []  # the first region that goes into its place: its copy is changed
+    ends = {0: _Near(full, 0, flip=k, direct=True), 1: _Near(full, 1)}
+    with pytest.raises(IntegrityError) as e:
+        for _ in regions.receive(
+            None, RANKS, 0, trainer.table, mine, regions.Tally(), bucket=4096, links=ends, places=places
+        ):  # type: ignore[arg-type]
+            pass
+    name = trainer.table.tensors[first.tensor].name
+    assert places.placed[0] == Fill(first.tensor, first.source, first.param, first.dest)
+    assert f"worker 0: region {first.source} of tensor {name!r} from trainer rank 0 arrived with digest" in str(e.value)
 
 
 def test_a_rank_without_a_link_is_refused_naming_it() -> None:

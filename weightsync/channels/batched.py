@@ -99,7 +99,7 @@ tl: Any = None
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     global tl
     triton = _triton()
     tl = triton.language
@@ -137,7 +137,42 @@ def _kernels() -> tuple[Any, Any]:
         mask = tail < n
         tl.store(dst + tail, tl.load(src + tail, mask=mask), mask=mask)
 
-    return digest_chunks, copy_chunks
+    @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
+    def copy_digest_rows(dst_base, src_base, table, out, pairs, TILE: tl.constexpr):  # type: ignore[no-untyped-def]
+        # table rows (pairs columns each): destination and source offsets in 16-byte units, words per row, words in
+        # the pair, each side's row stride in 16-byte units, rows per program. Program (p, g) copies rows g*per..
+        # of pair p (word r*W + j of the pair lies at row r, word j) and adds each word w_i * (2i + 1), as
+        # digest_chunks does, to the pair's word
+        p = tl.program_id(0)
+        w = tl.load(table + 2 * pairs + p)
+        n = tl.load(table + 3 * pairs + p)
+        per = tl.load(table + 6 * pairs + p)
+        row0 = tl.program_id(1) * per
+        rows = (n + w - 1) // w
+        if row0 < rows:
+            dst0 = tl.load(table + p)
+            src0 = tl.load(table + pairs + p)
+            src_stride = tl.load(table + 4 * pairs + p)
+            dst_stride = tl.load(table + 5 * pairs + p)
+            lanes = tl.arange(0, TILE)
+            acc = tl.zeros([TILE], dtype=tl.int64)
+            for r in range(row0, tl.minimum(row0 + per, rows)):
+                dst = dst_base + (dst0 + r * dst_stride) * 2
+                src = src_base + (src0 + r * src_stride) * 2
+                m = tl.minimum(w, n - r * w)
+                full = (m // TILE) * TILE
+                for i in range(0, full, TILE):
+                    x = tl.load(src + i + lanes)
+                    tl.store(dst + i + lanes, x)
+                    acc += x * (2 * (r * w + i + lanes) + 1)
+                tail = full + lanes
+                mask = tail < m
+                x = tl.load(src + tail, mask=mask, other=0)
+                tl.store(dst + tail, x, mask=mask)
+                acc += x * (2 * (r * w + tail) + 1)
+            tl.atomic_add(out + p, tl.sum(acc, axis=0))
+
+    return digest_chunks, copy_chunks, copy_digest_rows
 
 
 def _current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -199,12 +234,12 @@ class Digests:
         self._lowest, owner, offsets, first, count = _chunked(tensors)
         self.device = tensors[0].device
         self._chunks = int(owner.numel())
-        self._table = torch.stack([offsets, first, count, owner]).to(self.device, non_blocking=True)
+        self._table = upload(torch.stack([offsets, first, count, owner]), self.device)
         self._count = len(tensors)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The words, one per tensor, as an int64 tensor on their device: kernels only, no host sync."""
-        digest_chunks, _ = _kernels()
+        digest_chunks, _, _ = _kernels()
         out = torch.zeros(self._count, dtype=torch.int64, device=self.device)
         with _current(self.device):
             digest_chunks[(self._chunks,)](
@@ -222,7 +257,7 @@ class Copies:
         self._dst, self._src = _words(dests[dst]), _words(srcs[src])
         self.device = dests[0].device
         self._chunks = int(owner.numel())
-        self._table = torch.stack([dst_offsets, src_offsets, count]).to(self.device, non_blocking=True)
+        self._table = upload(torch.stack([dst_offsets, src_offsets, count]), self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self) -> None:
@@ -238,11 +273,86 @@ class Copies:
             self._graph = _captured(self._launch, self.device)
 
     def _launch(self) -> None:
-        _, copy_chunks = _kernels()
+        _, copy_chunks, _ = _kernels()
         with _current(self.device):
             copy_chunks[(self._chunks,)](
                 self._dst, self._src, self._table, self._chunks, TILE=COPY_TILE, num_warps=COPY_WARPS
             )
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, queued on the current stream without waiting for it: through pinned memory
+    (torch's cached pinned blocks), since a copy from pageable memory may wait for the stream's queued work, and
+    a walk's stream holds copies, digests and waits on the wire (a round's table waited for every round before it:
+    about 50 ms a round on 2x H200)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+Rows = tuple[int, int, int, int, int, int]
+"""A pair as rows a copy-and-digest launch reads: (destination, source) first bytes, words per row, words in all,
+(source, destination) row strides in bytes."""
+
+
+def pairable(dest: torch.Tensor, src: torch.Tensor) -> Rows | None:
+    """``dest`` and ``src`` (same shape, dtype and device) as rows of the same words, each side's rows at a fixed
+    stride (a contiguous tensor as rows of ``CHUNK`` words, a strided one as its runs when they are its only
+    lead dimension: a rank's row-parallel cut), every row 16-byte aligned; else None (copied apart)."""
+    if (dest.dtype, dest.shape, dest.device) != (src.dtype, src.shape, src.device):
+        return None
+    rd, rs = runs(dest), runs(src)
+    if rd is None or rs is None or len(rd[2]) > 1 or len(rs[2]) > 1:
+        return None
+    total = _nbytes(dest) // 8
+    strided = rs if rs[2] else rd if rd[2] else None
+    words = strided[1] // 8 if strided is not None else min(total, CHUNK)
+    d, s = _rows(rd, words, total), _rows(rs, words, total)
+    if d is None or s is None:
+        return None
+    return d[0], s[0], words, total, s[1], d[1]
+
+
+def _rows(x: Runs, words: int, total: int) -> tuple[int, int] | None:
+    """(first byte, row stride in bytes) of ``x`` read as rows of ``words`` words, or None."""
+    ptr, run, lead, strides = x
+    if lead:
+        return (ptr, strides[0]) if run == words * 8 else None
+    if total > words and (words * 8) % 16:
+        return None  # rows after the first would start off a 16-byte boundary
+    return ptr, words * 8
+
+
+def copy_digest(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pairs: Sequence[Rows]) -> torch.Tensor:
+    """``dests[i] <- srcs[i]`` and the digest word of each (``digests.word`` of what was written), in one launch on
+    the current stream: the bytes read once and written once. ``pairs``: ``pairable`` of each (none None). The
+    table is a row per pair, built in Python (no host tensor ops: a walk calls this every round, in processes
+    that share the host's cores)."""
+    _, _, copy_digest_rows = _kernels()
+    device = dests[0].device
+    low_d = min(range(len(dests)), key=lambda i: dests[i].data_ptr())
+    low_s = min(range(len(srcs)), key=lambda i: srcs[i].data_ptr())
+    base_d, base_s = dests[low_d].data_ptr(), srcs[low_s].data_ptr()
+    columns: list[list[int]] = [[] for _ in range(7)]
+    programs = 1
+    for d, s, words, total, s_stride, d_stride in pairs:
+        rows = -(-total // words)
+        per = max(1, CHUNK // words, -(-rows // _MAX_PROGRAMS))
+        programs = max(programs, -(-rows // per))
+        row = ((d - base_d) // 16, (s - base_s) // 16, words, total, s_stride // 16, d_stride // 16, per)
+        for column, value in zip(columns, row, strict=True):
+            column.append(value)
+    table = upload(torch.tensor(columns, dtype=torch.int64), device)
+    out = torch.zeros(len(dests), dtype=torch.int64, device=device)
+    with _current(device):
+        copy_digest_rows[(len(pairs), programs)](
+            _words(dests[low_d]), _words(srcs[low_s]), table, out, len(pairs), TILE=TILE, num_warps=WARPS
+        )
+    return out
+
+
+_MAX_PROGRAMS = 65535
+"""A launch grid's second dimension at most (CUDA's limit)."""
 
 
 def _captured(launch: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
@@ -300,11 +410,15 @@ __all__ = [
     "MIN_RUN",
     "Copies",
     "Digests",
+    "Rows",
     "Runs",
     "address",
     "available",
     "copies",
+    "copy_digest",
     "eligible",
+    "pairable",
     "runs",
+    "upload",
     "warm",
 ]

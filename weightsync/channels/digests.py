@@ -84,6 +84,32 @@ def words(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -
     return torch.stack([word(t) if a is None else next(got) for t, a in zip(tensors, at, strict=True)])
 
 
+def copy_words(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``dests[i] <- srcs[i]`` (same shape and dtype) and each destination's digest word, the ``words`` of
+    ``dests`` once written, computed from the bytes as they are written: on a GPU one batched kernel that reads each
+    byte once and writes it once (``batched.copy_digest``) for the pairs it can read; no host sync."""
+    if not dests:
+        return torch.empty(0, dtype=torch.int64)
+    if not batched.available(dests[0].device):
+        torch._foreach_copy_(list(dests), list(srcs))
+        return words(dests)
+    device = dests[0].device
+    pairs = [batched.pairable(d, s) for d, s in zip(dests, srcs, strict=True)]
+    fast = [(k, p) for k, p in enumerate(pairs) if p is not None]
+    rest = [k for k, p in enumerate(pairs) if p is None]  # another device, unaligned views, short runs
+    got = (
+        batched.copy_digest([dests[k] for k, _ in fast], [srcs[k] for k, _ in fast], [p for _, p in fast])
+        if fast
+        else torch.empty(0, dtype=torch.int64, device=device)
+    )
+    if not rest:
+        return got
+    torch._foreach_copy_([dests[k] for k in rest], [srcs[k] for k in rest])
+    order = [k for k, _ in fast] + rest
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return torch.cat([got, words([dests[k] for k in rest])])[batched.upload(torch.tensor(back), device)]
+
+
 def _relative(at: Sequence[batched.Runs | None]) -> Layout:
     """The tensors' runs with their offsets from the lowest: what a prepared digest depends on (``batched.Digests``
     takes the lowest address at each call), so tensors laid out alike in a new allocation (a group's wire buffer)

@@ -5,8 +5,10 @@ NCCL refuses two ranks of one communicator), one transport of ``shard_reads`` (i
 version's digest words, the worker's done). The rank exports the storages of its local shards once
 (``ipc.Exports``, as the whole-tensor IPC channel does: kept alive, reused while the shard stays in the same
 memory); a place is ``[export id, byte offset]``. The worker maps the rank's exports once (``ipc.Mappings``) and
-copies each bucket's regions from the mapped shard into the bucket with one ``_foreach_copy_`` on its stream (no
-wait: the walk's digest kernels follow on the same stream); done once its stream finished them.
+copies each round's regions from the mapped shard into their places in its parameters (``regions.Places``) or the
+walk's bucket, in one launch on its stream that digests each region as it writes it (``digests.copy_words``: each
+byte read once and written once; no wait, the walk queues its work after it on the same stream); done once its
+stream finished them.
 
     exporter = Exporter(store, rank, timeout_s)                   # a trainer rank, once
     exporter.publish(version, layout, local)                      # each version, once the shards are written
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import gpu, ipc, shard_reads
+from weightsync.channels import digests, gpu, ipc, shard_reads
 from weightsync.channels.regions import view_of
 from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import PermanentError
@@ -77,9 +79,11 @@ class Exporter(shard_reads.Exporter):
 
 
 class _Mapped:
-    """``shard_reads.Reader`` over CUDA IPC: each rank's exports mapped once, regions copied on the stream."""
+    """``shard_reads.Reader`` over CUDA IPC: each rank's exports mapped once, regions copied on the stream (into
+    the walk's buckets, or straight into their places in the worker's parameters)."""
 
     channel = Channel.IPC
+    direct = True
 
     def __init__(self, worker: int, device: torch.device | str, timeout_s: float) -> None:
         self.worker, self.timeout_s = worker, timeout_s
@@ -114,10 +118,11 @@ class _Mapped:
         first: int,
         pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
         shared: Callable[[], Mapping[str, Any]],
-    ) -> None:
+    ) -> torch.Tensor:
         srcs = [view_of(shard, box, r.source) for shard, box, r, _ in pieces]
         dsts = [into.view(src.dtype).view(r.source.lengths) for src, (_, _, r, into) in zip(srcs, pieces, strict=True)]
-        torch._foreach_copy_(dsts, srcs)
+        # each byte read once and written once, digested as it is written (one launch where the runs allow it)
+        return digests.copy_words(dsts, srcs)
 
     def wait(self, rank: int, timeout_s: float) -> None: ...  # the copies are ordered before the walk's kernels
 

@@ -221,6 +221,7 @@ class _Reads:
     """``shard_reads.Reader`` over NIXL: each rank's agent metadata loaded once a placement, one READ per bucket."""
 
     channel = Channel.NIXL
+    direct = False  # READs land in registered memory: the walk's buckets, registered each version
 
     def __init__(self, worker: int, device: torch.device | str, timeout_s: float) -> None:
         self.worker, self.timeout_s = worker, timeout_s
@@ -264,7 +265,7 @@ class _Reads:
         first: int,
         pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
         shared: Callable[[], Mapping[str, Any]],
-    ) -> None:
+    ) -> None:  # the walk digests the buckets once the READs landed
         message = shared()  # the rank packed the strided regions before it published this
         staged, at = _staging(rank, message, first + len(pieces))
         store, loaded = self._loaded[rank]

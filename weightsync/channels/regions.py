@@ -9,13 +9,15 @@ workers (group rank = trainer world size + worker):
 
 - ``send``: a trainer rank cuts its regions (in plan order) from its local shard (the region's box minus the
   shard's offsets: no gather) and packs each link's (one link: the rank to one worker) into buckets of about
-  ``BUCKET`` bytes where the shard lives: one copy per region into the bucket, then every region's digest word
-  (``digests.words``: one batched kernel per bucket on a GPU) appended, so a bucket is one message;
+  ``BUCKET`` bytes where the shard lives: the regions copied in and digested as they are written
+  (``digests.copy_words``: one batched kernel per bucket on a GPU), every region's digest word appended, so a
+  bucket is one message;
 - ``receive``: a worker posts the receives of its buckets (it cuts the same buckets from the same plan; messages
   between two group ranks arrive in the order they were sent), yields each region as a ``(Fill, tensor)`` piece
   (a view of the bucket) for ``weightsync_inference.landing`` once its bucket arrived, with its own digest of the
-  bytes queued (one batched kernel per bucket), and checks every region's word against the one its rank sent at
-  the end of the walk (one host sync for the version). A region whose bytes changed on the way fails the walk
+  bytes queued (one batched kernel per bucket; a link that copies regions itself digests them as it writes them),
+  and checks every region's word against the one its rank sent at the end of the walk (one host sync for the
+  version). A region whose bytes changed on the way fails the walk
   naming tensor, box, sending rank and worker; it may have landed by then, as every region before it did: a
   failed walk leaves the worker torn, which it is from its first landed byte anyway (the updater's fail-stop
   state).
@@ -36,7 +38,10 @@ trainer rank on the receiving side): a ``Wire`` (a group and the other end's ran
 ``pg``, group ranks as above), or, where the link's two ends share a GPU (``sharding.links.colocated``), a CUDA IPC
 copy (``ipc_regions``): the rank publishes the link's digest words (a ``Shared`` end) and the worker copies the
 regions out of the rank's shard into the same buckets the wire would have filled (a ``Copied`` end), checked the
-same way. So one version can move some links by IPC and the others over NCCL, and the walk is the same.
+same way. So one version can move some links by IPC and the others over NCCL, and the walk is the same. Given
+where the worker's regions land (``Places``: the engine's ``Landing``), an IPC link copies each region straight
+into its parameter, digesting it as it writes it: on a GPU holding a rank and a worker that link is most of the
+bytes, and a bucket would read and write them twice more (into the bucket, then the landing copy out of it).
 """
 
 from __future__ import annotations
@@ -104,9 +109,18 @@ class Copied(Protocol):
     """The receiving end of a link the worker reads itself (``ipc_regions``, ``nixl_regions``): fills buckets from
     the rank's shard."""
 
-    def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
-        """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (flat uint8 views of a bucket), and
-        the rank's digest words for them into ``words`` now or at the latest in ``settle``."""
+    @property
+    def direct(self) -> bool:
+        """Whether ``fill`` writes into any memory of the worker's device (CUDA IPC's copies), so a region can go
+        straight into its parameter (``Places``); NIXL reads into registered memory only: the walk's buckets."""
+        ...
+
+    def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> torch.Tensor | None:
+        """Copy ``regions`` (the link's next ones, in plan order) into ``into`` (each a flat uint8 view of a bucket
+        or, on a ``direct`` link, possibly a view of the region's shape and dtype in its parameter), and the rank's
+        digest words for them into ``words`` now or at the latest in ``settle``. Return the digest word of each
+        ``into`` as written (computed in the same pass: CUDA IPC's copies), or None: the walk digests ``into``
+        once it arrived."""
         ...
 
     def arrived(self) -> None:
@@ -120,6 +134,21 @@ class Copied(Protocol):
 
     def release(self) -> None:
         """Tell the rank this worker is done reading its shard (after the copies finished), whatever happened."""
+        ...
+
+
+class Places(Protocol):
+    """Where a worker's regions land (``weightsync_inference.landing.Landing``), for the links that copy regions
+    themselves (``Copied.direct``): such a region is copied straight into its place, digested there, and not
+    yielded; a bucket and a landing copy fewer (the co-located link of a GPU is most of its bytes)."""
+
+    def place(self, fill: Fill) -> torch.Tensor | None:
+        """The memory ``fill``'s bytes land in, as a view of the fill's source shape and dtype, ready to be written;
+        None where it must come as a piece (a tensor the loader takes whole, a box no view can be)."""
+        ...
+
+    def landed(self, fill: Fill) -> None:
+        """``fill``'s bytes were written into its place (queued on the current stream)."""
         ...
 
 
@@ -325,14 +354,12 @@ def _routes(links: Mapping[int, Any] | None, default: Callable[[int], Wire], end
 
 
 def _pack(layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None], b: _Bucket) -> torch.Tensor:
-    """One bucket: each region cut from the rank's shard and copied in (one copy each, no intermediate), then its
-    digest words from one batched kernel over the packed regions."""
+    """One bucket: each region cut from the rank's shard and copied in, digested as it is written (on a GPU one
+    launch for the bucket, strided cuts read as their rows: each byte read once, written once), then the words."""
     pieces = [_cut(layout, rank, local, r) for _, r in b.regions]
     buffer = torch.empty(b.nbytes, dtype=torch.uint8, device=pieces[0].device)
-    views = b.views(buffer)
-    for view, piece in zip(views, pieces, strict=True):
-        view.view(piece.dtype).view(piece.shape).copy_(piece)
-    b.words(buffer).copy_(digests.words(views))
+    into = [v.view(p.dtype).view(p.shape) for v, p in zip(b.views(buffer), pieces, strict=True)]
+    b.words(buffer).copy_(digests.copy_words(into, pieces))
     return buffer
 
 
@@ -369,12 +396,16 @@ def view_of(tensor: torch.Tensor, held: Box, box: Box) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Posted:
     """A round of ``receive`` in flight: its buckets, their works (with the buckets each stands for), each bucket's
-    region views and where the words its rank sent are (in the bucket, or apart for a copied link)."""
+    region views (in its buffer, or a region's place on a direct link), which of them are in their place already,
+    and where the words its rank sent are (in the bucket, or apart for a copied link)."""
 
     rnd: list[_Bucket]
     works: list[tuple[Any, list[int]]]
     views: list[list[torch.Tensor]]
+    placed: list[list[bool]]
     sent: list[torch.Tensor]
+    written: list[torch.Tensor | None]
+    """Per bucket, our digest words of its regions as a copied link wrote them (None: digested once arrived)."""
 
 
 _Arrived = tuple[list[_Bucket], torch.Tensor, list[torch.Tensor]]
@@ -393,6 +424,7 @@ def receive(
     bucket: int = BUCKET,
     links: Mapping[int, Wire | Copied] | None = None,
     bound: Bound | None = None,
+    places: Places | None = None,
 ) -> Iterator[tuple[Fill, torch.Tensor]]:
     """Receive ``worker``'s ``regions`` (its replica's, in plan order) from ``trainers`` trainer ranks; yield each
     as a ``(Fill, tensor)`` piece once its bucket arrived, bucket by bucket (the links of a round interleaved, not
@@ -400,10 +432,13 @@ def receive(
     ``tally`` gets each region's digest (in plan order) and bytes once they checked. ``bucket`` must be the
     senders' (``send``) on wire links. ``links`` maps a trainer rank to its link's transport (default:
     ``Wire(pg, rank)``); a ``Copied`` link fills its buckets itself, is checked like the rest, and is released
-    when the walk ends, however it ends. ``bound``: as for ``send``."""
+    when the walk ends, however it ends. With ``places``, a ``direct`` copied link copies each region straight
+    into its place (``Places.place``), where the walk digests it and tells ``places`` it landed instead of
+    yielding it. ``bound``: as for ``send``."""
     mine = [r for r in regions if r.worker == worker]
     route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
     copied = {r: link for r, link in route.items() if not isinstance(link, Wire)}
+    direct = frozenset(r for r, link in copied.items() if link.direct) if places is not None else frozenset()
     rounds = iter(_rounds(mine, rank_of, bucket))
     posted: collections.deque[_Posted] = collections.deque()
     arrived: list[_Arrived] = []
@@ -412,8 +447,16 @@ def receive(
         rnd = next(rounds, None)
         if rnd is None:
             return
-        buffers = [torch.empty(b.nbytes, dtype=torch.uint8, device=device) for b in rnd]
-        views = [b.views(buf) for b, buf in zip(rnd, buffers, strict=True)]  # once: the walk's per-region cost
+        views, placed, buffers = [], [], []
+        for b in rnd:
+            if b.peer in direct and places is not None:
+                into, put, buffer = _placed(b, places, table, device)
+            else:
+                buffer = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
+                into, put = b.views(buffer), [False] * len(b.regions)  # the views once: the walk's per-region cost
+            views.append(into)
+            placed.append(put)
+            buffers.append(buffer)
         wired = [k for k, b in enumerate(rnd) if b.peer not in copied]
         try:  # gloo refuses to post on a pair its peer already closed
             works = _post_links([("recv", buffers[k], route[rnd[k].peer]) for k in wired])
@@ -427,11 +470,12 @@ def receive(
             torch.empty(len(b.regions), dtype=torch.int64, device=device) if b.peer in copied else b.words(buf)
             for b, buf in zip(rnd, buffers, strict=True)
         ]
-        posted.append(_Posted(rnd, [(w, [wired[k] for k in ks]) for w, ks in works], views, sent))
         # the copies after the wire's receives are posted: a rank slow to place its shards holds no other rank's
-        for b, into, words in zip(rnd, views, sent, strict=True):
-            if b.peer in copied:
-                copied[b.peer].fill([r for _, r in b.regions], into, words)
+        written = [
+            copied[b.peer].fill([r for _, r in b.regions], into, words) if b.peer in copied else None
+            for b, into, words in zip(rnd, views, sent, strict=True)
+        ]
+        posted.append(_Posted(rnd, [(w, [wired[k] for k in ks]) for w, ks in works], views, placed, sent, written))
 
     try:
         for _ in range(window):
@@ -454,16 +498,16 @@ def receive(
             for peer in dict.fromkeys(b.peer for b in p.rnd if b.peer in copied):
                 copied[peer].arrived()
             # our words queued now, the wire's kept apart from their bucket: the round's buffers go with it
-            ours = torch.cat([digests.words(v) for v in p.views])
+            ours = torch.cat([digests.words(v) if w is None else w for v, w in zip(p.views, p.written, strict=True)])
             sent = [w if b.peer in copied else w.clone() for b, w in zip(p.rnd, p.sent, strict=True)]
             arrived.append((p.rnd, ours, sent))
-            for b, into in zip(p.rnd, p.views, strict=True):
-                for (_, r), data in zip(b.regions, into, strict=True):
-                    spec = table.tensors[r.tensor]
-                    yield (
-                        Fill(r.tensor, r.source, r.param, r.dest),
-                        data.view(TORCH_DTYPES[spec.dtype]).view(r.source.lengths),
-                    )
+            for b, into, put in zip(p.rnd, p.views, p.placed, strict=True):
+                for (_, r), data, done in zip(b.regions, into, put, strict=True):
+                    fill = Fill(r.tensor, r.source, r.param, r.dest)
+                    if done and places is not None:
+                        places.landed(fill)
+                        continue
+                    yield fill, data.view(TORCH_DTYPES[table.tensors[r.tensor].dtype]).view(r.source.lengths)
         for link in copied.values():
             link.settle()
         tally.digests.extend(_check(worker, table, arrived))
@@ -471,6 +515,31 @@ def receive(
     finally:
         for link in copied.values():
             link.release()
+
+
+def _placed(
+    b: _Bucket, places: Places, table: TensorTable, device: torch.device | str
+) -> tuple[list[torch.Tensor], list[bool], torch.Tensor]:
+    """A direct link's bucket: each region's place, or, for the regions without one, a view of a buffer of those
+    alone (the buffer returned)."""
+    dests = [places.place(Fill(r.tensor, r.source, r.param, r.dest)) for _, r in b.regions]
+    for (_, r), d in zip(b.regions, dests, strict=True):
+        spec = table.tensors[r.tensor]
+        if d is not None and (d.dtype != TORCH_DTYPES[spec.dtype] or tuple(d.shape) != r.source.lengths):
+            raise PermanentError(
+                f"the place given for region {r.source} of tensor {spec.name!r} is {list(d.shape)} of {d.dtype}; "
+                f"the region is {list(r.source.lengths)} of {spec.dtype} (a place is a view of the region's shape "
+                "and dtype, or None)"
+            )
+    rest = [r for (_, r), d in zip(b.regions, dests, strict=True) if d is None]
+    buffer = torch.empty(sum(aligned(r.nbytes) for r in rest), dtype=torch.uint8, device=device)
+    at, views = 0, []
+    for (_, r), d in zip(b.regions, dests, strict=True):
+        if d is None:
+            d = buffer[at : at + r.nbytes]
+            at += aligned(r.nbytes)
+        views.append(d)
+    return views, [d is not None for d in dests], buffer
 
 
 def _check(worker: int, table: TensorTable, rounds: Sequence[_Arrived]) -> list[str]:
@@ -525,4 +594,16 @@ def _digest(nbytes: int, word: int) -> str:
     return f"{nbytes}:{word & ((1 << 64) - 1):016x}"
 
 
-__all__ = ["Copied", "Shared", "Tally", "Wire", "combine", "rank_of", "receive", "send", "view_of", "worker_of"]
+__all__ = [
+    "Copied",
+    "Places",
+    "Shared",
+    "Tally",
+    "Wire",
+    "combine",
+    "rank_of",
+    "receive",
+    "send",
+    "view_of",
+    "worker_of",
+]

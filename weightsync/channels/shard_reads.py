@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.channels import digests
+from weightsync.channels import batched, digests
 from weightsync.channels.wire import TORCH_DTYPES, dist, wait_key
 from weightsync.errors import IntegrityError, PermanentError, RetryableError, WeightsyncError
 from weightsync.sharding.boxes import Box
@@ -92,6 +92,8 @@ class Reader(Protocol):
     channel: Channel
     device: torch.device
     """Where the worker's buckets are."""
+    direct: bool
+    """Whether ``read`` writes into any memory on ``device`` (a parameter), not only into the walk's buckets."""
 
     def open(self, rank: int, store: Any, epoch: int, places: Sequence[Any], table: TensorTable) -> Opened:
         """Trainer ``rank``'s shards of placement ``epoch`` (``places``: the rank's list, one entry per tensor)."""
@@ -103,9 +105,11 @@ class Reader(Protocol):
         first: int,
         pieces: Sequence[tuple[Any, Box, Region, torch.Tensor]],
         shared: Callable[[], Mapping[str, Any]],
-    ) -> None:
-        """Start reading each ``(shard, its box, region, into)`` (``into``: the region's flat uint8 bucket view; the
-        first is the link's region ``first`` in plan order); ``shared``: the rank's message for this worker (its
+    ) -> torch.Tensor | None:
+        """Start reading each ``(shard, its box, region, into)`` (``into``: the region's flat uint8 bucket view, or
+        on a ``direct`` reader possibly its place, of its shape and dtype; the first is the link's region ``first``
+        in plan order); return the digest word of each ``into`` as written (computed in the same pass, queued), or
+        None (the walk digests them once they arrived); ``shared``: the rank's message for this worker (its
         ``Memory.stage`` and the words), waited for when called."""
         ...
 
@@ -299,6 +303,10 @@ class _Read:
     def _channel(self) -> Channel:
         return self._importer.reader.channel
 
+    @property
+    def direct(self) -> bool:
+        return self._importer.reader.direct
+
     def _wait(self, key: str, what: str) -> bytes:
         # published when the rank starts sending: the join deadline, then the transfer timeout
         imp = self._importer
@@ -332,7 +340,7 @@ class _Read:
             except (KeyError, TypeError, ValueError) as e:
                 raise PermanentError(f"{self._channel} regions: malformed {what}: {raw[:120]!r} ({e})") from None
             self._message = message
-            self._words = torch.tensor(words, dtype=torch.int64).to(self._importer.reader.device, non_blocking=True)
+            self._words = batched.upload(torch.tensor(words, dtype=torch.int64), self._importer.reader.device)
         return self._message
 
     def _sent(self) -> torch.Tensor:
@@ -340,7 +348,7 @@ class _Read:
         assert self._words is not None
         return self._words
 
-    def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> None:
+    def fill(self, regions: Sequence[Region], into: Sequence[torch.Tensor], words: torch.Tensor) -> torch.Tensor | None:
         shards = self._places()
         pieces = []
         for r, view in zip(regions, into, strict=True):
@@ -353,10 +361,10 @@ class _Read:
                 )
             pieces.append((shard, box, r, view))
             self.nbytes += r.nbytes
-        if pieces:
-            self._importer.reader.read(self.rank, self._filled, pieces, self._shared)
+        written = self._importer.reader.read(self.rank, self._filled, pieces, self._shared) if pieces else None
         self._filled += len(pieces)
         self._pending.append((words, len(regions)))
+        return written
 
     def arrived(self) -> None:
         """Wait for the reads so far (bounded)."""
