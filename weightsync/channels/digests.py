@@ -93,21 +93,19 @@ def copy_words(dests: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> t
     if not batched.available(dests[0].device):
         torch._foreach_copy_(list(dests), list(srcs))
         return words(dests)
-    device = dests[0].device
     pairs = [batched.pairable(d, s) for d, s in zip(dests, srcs, strict=True)]
-    fast = [(k, p) for k, p in enumerate(pairs) if p is not None]
+    fast = [k for k, p in enumerate(pairs) if p is not None]
     rest = [k for k, p in enumerate(pairs) if p is None]  # another device, unaligned views, short runs
-    got = (
-        batched.copy_digest([dests[k] for k, _ in fast], [srcs[k] for k, _ in fast], [p for _, p in fast])
-        if fast
-        else torch.empty(0, dtype=torch.int64, device=device)
-    )
     if not rest:
-        return got
+        return batched.copy_digest(dests, srcs, [p for p in pairs if p is not None])
+    got = iter(
+        batched.copy_digest([dests[k] for k in fast], [srcs[k] for k in fast], [p for p in pairs if p is not None])
+        if fast
+        else ()
+    )
     torch._foreach_copy_([dests[k] for k in rest], [srcs[k] for k in rest])
-    order = [k for k, _ in fast] + rest
-    back = sorted(range(len(order)), key=order.__getitem__)
-    return torch.cat([got, words([dests[k] for k in rest])])[batched.upload(torch.tensor(back), device)]
+    slow = iter(words([dests[k] for k in rest]))
+    return torch.stack([next(slow) if p is None else next(got) for p in pairs])  # as ``words`` puts its two kinds
 
 
 def _relative(at: Sequence[batched.Runs | None]) -> Layout:
