@@ -11,16 +11,17 @@ all on GPU 0, every link co-located. ``--gpus 2`` (issue 24's 2-GPU row): proces
 rank ``i`` and worker ``i`` on GPU ``i``. The regions move through the product's ends as the coordinator plans them
 (process 0 registers both ends with a coordinator core, the GPU UUIDs every process posts, ``channels.gpu.uuid``,
 and opens a version; the others take its rendezvous and copied links from the store): ``region_sends.send_to`` on
-the ranks, ``sharded.walk`` on the workers, their groups and IPC ends kept across the repetitions. With 2 GPUs the
-plan copies (0, 0) and (1, 1) by CUDA IPC and sends the crossing (0, 1) and (1, 0) over a group per trainer rank
+the ranks, ``sharded.walk`` on the workers, their groups and IPC ends kept across the repetitions. With 2 GPUs every
+process sees both, so the plan copies every link by CUDA IPC (``sharded``); for workers that report only their own
+GPU (``wired``) it copies (0, 0) and (1, 1) and sends the crossing (0, 1) and (1, 0) over a group per trainer rank
 (``region_groups.rank_groups``: here one 2-rank NCCL communicator each, the rank and the worker on the other GPU:
-NCCL refuses two ranks of one communicator on one GPU, so there is no group of all four). The raw modes use
-2-rank groups of their own for the same pairs, bare NCCL backends (no default group holds them, so ``dist.*``
-functions, which look groups up in it, are not used): called by their own methods (``send``, ``recv``,
-``broadcast``, ``_allgather_base``), as ``regions`` and ``channels/nccl.py`` call theirs. Jobs (``--model``): ``job``
-(the test's seeded job, a few hundred KB), ``qwen3-1.7b``, ``qwen3-8b`` (checkpoint tensors, seeded bf16 values, the
-TP=2 engine layout vLLM's loaders recorded: ``bench/sharded_gpu.py``'s job). Per repetition, each mode is timed
-from a store barrier of all four (each CUDA-synchronised) to the last process's CUDA-synchronised end, clock
+NCCL refuses two ranks of one communicator on one GPU, so there is no group of all four). The raw modes use 2-rank
+groups of their own for the same pairs, bare NCCL backends (no default group holds them, so ``dist.*`` functions,
+which look groups up in it, are not used): called by their own methods (``send``, ``recv``, ``broadcast``,
+``_allgather_base``), as ``regions`` and ``channels/nccl.py`` call theirs. Jobs (``--model``): ``job`` (the test's
+seeded job, a few hundred KB), ``qwen3-1.7b``, ``qwen3-8b`` (checkpoint tensors, seeded bf16 values, the TP=2 engine
+layout vLLM's loaders recorded: ``bench/sharded_gpu.py``'s job). Per repetition, each mode is timed from a store
+barrier of all four (each CUDA-synchronised) to the last process's CUDA-synchronised end, clock
 ``time.perf_counter`` (one monotonic clock on the host). The modes, with ``--gpus 1``:
 
 - ``ipc``: each rank publishes its shards (exports reused after the first round) and its links' digest words
@@ -36,9 +37,13 @@ from a store barrier of all four (each CUDA-synchronised) to the last process's 
 
 With ``--gpus 2``:
 
-- ``sharded``: ``ipc`` with mixed links: the co-located by IPC, the crossing ones as buckets over their rank's
-  group, in the same walk of the same version, landed likewise;
-- ``buckets``: ``sharded`` with the co-located regions through the walk's buckets too, landed from there;
+- ``sharded``: ``ipc`` through the product's plan for workers that see both GPUs (each reports the GPUs it reads,
+  ``gpu.peers``, as the agent does): every link copied by CUDA IPC, the crossing ones read from the other GPU by
+  the copy engines (``peer_copies``), no group, landed likewise;
+- ``wired``: the plan for workers that see only their own GPU: the co-located links by IPC, the crossing ones as
+  buckets over their rank's group (one 2-rank NCCL group each), in the same walk of the same version, landed
+  likewise (a membership of its own; checked bit-exact in round 0 too);
+- ``buckets``: ``sharded`` with every region through the walk's buckets, landed from there;
 - ``walk``: the same without the landing copies;
 - ``gathered``: today's path before any overhead, raw NCCL: the ranks all-gather the table's bytes as one flat
   uint8 buffer, half from each (one ``_allgather_base`` on a 2-rank NCCL group of the ranks: one launch, where
@@ -55,16 +60,19 @@ With ``--gpus 2``:
   (one NCCL ``send``/``recv`` over the same pair group, both crossing links at once) and each worker makes one flat
   device copy of as many bytes as its co-located link carries (its own buffers); the slowest link sets the time.
   Two processes' kernels on one GPU time-slice (no MPS): rank 0's send, worker 0's receive and its copy share GPU 0
-  here as they do in ``sharded``.
+  here as they do in ``wired``;
+- ``pulled``: the link bound of ``sharded``'s plan, raw: each worker reads its crossing links' bytes from the other
+  GPU (a buffer of its own there) by one copy-engine copy, beside one flat device copy of its co-located link's
+  bytes.
 
 Round 0 is a warm-up (each NCCL communicator is formed by its first call there), and in it each worker checks its
 parameters after ``ipc``/``sharded`` bit-exact against the full tensors. Printed: the plan's bytes per link (near:
 IPC, far: NCCL), per worker bytes received (the walk's tally, both kinds of link) / bytes its layout needs, the
-median of each mode with its ratios to the baselines of the run (``raw``; ``bound`` and ``gathered``), and for
-``sharded`` and ``walk`` when each process reached each step (the ranks: shared (their ``send_to`` returned, its
-co-located workers done); the workers: first region; all: end). ``--json`` writes the summaries, every sample
-in; ``--mode`` runs some modes only; ``--trace DIR`` profiles each mode's last repetition (a Chrome trace per
-process).
+median of each mode with its ratios to the baselines of the run (``raw``; ``bound``, ``pulled`` and ``gathered``),
+and for ``sharded``, ``wired`` and ``walk`` when each process reached each step (the ranks: shared (their
+``send_to`` returned, its reading workers done); the workers: first region yielded; all: end). ``--json`` writes the
+summaries, every sample in; ``--mode`` runs some modes only; ``--trace DIR`` profiles each mode's last repetition (a
+Chrome trace per process); ``--host-profile DIR`` profiles its Python (cProfile, per process).
 """
 
 from __future__ import annotations
@@ -72,9 +80,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import cProfile
 import dataclasses
 import datetime
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -84,7 +95,7 @@ from typing import Any
 
 import torch
 
-from weightsync.channels import gpu, region_groups, regions, wire
+from weightsync.channels import gpu, peer_copies, region_groups, regions, wire
 from weightsync.channels.base import Endpoint, Rendezvous
 from weightsync.channels.wire import TORCH_DTYPES, dist
 from weightsync.sharding import links, plans
@@ -96,10 +107,13 @@ from weightsync_trainer import region_sends
 ROOT = Path(__file__).resolve().parents[1]
 RANKS, TP = 2, 2
 MODELS = ("job", "qwen3-1.7b", "qwen3-8b")
-MODES = {1: ("ipc", "buckets", "walk", "raw"), 2: ("sharded", "buckets", "walk", "gathered", "bound")}
+MODES = {
+    1: ("ipc", "buckets", "walk", "raw"),
+    2: ("sharded", "wired", "buckets", "walk", "gathered", "bound", "pulled"),
+}
 NIXL = "nixl"
 """The mode ``--nixl`` adds to either."""
-CHECKED = (NIXL,)
+CHECKED = ("wired", NIXL)
 """Modes after the first whose landing round 0 checks too (the parameters zeroed before)."""
 """Each repetition's modes by ``--gpus``, in order; the first lands the regions and is checked in round 0."""
 MARKS = ("shared", "first", "gathered")
@@ -123,28 +137,40 @@ def _job(model: str, device: torch.device) -> tuple[Any, Any, list[Any], Callabl
     return trainer, engine, list(result.replica("replica-0").regions), lambda t: tensor(trainer.table, t, device, 7)
 
 
-def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: Any, rows: list[Any]) -> Any:
-    """The product's plan for the replica (``region_sends.Target``, the same for every process): process 0 registers
-    the trainer (each rank's GPU UUID) and the replica (each worker's) with a coordinator core and opens a version,
-    as the publisher does; the region membership's rendezvous and the copied links (the co-located ones, from the
-    UUIDs every process posted) go to the others through the store, as JSON."""
+def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: Any, rows: list[Any]) -> tuple[Any, Any]:
+    """The product's plans for the replica (``region_sends.Target``, the same for every process): process 0 registers
+    the trainer (each rank's GPU UUID) and the replica (each worker's, and the GPUs every worker reads directly,
+    ``gpu.peers``, as the agent reports them) with a coordinator core and opens a version, as the publisher does;
+    the region membership's rendezvous and the copied links go to the others through the store, as JSON. Then the
+    same replica reporting no peers (``wired``: pods that each see their own GPU): only the co-located links
+    copied, the crossing ones over a group per rank, in a membership of its own."""
     sys.path.insert(0, str(ROOT))
     from tests.integration.region_ranks import colocated_targets
 
     role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
-    store.set(f"gpu/{role}", gpu.uuid(device))
+    store.set(f"gpu/{role}", json.dumps([gpu.uuid(device), *gpu.peers(device)]))
     if idx == 0:
         store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
-        ranks = tuple(store.get(f"gpu/rank{r}").decode() for r in range(RANKS))
-        workers = tuple(store.get(f"gpu/worker{w}").decode() for w in range(TP))
-        (t,) = colocated_targets(store.port, trainer, engine, ranks, workers)
-        if list(t.regions) != rows:
-            raise SystemExit("the coordinator's plan differs from the bench's (the same layouts must plan alike)")
-        store.set("plan", json.dumps({"rendezvous": t.rendezvous.to_dict(), "copied": plans.links_to(t.copied)}))
+        ranks = tuple(json.loads(store.get(f"gpu/rank{r}"))[0] for r in range(RANKS))
+        reach = [json.loads(store.get(f"gpu/worker{w}")) for w in range(TP)]
+        workers = tuple(r[0] for r in reach)
+        peers = tuple(sorted(set.intersection(*(set(r) for r in reach))))
+        targets = {}
+        for name, seen in (("plan", peers), ("wired", ())):
+            (t,) = colocated_targets(store.port, trainer, engine, ranks, workers, peers=seen)
+            if list(t.regions) != rows:
+                raise SystemExit("the coordinator's plan differs from the bench's (the same layouts must plan alike)")
+            rdv = t.rendezvous if name == "plan" else dataclasses.replace(t.rendezvous, group=f"{t.rendezvous.group}-w")
+            targets[name] = {"rendezvous": rdv.to_dict(), "copied": plans.links_to(t.copied)}
+        store.set("plan", json.dumps(targets))
     store.wait(["plan"])
     d = json.loads(store.get("plan"))
-    copied = plans.links_from(d["copied"])
-    return region_sends.Target("replica-0", Rendezvous.from_dict(d["rendezvous"]), tuple(rows), copied)
+    return tuple(  # type: ignore[return-value]
+        region_sends.Target(
+            "replica-0", Rendezvous.from_dict(d[k]["rendezvous"]), tuple(rows), plans.links_from(d[k]["copied"])
+        )
+        for k in ("plan", "wired")
+    )
 
 
 def _nccl(store: Any, name: str, rank: int) -> Any:
@@ -172,9 +198,10 @@ class _Process:
         self.link_bytes: dict[links.Link, int] = collections.Counter()
         for r in self.rows:
             self.link_bytes[r.rank, r.worker] += r.nbytes
-        self.target = _planned(self.store, idx, self.device, self.trainer, engine, self.rows)
-        self.near = self.target.copied
+        self.target, self.wired = _planned(self.store, idx, self.device, self.trainer, engine, self.rows)
+        self.near = self.wired.copied  # the co-located links: the raw modes' copies
         self.kept = region_groups.Kept()  # the product's groups and IPC ends, kept across the repetitions
+        self.wired_kept = region_groups.Kept()
         self.is_rank = idx < RANKS
         me, end = (idx, 0) if self.is_rank else (idx - RANKS, 1)  # end: 0 the trainer rank's, 1 the worker's
         self.pairs = {
@@ -191,6 +218,7 @@ class _Process:
         self._step = 0
         self.needed = 0
         self.copy: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pull: tuple[torch.Tensor, torch.Tensor] | None = None
         # gathered: half of the table's bytes from each rank; rank 0 broadcasts them whole to the workers of its pairs
         total = self.table.total_bytes
         self.half = self._bytes(-(-total // 2)) if self.trainers is not None else None
@@ -217,6 +245,11 @@ class _Process:
         self.needed = self.layout.bytes_needed(self.table)
         near = sum(n for (r, w), n in self.link_bytes.items() if w == me and (r, w) in self.near)
         self.copy = (self._bytes(near), self._bytes(near))
+        far = sum(n for (r, w), n in self.link_bytes.items() if w == me and (r, w) not in self.near)
+        if far:  # pulled: the crossing links' bytes read from the other GPU by the copy engines
+            other = torch.device("cuda", (self.device.index + 1) % gpus)
+            self.pull = (torch.empty(far, dtype=torch.uint8, device=other).random_(256), self._bytes(far))
+            self.pull[1][:16].copy_(self.pull[0][:16])  # torch enables peer access on its first copy across them
 
     def _bytes(self, n: int) -> torch.Tensor:
         """A buffer of ``n`` random bytes on this process's GPU (for the raw modes: what the bytes are is moot)."""
@@ -233,11 +266,25 @@ class _Process:
         self.store.wait([f"b{self._step}/{i}" for i in range(RANKS + TP)])
 
     def run(self, mode: str, version: int) -> int:
+        if mode == "wired":
+            return self._product(self.wired_kept, self.wired, version, land=True, direct=True)
         if mode in ("ipc", "sharded", "buckets", "walk"):
             return self.sharded(version, land=mode != "walk", direct=mode in ("ipc", "sharded"))
         if mode == NIXL:
             return self.nixl(version)
+        if mode == "pulled":
+            return self.pulled()
         return self.gathered() if mode == "gathered" else self.bound()
+
+    def pulled(self) -> int:
+        """``pulled``: the link bound where the crossing links are read by their workers (``sharded``'s plan): each
+        worker one copy-engine read of its crossing links' bytes from the other GPU beside one flat device copy of
+        its co-located link's."""
+        if self.pull is None or self.copy is None:
+            return 0
+        peer_copies.copy([self.pull[1]], [self.pull[0]])
+        self.copy[1].copy_(self.copy[0])
+        return self.pull[0].numel() + self.copy[0].numel()
 
     def nixl(self, version: int) -> int:
         """Every link by NIXL, as the coordinator plans a replica on NIXL (``region_sends.send_to`` on the ranks,
@@ -333,6 +380,7 @@ class _Process:
 
     def close(self) -> None:
         self.kept.close()  # the workers unmap before the ranks exit: a rank keeps its memory while a worker maps it
+        self.wired_kept.close()
         self.nixl_kept.close()
         self.barrier()
         for pg in [*self.pairs.values(), *([self.trainers] if self.trainers is not None else [])]:
@@ -341,7 +389,9 @@ class _Process:
             time.sleep(1.0)  # the store lives here: let the others' last wait return
 
 
-def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[str, ...], out: str, trace: str) -> None:
+def child(
+    idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[str, ...], out: str, trace: str, host: str
+) -> None:
     proc = _Process(idx, model, port, gpus)
     torch.cuda.synchronize(proc.device)
     samples: list[dict[str, Any]] = []
@@ -355,13 +405,21 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[st
             if rep == 0 and mode in CHECKED:
                 proc.clear()
             proc.barrier()
-            profiler = _profiler() if trace and rep == reps else contextlib.nullcontext()
+            # the repetition before the last too, unsaved: a profiler's first run in a process costs it ~0.8 s
+            profiler = _profiler() if trace and rep >= reps - 1 else contextlib.nullcontext()
+            python = cProfile.Profile() if host and rep == reps else None
             with profiler:
                 start = time.perf_counter()
+                if python is not None:
+                    python.enable()
                 n = proc.run(mode, version)
                 torch.cuda.synchronize(proc.device)
+                if python is not None:
+                    python.disable()
                 end = time.perf_counter()
-            if isinstance(profiler, torch.profiler.profile):
+            if python is not None:
+                _host_profile(python, Path(host, f"{model}-{mode}-{idx}.txt"))
+            if isinstance(profiler, torch.profiler.profile) and rep == reps:
                 profiler.export_chrome_trace(str(Path(trace, f"{model}-{mode}-{idx}.json")))
             if rep == 0:
                 moved[mode] = n
@@ -380,6 +438,15 @@ def child(idx: int, model: str, port: int, reps: int, gpus: int, modes: tuple[st
     proc.close()
 
 
+def _host_profile(python: cProfile.Profile, path: Path) -> None:
+    """The host's time by function (its own time, then with what it calls), the 40 largest of each."""
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.write_text(text.getvalue())
+
+
 def _profiler() -> torch.profiler.profile:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     return torch.profiler.profile(activities=activities)
@@ -389,14 +456,16 @@ def _slices(box: Any) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
-def run_one(model: str, reps: int, port: int, gpus: int, modes: tuple[str, ...], trace: str = "") -> dict[str, Any]:
+def run_one(
+    model: str, reps: int, port: int, gpus: int, modes: tuple[str, ...], trace: str = "", host: str = ""
+) -> dict[str, Any]:
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        args = (model, port, reps, gpus, modes, out, trace)
+        args = (model, port, reps, gpus, modes, out, trace, host)
         procs = [ctx.Process(target=child, args=(i, *args)) for i in range(RANKS + TP)]
         for p in procs:
             p.start()
@@ -461,13 +530,13 @@ def summarise(model: str, gpus: int, reports: list[dict[str, Any]], modes: tuple
     )
     print(f"  the plan's bytes per link (rank->worker): {'; '.join(where)}", flush=True)
     print("  " + ", ".join(f"{m} {v:.3f} ms" for m, v in med.items()), flush=True)
-    base = [b for b in ("raw", "bound", "gathered") if b in med]
+    base = [b for b in ("raw", "bound", "pulled", "gathered") if b in med]
     summary["ratios"] = {f"{m} / {b}": med[m] / med[b] for m in med if m not in base for b in base}
     if "gathered" in med:
         summary["gathered_ms"] = g = {k: statistics.median(v) * 1e3 for k, v in split.items()}
         print(f"  gathered: all-gather {g['all_gather']:.3f} + broadcast {g['broadcast']:.3f} ms", flush=True)
     print("  " + ", ".join(f"{k} {v:.2f}" for k, v in summary["ratios"].items()), flush=True)
-    for m in ("sharded", "walk"):
+    for m in ("sharded", "wired", "walk"):
         if m in phases:
             marks = {k: round(v, 2) for k, v in summary["phases_ms"][m].items()}
             print(f"  {m}, ms from the barrier (process 0-1 ranks, 2-3 workers):", marks, flush=True)
@@ -500,6 +569,12 @@ def main() -> None:
         help="profile each mode's last repetition (torch.profiler, CPU and CUDA): a Chrome trace per process, "
         "<model>-<mode>-<process>.json, in this folder (the profiler's cost is in that repetition's time)",
     )
+    p.add_argument(
+        "--host-profile",
+        default="",
+        help="profile each mode's last repetition's Python (cProfile, which slows it): the 40 functions with the "
+        "most time of their own and with their callees, per process, <model>-<mode>-<process>.txt in this folder",
+    )
     p.add_argument("--mode", action="append", help="only these modes (repeatable; default: every mode of --gpus)")
     p.add_argument("--nixl", action="store_true", help="add the nixl mode (every link by NIXL; needs nixl importable)")
     args = p.parse_args()
@@ -514,9 +589,13 @@ def main() -> None:
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(args.gpus))
     print(f"devices: {names}, torch {torch.__version__}", flush=True)
     models = args.model or ["job", "qwen3-1.7b"]
-    if args.trace:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
-    got = [run_one(m, args.reps, args.port + i, args.gpus, modes, args.trace) for i, m in enumerate(models)]
+    for folder in (args.trace, args.host_profile):
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+    got = [
+        run_one(m, args.reps, args.port + i, args.gpus, modes, args.trace, args.host_profile)
+        for i, m in enumerate(models)
+    ]
     if args.json:
         Path(args.json).write_text(json.dumps(got, indent=1))
 

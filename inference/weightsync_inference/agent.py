@@ -122,8 +122,10 @@ def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Cap
     gpu = bool(workers) and all(w.gpu for w in workers)
     found = models.Capabilities(
         host=config.host,
-        # in worker order: the coordinator matches worker i with the trainer rank on its GPU (``links.colocated``)
+        # in worker order: the coordinator matches worker i with the trainer rank on its GPU (``links.copied``)
         gpu_uuids=tuple(w.gpu_uuid for w in sorted(workers, key=lambda w: w.rank) if w.gpu_uuid),
+        # the GPUs every worker reads, its own or a peer: a trainer rank on one is a link each worker copies
+        peer_gpu_uuids=tuple(sorted(set.intersection(*({w.gpu_uuid, *w.peers} for w in workers)))) if gpu else (),
         devices=max(1, len(workers)),
         nccl_domain=config.nccl_domain,
         nixl=bool(workers) and all(w.nixl for w in workers),

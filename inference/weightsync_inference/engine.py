@@ -217,12 +217,13 @@ class WeightsyncEngine(WeightTransferEngine[InitInfo, UpdateInfo]):  # type: ign
         """What this worker is (the agent registers the replica with it)."""
         ctx = self._context()
         device = torch.device(ctx.device)
-        uuid = ""
-        if device.type == "cuda":
-            from weightsync.channels import gpu
+        nixl = importlib.util.find_spec("nixl") is not None
+        if device.type != "cuda":
+            return Identity(ctx.rank, ctx.world_size, str(device), "", nixl)
+        from weightsync.channels import gpu
 
-            uuid = gpu.uuid(gpu.cuda_device(device))
-        return Identity(ctx.rank, ctx.world_size, str(device), uuid, importlib.util.find_spec("nixl") is not None)
+        on = gpu.cuda_device(device)
+        return Identity(ctx.rank, ctx.world_size, str(device), gpu.uuid(on), nixl, gpu.peers(on))
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> InitInfo:
         return InitInfo(rendezvous=Rendezvous.from_dict(init_dict))

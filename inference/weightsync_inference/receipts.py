@@ -29,6 +29,8 @@ class Identity:
     device: str
     gpu_uuid: str = ""
     nixl: bool = False
+    peers: tuple[str, ...] = ()
+    """The other GPUs this worker reads peer-to-peer (``channels.gpu.peers``)."""
 
     @property
     def gpu(self) -> bool:
@@ -40,7 +42,10 @@ class Identity:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Identity:
         try:
-            return cls(int(d["rank"]), int(d["world_size"]), str(d["device"]), str(d["gpu_uuid"]), bool(d["nixl"]))
+            peers = tuple(str(u) for u in d.get("peers", ()))
+            return cls(
+                int(d["rank"]), int(d["world_size"]), str(d["device"]), str(d["gpu_uuid"]), bool(d["nixl"]), peers
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"engine worker identity {dict(d)!r} is malformed: {e}") from None
 

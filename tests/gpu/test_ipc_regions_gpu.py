@@ -3,11 +3,12 @@
 The same seeded job as ``test_regions_gpu.py`` (``tests.integration.region_ranks.job``: 2 ranks holding
 ``Shard(0)`` shards, a TP=2 replica whose workers keep tensors column-, row-wise, fused, padded, as experts and
 whole), with all four processes on GPU 0: every link is co-located (decided from the ends' GPU UUIDs,
-``sharding.links.colocated``), so each worker copies its regions out of the ranks' shards inside
+``sharding.links.copied``), so each worker copies its regions out of the ranks' shards inside
 ``regions.receive``'s walk, straight into their boxes of its parameters (the walk's ``Places``, as the engine's
 ``Landing`` gives them; asserted per region) but for the whole tensors' and those the loader converts, which go
 through buckets of 4 KiB. Two versions: the second written in place into the same shards after the first was
-released, so its exports are reused, none made.
+released, so its exports are reused, none made. The same with the workers on a second GPU (``workers-on-a-peer-gpu``):
+each maps the ranks' shards into its own GPU and reads them by the copy engines (``peer_copies``).
 
 Faults: a byte of a region changed in rank 1's shard after its digest was published (a real fault: the worker
 reads the changed memory) fails the workers reading it, naming tensor and rank 1; rank 1 exiting after it
@@ -74,7 +75,7 @@ def _placed(idx: int, gpu_index: int, port: int) -> tuple[Any, ...]:
     role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
     store.set(f"gpu/{role}", gpu.uuid(device))
     store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(WORKERS)])
-    near = links.colocated(
+    near = links.copied(
         replica.regions,
         {r: store.get(f"gpu/rank{r}").decode() for r in range(RANKS)},
         {w: store.get(f"gpu/worker{w}").decode() for w in range(WORKERS)},
@@ -172,12 +173,13 @@ def _wrong(layout: Any, table: Any, full: list[Any], params: list[Any], wholes: 
 
 
 def _colocated(idx: int, plans: Any, port: int, fault: str, transport: str = "ipc") -> dict[str, Any]:
-    """The ranks' regions to the workers over ``transport``: ``ipc`` all on GPU 0, ``nixl`` the workers on the last
-    GPU (the ranks on GPU 0), each reading its regions out of the ranks' registered shards."""
+    """The ranks' regions to the workers over ``transport``: ``ipc`` all on GPU 0; ``peer`` (CUDA IPC too) and
+    ``nixl`` the workers on the last GPU (the ranks on GPU 0), each reading its regions out of the ranks' shards
+    (``peer``: mapped into its own GPU, read by the copy engines, ``peer_copies``)."""
     from tests.integration.region_ranks import _slices
     from weightsync.channels import ipc_regions, nixl_regions, regions
 
-    module: Any = ipc_regions if transport == "ipc" else nixl_regions
+    module: Any = nixl_regions if transport == "nixl" else ipc_regions
     on = 0 if transport == "ipc" or idx < RANKS else torch.cuda.device_count() - 1
     device, store, trainer, members, replica, full, near = _placed(idx, on, port)
     table = trainer.table
@@ -208,7 +210,7 @@ def _colocated(idx: int, plans: Any, port: int, fault: str, transport: str = "ip
                 store.set("corrupted", "1")
             exporter.release()
             out[f"digests{v}"], out[f"nbytes{v}"] = tally.digests, tally.nbytes
-            if transport == "ipc":
+            if transport != "nixl":
                 out[f"exported{v}"] = exporter.exported
         store.set(f"end/rank{rank}", "1")
         if rank == 0:  # the store lives in this process: keep it until the others are done with it (a rank's
@@ -246,17 +248,24 @@ def _colocated(idx: int, plans: Any, port: int, fault: str, transport: str = "ip
     return out
 
 
-def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_own() -> None:
-    _need_gpus(1)
+TRANSPORTS = pytest.mark.parametrize("transport", ["ipc", "peer"], ids=["one-gpu", "workers-on-a-peer-gpu"])
+"""CUDA IPC with the ranks and the workers on one GPU (a kernel's copies), or the workers on another GPU that maps
+the ranks' shards (the copy engines' reads across NVLink or PCIe)."""
+
+
+@TRANSPORTS
+def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_own(transport: str) -> None:
+    _need_gpus(1 if transport == "ipc" else 2)
     from tests.integration.region_ranks import job
 
-    got = _run(_colocated, RANKS + WORKERS, 29631, "")
+    got = _run(_colocated, RANKS + WORKERS, 29631, "", transport)
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
     assert all("raised" not in g for g in got), got
     _, result, _, _ = job(24, RANKS)
     replica = result.replica("tp2")
     every = sorted({(r.rank, r.worker) for r in replica.regions})
-    assert all(g["near"] == [list(link) for link in every] for g in got[RANKS:])  # one GPU: every link co-located
+    if transport == "ipc":  # one GPU: every link co-located
+        assert all(g["near"] == [list(link) for link in every] for g in got[RANKS:])
     for v in ("1", "2"):
         assert_landed(got, replica, v)
         # every region but the whole tensors' was copied straight into its parameter, none through a bucket
@@ -266,9 +275,10 @@ def test_colocated_links_copy_regions_bit_exact_and_each_worker_gets_only_its_ow
         assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
 
 
-def test_a_region_changed_in_the_ranks_memory_fails_naming_tensor_and_rank() -> None:
-    _need_gpus(1)
-    got = _run(_colocated, RANKS + WORKERS, 29632, "corrupt")
+@TRANSPORTS
+def test_a_region_changed_in_the_ranks_memory_fails_naming_tensor_and_rank(transport: str) -> None:
+    _need_gpus(1 if transport == "ipc" else 2)
+    got = _run(_colocated, RANKS + WORKERS, 29632, "corrupt", transport)
     assert [g.get("error") for g in got] == [None] * (RANKS + WORKERS), got
     name, box = got[1]["corrupted"]
     failed = got[RANKS]  # worker 0 reads the changed region; worker 1 may or may not
@@ -277,9 +287,10 @@ def test_a_region_changed_in_the_ranks_memory_fails_naming_tensor_and_rank() -> 
     assert "worker 0" in failed["raised"], failed
 
 
-def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout() -> None:
-    _need_gpus(1)
-    got = _run(_colocated, RANKS + WORKERS, 29633, "die")
+@TRANSPORTS
+def test_a_rank_that_exits_before_sharing_fails_the_workers_within_the_timeout(transport: str) -> None:
+    _need_gpus(1 if transport == "ipc" else 2)
+    got = _run(_colocated, RANKS + WORKERS, 29633, "die", transport)
     assert [g["rank"] for g in got] == [0, 2, 3], got  # rank 1 exited
     assert [g.get("error") for g in got] == [None] * 3, got
     for g in got[1:]:
@@ -412,10 +423,13 @@ def test_mixed_links_on_two_gpus() -> None:
     assert [g["placed1"] for g in got[RANKS:]] == _placeable(replica.regions, [(0, 0), (1, 1)]), got
 
 
-def _product_plan(port: int, uuids: tuple[str, str], nixl: bool = False) -> tuple[Any, Any]:
+def _product_plan(
+    port: int, uuids: tuple[str, str], nixl: bool = False, peers: tuple[str, ...] = ()
+) -> tuple[Any, Any]:
     """What the coordinator plans for the tp2 replica on the trainer ranks' two GPUs, for versions 1 and 2: each
     version's ``Target`` (the ranks') and ``sharded.Order`` (the workers'). ``nixl``: the replica planned on NIXL
-    instead (its rendezvous on that channel, nothing copied: every link read, ``versions._Planned.parts``)."""
+    instead (its rendezvous on that channel, nothing copied: every link read, ``versions._Planned.parts``);
+    ``peers``: the GPUs the replica reports every worker reads (``Capabilities.peer_gpu_uuids``)."""
     import dataclasses
 
     from tests.integration.region_ranks import colocated_targets, job
@@ -425,7 +439,7 @@ def _product_plan(port: int, uuids: tuple[str, str], nixl: bool = False) -> tupl
     trainer, _, members, _ = job(24, RANKS)
     engine = next(m.layout for m in members if m.replica_id == "tp2")
     targets, orders = [], []
-    for v, t in enumerate(colocated_targets(port, trainer, engine, uuids, uuids, versions=2), 1):
+    for v, t in enumerate(colocated_targets(port, trainer, engine, uuids, uuids, versions=2, peers=peers), 1):
         rdv = dataclasses.replace(t.rendezvous, timeout_s=TIMEOUT_S, join_timeout_s=10.0)
         if nixl:
             rdv = dataclasses.replace(rdv, channel=Channel.NIXL)
@@ -515,29 +529,38 @@ def _product(idx: int, plans: Any, port: int, targets: Any, orders: Any, die: in
             store.wait([f"end/{i}" for i in alive], datetime.timedelta(seconds=90))
 
 
+@pytest.mark.parametrize("peers", [False, True], ids=["crossing-over-nccl", "peers"])
 @pytest.mark.parametrize("die", [-1, 1], ids=["two-versions", "rank-1-exits"])
-def test_the_products_ends_on_two_gpus(die: int) -> None:
+def test_the_products_ends_on_two_gpus(die: int, peers: bool) -> None:
+    """``peers``: the replica reports that every worker reads both GPUs (``gpu.peers``, as the agent reports it), so
+    the crossing links are copied too (by the copy engines) and no group is formed; else they go over a group per
+    trainer rank."""
     _need_gpus(2)
     from weightsync.channels import gpu
 
     uuids = (gpu.uuid(torch.device("cuda", 0)), gpu.uuid(torch.device("cuda", 1)))
-    port = 29635 + max(die, 0)
-    targets, orders = _product_plan(port, uuids)
-    assert targets[0].copied == {(0, 0), (1, 1)} and targets[0].rendezvous == targets[1].rendezvous, targets
+    assert uuids[1] in gpu.peers(torch.device("cuda", 0)), "the two GPUs have no peer access (NVLink or PCIe P2P)"
+    port = (29645 if peers else 29635) + max(die, 0)
+    targets, orders = _product_plan(port, uuids, peers=uuids if peers else ())
+    every = {(r.rank, r.worker) for r in targets[0].regions}
+    assert targets[0].copied == (every if peers else {(0, 0), (1, 1)}), targets
+    assert targets[0].rendezvous == targets[1].rendezvous, targets
     got = _run(_product, RANKS + WORKERS, port, targets, orders, die)
     assert [g.get("error") for g in got] == [None] * len(got), got
     if die < 0:
         for v in ("1", "2"):
             assert_landed(got, targets[0], v)
             assert [g[f"placed{v}"] for g in got[RANKS:]] == _placeable(targets[0].regions, targets[0].copied), got
-        for g in got:  # one group per rank, one per worker (the rank across its GPU), kept: formed once
-            assert len(g["formed1"]) == 1 and g["formed1"] == g["formed2"], g
+        for g in got:  # one group per rank, one per worker (the rank across its GPU), kept: formed once; none
+            assert len(g["formed1"]) == (0 if peers else 1) and g["formed1"] == g["formed2"], g  # every link copied
         for r in range(RANKS):  # the second version written in place: its exports reused, none made
             assert got[r]["exported1"] > 0 and got[r]["exported2"] == got[r]["exported1"], got[r]
         return
     assert [g["rank"] for g in got] == [0, 2, 3], got
-    assert "digests2" in got[0], got[0]  # rank 0's links ended: its wire to worker 1, its copies by worker 0
-    for g, within in ((got[1], TIMEOUT_S), (got[2], 10.0 + TIMEOUT_S)):  # the wire, then the IPC link from rank 1
+    assert "digests2" in got[0], got[0]  # rank 0's links ended: its wire to worker 1 or its copies, and worker 0's
+    # worker 0 from rank 1: over the wire (its timeout), or copied (the join deadline, then the timeout); worker 1
+    # copies from rank 1
+    for g, within in ((got[1], 10.0 + TIMEOUT_S if peers else TIMEOUT_S), (got[2], 10.0 + TIMEOUT_S)):
         assert "trainer rank 1" in g["failed"] and g["after_s"] < within + 5.0, g
         assert "failed here in an earlier version" in g["again"] and g["again_s"] < 1.0, g
 

@@ -95,12 +95,19 @@ def assert_exact(out: dict[str, Any], ranks: int) -> None:
 
 
 def colocated_targets(
-    port: int, trainer: Any, engine: Any, ranks: tuple[str, ...], workers: tuple[str, ...], versions: int = 1
+    port: int,
+    trainer: Any,
+    engine: Any,
+    ranks: tuple[str, ...],
+    workers: tuple[str, ...],
+    versions: int = 1,
+    peers: tuple[str, ...] = (),
 ) -> list[Any]:
     """What a coordinator core plans for one replica of ``engine`` whose workers run on GPUs ``workers`` beside
-    ``trainer``'s ranks on ``ranks`` (GPU UUIDs; one host, one NCCL domain, the replica receives IPC), the NCCL
-    rendezvous on 127.0.0.1:``port``: the ranks' ``region_sends.Target`` of each of ``versions`` versions, as the
-    publisher takes them (the GPU tests and ``bench/ipc_regions_gpu.py``)."""
+    ``trainer``'s ranks on ``ranks`` (GPU UUIDs; one host, one NCCL domain, the replica receives IPC; its workers
+    read the GPUs ``peers`` directly, ``Capabilities.peer_gpu_uuids``), the NCCL rendezvous on
+    127.0.0.1:``port``: the ranks' ``region_sends.Target`` of each of ``versions`` versions, as the publisher takes
+    them (the GPU tests and ``bench/ipc_regions_gpu.py``)."""
     import dataclasses
 
     from weightsync.channels.base import Endpoint, Offer
@@ -113,7 +120,9 @@ def colocated_targets(
 
     on = Capabilities(host="h", nccl_domain="d", engine=EngineKind.GPU)
     caps = dataclasses.replace(on, gpu_uuids=ranks[:1], channels=(Channel.NCCL,), rank_gpu_uuids=ranks)
-    replica = dataclasses.replace(on, gpu_uuids=workers, devices=len(workers), channels=(Channel.IPC, Channel.NCCL))
+    replica = dataclasses.replace(
+        on, gpu_uuids=workers, devices=len(workers), channels=(Channel.IPC, Channel.NCCL), peer_gpu_uuids=peers
+    )
     core = Coordinator(lease_ttl_s=3600.0, store=MemoryStore(), clock=ManualClock())
     offer = Offer(Channel.NCCL, Endpoint("127.0.0.1", port))
     lease = core.register("job", Role.TRAINER, "t", "t1", caps, offers=(offer,), layout=trainer).lease_id

@@ -302,7 +302,7 @@ def test_a_replica_on_the_trainers_gpus_copies_its_colocated_links_by_ipc_and_ta
     colocated = opened["r-colocated"]
     part = colocated.regions_part()
     assert colocated.channel is Channel.NCCL and part is not None
-    assert part.copied == links.colocated(part.regions, {0: "g0", 1: "g1"}, {0: "g0", 1: "g1"}) == {(0, 0), (1, 1)}
+    assert part.copied == links.copied(part.regions, {0: "g0", 1: "g1"}, {0: "g0", 1: "g1"}) == {(0, 0), (1, 1)}
     assert (colocated.rendezvous.rank, colocated.rendezvous.world_size) == (2, 4)
     groups = region_groups.rank_groups(colocated.rendezvous, part.regions, part.copied)
     assert {r: (g.world_size, ws) for r, (g, ws) in groups.items()} == {0: (2, (1,)), 1: (2, (0,))}
@@ -317,6 +317,33 @@ def test_a_replica_on_the_trainers_gpus_copies_its_colocated_links_by_ipc_and_ta
     assert not gathered.same_membership(colocated.rendezvous)
     with pytest.raises(Exception, match=r"copies links \[\(0, 7\)\]"):
         region_groups.rank_groups(colocated.rendezvous, part.regions, frozenset({(0, 7)}))
+
+
+def test_a_replica_whose_workers_reach_the_trainers_gpus_peer_to_peer_copies_every_link_it_can() -> None:
+    """A replica whose workers all read the trainer ranks' GPUs directly (``peer_gpu_uuids``: one host, NVLink or
+    PCIe P2P) copies every link from a rank on one of them, its own GPUs' too, and forms no group for those: a
+    copy engine's read waits for no process's time slice. Peers count only where the replica can copy (one host,
+    it receives IPC): the same report from another host leaves its links on the wire. The report survives the
+    wire (``serde``)."""
+    from weightsync.channels import region_groups
+
+    core = Coordinator(lease_ttl_s=30.0, store=MemoryStore(), clock=ManualClock())
+    lease = core.register("job", Role.TRAINER, "t", "t1", NCCL_TRAINER, offers=NCCL_OFFERS, layout=TRAINER).lease_id
+    reach = ("g0", "g1", "g2", "g3")
+    peer = dataclasses.replace(_gpus("g2", "g3"), host="t", channels=(Channel.IPC, Channel.NCCL), peer_gpu_uuids=reach)
+    assert serde.capabilities(serde.capabilities_to(peer)) == peer
+    core.register("job", Role.REPLICA, "r-peer", "i0", peer, layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-far", "i1", dataclasses.replace(peer, host="other"), layout=ENGINE)
+    core.register("job", Role.REPLICA, "r-on", "i2", dataclasses.replace(peer, gpu_uuids=("g0", "g1")), layout=ENGINE)
+    opened = {p.replica_id: p for p in core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)).plans}
+
+    for name in ("r-peer", "r-on"):  # beside the ranks' GPUs, or on them: every link copied, no group per rank
+        part = opened[name].regions_part()
+        assert opened[name].channel is Channel.NCCL and part is not None
+        assert part.copied == {(r.rank, r.worker) for r in part.regions} == {(r, w) for r in (0, 1) for w in (0, 1)}
+        assert region_groups.rank_groups(opened[name].rendezvous, part.regions, part.copied) == {}
+    far = opened["r-far"].regions_part()
+    assert far is not None and far.copied == frozenset()  # another host: its report cannot hold, the wire carries
 
 
 def test_a_replica_on_nixl_reads_every_link_itself_on_the_trainers_gpus_too() -> None:

@@ -34,13 +34,16 @@ def _plan() -> list[Region]:
     return [Region(0, r, w, b, 0, b, 8) for r in (0, 1, 2) for w in (0, 1)]
 
 
-def test_a_link_is_colocated_when_both_ends_report_one_gpu_uuid() -> None:
+def test_a_link_is_copied_when_both_ends_report_one_gpu_uuid_or_the_workers_reach_the_ranks_gpu() -> None:
     ranks = {0: "GPU-a", 1: "GPU-b", 2: ""}
     workers = {0: "GPU-a", 1: "GPU-b"}
-    assert links.colocated(_plan(), ranks, workers) == {(0, 0), (1, 1)}
+    assert links.copied(_plan(), ranks, workers) == {(0, 0), (1, 1)}
     # an end without a UUID (a CPU end, or one that reported none) is co-located with nothing, not with another
-    assert links.colocated(_plan(), {2: ""}, {0: "", 1: ""}) == frozenset()
-    assert links.colocated(_plan(), {0: "MIG-x"}, {1: "MIG-x"}) == {(0, 1)}  # a MIG slice: its own UUID
+    assert links.copied(_plan(), {2: ""}, {0: "", 1: ""}) == frozenset()
+    assert links.copied(_plan(), {0: "MIG-x"}, {1: "MIG-x"}) == {(0, 1)}  # a MIG slice: its own UUID
+    # the GPUs every worker reads directly: a rank on one is a link every worker copies; one without a UUID is not
+    assert links.copied(_plan(), ranks, workers, ("GPU-a", "GPU-b")) == {(r, w) for r in (0, 1) for w in (0, 1)}
+    assert links.copied(_plan(), {0: "GPU-c", 2: ""}, workers, ("GPU-c", "")) == {(0, 0), (0, 1)}
     near, far = links.split(_plan(), frozenset({(0, 0), (1, 1)}))
     assert [(r.rank, r.worker) for r in near] == [(0, 0), (1, 1)]
     assert [(r.rank, r.worker) for r in far] == [(0, 1), (1, 0), (2, 0), (2, 1)]
@@ -244,3 +247,21 @@ def test_one_walk_takes_a_colocated_link_and_a_gloo_link_together() -> None:
     assert wrong == []
     assert tally.nbytes == members[0].layout.workers[0].bytes_needed(trainer.table)
     assert sent["tally"].nbytes == sum(r.nbytes for r in replica.regions if r.rank == 1 and r.worker == 0)
+
+
+def test_a_replica_reports_the_gpus_every_worker_reads_directly_its_own_or_a_peer() -> None:
+    """``agent.capabilities``: a worker reads its own GPU and the peers it reported (``gpu.peers``); the replica
+    reports the GPUs all of them read (a rank on one is a link each worker copies), none for a CPU engine."""
+    from weightsync.vocabulary import Channel
+    from weightsync_inference.agent import AgentConfig, capabilities
+    from weightsync_inference.receipts import Identity
+
+    config = AgentConfig("job", "r", (Channel.IPC, Channel.NCCL), "n", nccl_domain="d")
+    pair = [
+        Identity(0, 2, "cuda:0", "GPU-a", peers=("GPU-b", "GPU-c")),
+        Identity(1, 2, "cuda:1", "GPU-b", peers=("GPU-a",)),
+    ]
+    assert capabilities(config, pair).peer_gpu_uuids == ("GPU-a", "GPU-b")  # GPU-c: not worker 1's peer
+    assert capabilities(config, [Identity(0, 1, "cuda:0", "GPU-a")]).peer_gpu_uuids == ("GPU-a",)
+    assert capabilities(config, [Identity(0, 1, "cpu")]).peer_gpu_uuids == ()
+    assert Identity.from_dict(pair[0].to_dict()) == pair[0]

@@ -298,7 +298,27 @@ Rows = tuple[int, int, int, int, int, int]
 def pairable(dest: torch.Tensor, src: torch.Tensor) -> Rows | None:
     """``dest`` and ``src`` (same shape, dtype and device) as rows of the same words, each side's rows at a fixed
     stride (a contiguous tensor as rows of ``CHUNK`` words, a strided one as its runs when they are its only
-    lead dimension: a rank's row-parallel cut), every row 16-byte aligned; else None (copied apart)."""
+    lead dimension: a rank's row-parallel cut), every row 16-byte aligned; else None (copied apart). Kept by
+    everything it depends on (``_PAIRS``)."""
+    key = (dest.data_ptr(), src.data_ptr(), dest.shape, src.shape, dest.stride(), src.stride(), dest.dtype, src.dtype)
+    if key in _pairs:
+        return _pairs[key]
+    if len(_pairs) >= _PAIRS:
+        _pairs.clear()
+    _pairs[key] = rows = _pairable(dest, src)
+    return rows
+
+
+_PAIRS = 1 << 16
+"""Pairs whose ``pairable`` answer is kept, by both sides' addresses (unique across devices: unified addressing),
+shapes, strides and dtypes (about 200 bytes each): a walk's regions come from the same shards and land in the same
+parameters from version to version wherever those stay in the same memory, and finding a pair's rows costs more
+host time than the rest of its share of the launch (a walk runs one per region, about 600 per worker and version
+for Qwen3-8B at TP=2)."""
+_pairs: dict[tuple[Any, ...], Rows | None] = {}
+
+
+def _pairable(dest: torch.Tensor, src: torch.Tensor) -> Rows | None:
     if (dest.dtype, dest.shape, dest.device) != (src.dtype, src.shape, src.device):
         return None
     rd, rs = runs(dest), runs(src)

@@ -67,6 +67,16 @@ def uuid(device: torch.device) -> str:
     return raw if raw.startswith("GPU-") else f"GPU-{raw}"
 
 
+def peers(device: torch.device) -> tuple[str, ...]:
+    """The UUIDs of the other GPUs this process sees whose memory ``device`` reads peer-to-peer (NVLink or PCIe P2P):
+    where a worker copies a trainer rank's regions itself (``sharding.links.copied``)."""
+    return tuple(
+        uuid(other)
+        for other in (torch.device("cuda", i) for i in range(torch.cuda.device_count()))
+        if other.index != device.index and torch.cuda.can_device_access_peer(device.index, other.index)
+    )
+
+
 def check_wire(spec: TensorSpec, tensor: torch.Tensor) -> None:
     """Refuse, naming the tensor, what cannot become ``spec``: another shape, or a non-float dtype change."""
     want = TORCH_DTYPES[spec.dtype]

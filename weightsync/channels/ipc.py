@@ -74,6 +74,8 @@ class Export:
     ref_counter_offset: int
     event_handle: str
     event_sync_required: bool
+    uuid: str = ""
+    """The GPU the storage lives on (``gpu.uuid``): a process that maps it on another GPU reads it peer-to-peer."""
 
     @classmethod
     def of(cls, storage: torch.UntypedStorage) -> Export:
@@ -87,6 +89,7 @@ class Export:
             int(ref_offset),
             bytes(event or b"").hex(),
             bool(sync),
+            gpu.uuid(storage.device),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,14 +107,18 @@ class Export:
                 int(d["ref_counter_offset"]),
                 str(d["event_handle"]),
                 bool(d["event_sync_required"]),
+                str(d.get("uuid", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"ipc channel: malformed buffer export {dict(d)!r}: {e}") from None
 
-    def open(self) -> torch.Tensor:
-        """Map the storage in this process, as a flat uint8 tensor."""
+    def open(self, on: int | None = None) -> torch.Tensor:
+        """Map the storage in this process, as a flat uint8 tensor: on the device it lives on (by the exporter's
+        index), or into device ``on``'s address space, which then reads it peer-to-peer (NVLink or PCIe P2P, as
+        its own memory: kernels and copy engines alike), though the tensor says ``cuda:<on>``."""
+        device = self.device if on is None else on
         storage = torch.UntypedStorage._new_shared_cuda(
-            self.device,
+            device,
             bytes.fromhex(self.handle),
             self.size_bytes,
             self.offset_bytes,
@@ -120,7 +127,7 @@ class Export:
             bytes.fromhex(self.event_handle),
             self.event_sync_required,
         )
-        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}").set_(storage)
 
 
 class Exports:
@@ -164,16 +171,25 @@ class Mappings:
     def __init__(self, store: Any, channel: Channel = Channel.IPC) -> None:
         self._store, self._channel = store, channel
         self._mapped: dict[int, torch.Tensor] = {}
+        self._gpus: dict[int, str] = {}
 
-    def map(self, used: Iterable[int], timeout_s: float, whose: str = "") -> Mapping[int, torch.Tensor]:
+    def map(
+        self, used: Iterable[int], timeout_s: float, whose: str = "", on: int | None = None
+    ) -> Mapping[int, torch.Tensor]:
         """Export id -> the storage as a flat uint8 tensor, for the ids in ``used``: new ones mapped (waiting up to
-        ``timeout_s`` for their handles), ones no longer used closed."""
+        ``timeout_s`` for their handles; into device ``on``'s address space, ``Export.open``), ones no longer used
+        closed."""
         wanted = set(used)
         for buf in sorted(wanted - self._mapped.keys()):
             raw = wait_key(self._store, f"buf/{buf}", timeout_s, f"{whose}buffer {buf}'s handle", self._channel)
-            self._mapped[buf] = Export.from_dict(json.loads(raw)).open()
+            export = Export.from_dict(json.loads(raw))
+            self._mapped[buf], self._gpus[buf] = export.open(on), export.uuid
         self._mapped = {k: v for k, v in self._mapped.items() if k in wanted}
         return self._mapped
+
+    def gpu(self, buf: int) -> str:
+        """The UUID of the GPU mapped export ``buf`` lives on."""
+        return self._gpus[buf]
 
     def clear(self) -> None:
         self._mapped = {}

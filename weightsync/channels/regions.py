@@ -35,13 +35,14 @@ rank that dies mid-send makes its peers' receives fail at once or at that timeou
 
 Each link takes its bytes from its own transport (``links``, keyed by the other end: worker on the sending side,
 trainer rank on the receiving side): a ``Wire`` (a group and the other end's rank in it; by default the one
-``pg``, group ranks as above), or, where the link's two ends share a GPU (``sharding.links.colocated``), a CUDA IPC
-copy (``ipc_regions``): the rank publishes the link's digest words (a ``Shared`` end) and the worker copies the
-regions out of the rank's shard into the same buckets the wire would have filled (a ``Copied`` end), checked the
-same way. So one version can move some links by IPC and the others over NCCL, and the walk is the same. Given
-where the worker's regions land (``Places``: the engine's ``Landing``), an IPC link copies each region straight
-into its parameter, digesting it as it writes it: on a GPU holding a rank and a worker that link is most of the
-bytes, and a bucket would read and write them twice more (into the bucket, then the landing copy out of it).
+``pg``, group ranks as above), or, where the worker's process reads the rank's GPU (the same GPU, or a peer one:
+``sharding.links.copied``), a CUDA IPC copy (``ipc_regions``): the rank publishes the link's digest words (a
+``Shared`` end) and the worker copies the regions out of the rank's shard into the same buckets the wire would have
+filled (a ``Copied`` end), checked the same way. So one version can move some links by IPC and the others over
+NCCL, and the walk is the same. Given where the worker's regions land (``Places``: the engine's ``Landing``), an
+IPC link copies each region straight into its parameter, digesting it as it writes it: on a GPU holding a rank and
+a worker that link is most of the bytes, and a bucket would read and write them twice more (into the bucket, then
+the landing copy out of it).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ WINDOW = 2
 """Rounds in flight per side (a round: the next bucket of every link of the rank): the next round is packed, or
 posted, while the previous one is on the wire (double buffering); the host waits (one sync for the round's digest
 words) on the oldest only. Memory: ``WINDOW`` x links x ``BUCKET`` per side."""
+DIRECT_BUCKET = 2 << 30
+"""Bytes of regions a worker copies itself straight into their places per round of a direct link (``Places``): its
+bucket holds only the few regions without a place, and every round costs host time whatever its bytes (its
+launch table, the launch, the words; a walk is host-bound on 2x H200 with 512 MiB rounds), while a larger round
+leaves the device idle longer before its first copy (its regions' places and views are found first)."""
 _ALIGN = 16
 """Each region starts at a multiple of 16 bytes in its bucket, so one batched kernel digests a bucket's regions."""
 _TAG = 24
@@ -191,12 +197,16 @@ def aligned(n: int) -> int:
 
 
 def _rounds(
-    regions: Sequence[Region], peer: Callable[[Region], int], bucket: int, skip: frozenset[int] = frozenset()
+    regions: Sequence[Region],
+    peer: Callable[[Region], int],
+    bucket: int,
+    skip: frozenset[int] = frozenset(),
+    larger: frozenset[int] = frozenset(),
 ) -> list[list[_Bucket]]:
     """``regions`` (one side's, in plan order) cut into buckets per link (``peer``: the other end, the key of its
-    link), each link's in order, leaving out the links in ``skip``; round ``k`` holds the ``k``-th bucket of every
-    link that has one. Sender and receiver cut the same buckets, so each pair of ranks exchanges its messages in
-    the same order."""
+    link), each link's in order, leaving out the links in ``skip`` and cutting those in ``larger`` at
+    ``DIRECT_BUCKET`` bytes instead; round ``k`` holds the ``k``-th bucket of every link that has one. Sender and
+    receiver cut the same buckets of a wire link, so each pair of ranks exchanges its messages in the same order."""
     links: dict[int, list[list[tuple[int, Region]]]] = {}
     filled: dict[int, int] = {}  # bytes in each link's last bucket
     for i, r in enumerate(regions):
@@ -204,7 +214,7 @@ def _rounds(
         if p in skip:
             continue
         own = links.setdefault(p, [[]])
-        if own[-1] and filled[p] + n > bucket:
+        if own[-1] and filled[p] + n > (DIRECT_BUCKET if p in larger else bucket):
             own.append([])
             filled[p] = 0
         own[-1].append((i, r))
@@ -439,7 +449,7 @@ def receive(
     route = _routes(links, lambda r: Wire(pg, r), (r.rank for r in mine), "trainer rank")
     copied = {r: link for r, link in route.items() if not isinstance(link, Wire)}
     direct = frozenset(r for r, link in copied.items() if link.direct) if places is not None else frozenset()
-    rounds = iter(_rounds(mine, rank_of, bucket))
+    rounds = iter(_rounds(mine, rank_of, bucket, larger=direct))
     posted: collections.deque[_Posted] = collections.deque()
     arrived: list[_Arrived] = []
 

@@ -49,7 +49,7 @@ def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capa
     """Why ``channel`` cannot carry a transfer plan's regions to ``replica`` (empty when it can): what
     ``plans.Member.refused`` says for a replica planned on it. An NCCL communicator takes one rank per GPU, so a
     replica with a worker on a trainer rank's GPU takes regions only where that pair can copy them by CUDA IPC
-    instead (``sharding.links.colocated``: one host, the replica receives IPC, a GPU UUID for every worker);
+    instead (``sharding.links.copied``: one host, the replica receives IPC, a GPU UUID for every worker);
     its other links then go over a group per trainer rank (``region_groups.rank_groups``). NIXL reads every link,
     a worker on a rank's GPU too, so it holds no such rule."""
     if channel not in REGION_CHANNELS:
@@ -58,7 +58,7 @@ def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capa
     if channel is Channel.NCCL and trainer is not None and replica is not None:
         mine = set(replica.gpu_uuids)
         shared = [(rank, uuid) for rank, uuid in enumerate(trainer.rank_gpu_uuids) if uuid in mine]
-        if shared and (why := _no_copies(trainer, replica)):
+        if shared and (why := no_copies(trainer, replica)):
             rank, uuid = shared[0]  # the lowest rank on one of its GPUs
             return (
                 f"its GPU {uuid} holds trainer rank {rank}: an NCCL region group takes one rank per GPU, and the "
@@ -67,8 +67,9 @@ def regions(channel: Channel, trainer: Capabilities | None = None, replica: Capa
     return ""
 
 
-def _no_copies(trainer: Capabilities, replica: Capabilities) -> str:
-    """Why a worker on a trainer rank's GPU cannot copy its regions from the rank by CUDA IPC (empty: it can)."""
+def no_copies(trainer: Capabilities, replica: Capabilities) -> str:
+    """Why a replica's workers cannot copy regions from the trainer's ranks by CUDA IPC, on their GPUs or their
+    peers' (empty: they can)."""
     if not replica.host or replica.host != trainer.host:
         return f"different hosts ({trainer.host!r} vs {replica.host!r})"
     if Channel.IPC not in replica.channels:
@@ -100,6 +101,10 @@ class Capabilities:
     """Where the weights live: the trainer's device, or the engine's workers (GPU only when every one is)."""
     rank_gpu_uuids: tuple[str, ...] = ()
     """A trainer that sends regions: each rank's GPU, in rank order (``gpu_uuids`` is the process's own, rank 0's)."""
+    peer_gpu_uuids: tuple[str, ...] = ()
+    """A replica on GPUs: the GPUs every worker's process reads directly (its own, or visible to it with NVLink or
+    PCIe P2P between them), from which its workers copy a trainer rank's regions themselves
+    (``sharding.links.copied``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.devices <= 64:

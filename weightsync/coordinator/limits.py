@@ -36,6 +36,7 @@ COUNT_LIMITS: dict[str, int] = {
     "gpu_uuids": 16,  # a replica's GPUs: one node's
     "devices": 16,  # the GPUs a sender's buffers live on
     "rank_gpu_uuids": 1024,  # a sharded trainer's ranks' GPUs
+    "peer_gpu_uuids": 16,  # the other GPUs of a replica's node
     "failed": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost
 }
 """Repeated fields with their own bound on entries, by field name (each entry keeps its type's bound)."""

@@ -101,6 +101,7 @@ def capabilities(m: pb.Capabilities, field: str = "capabilities") -> models.Capa
         volume_mount=m.volume_mount,
         engine=engine,
         rank_gpu_uuids=tuple(m.rank_gpu_uuids),
+        peer_gpu_uuids=tuple(m.peer_gpu_uuids),
     )
 
 
@@ -115,6 +116,7 @@ def capabilities_to(c: models.Capabilities) -> pb.Capabilities:
         volume_id=c.volume_id,
         volume_mount=c.volume_mount,
         rank_gpu_uuids=list(c.rank_gpu_uuids),
+        peer_gpu_uuids=list(c.peer_gpu_uuids),
         engine=_EN_OUT[c.engine.value],
     )
 

@@ -192,6 +192,8 @@ class _Planned:
     """Each trainer rank's GPU UUID, in rank order."""
     worker_gpus: Mapping[str, tuple[str, ...]]
     """Each replica's workers' GPU UUIDs, in worker order."""
+    peer_gpus: Mapping[str, tuple[str, ...]]
+    """Each replica's peer GPUs (``Capabilities.peer_gpu_uuids``), where its workers may copy (else none)."""
 
     @functools.cached_property
     def sharded(self) -> frozenset[str]:
@@ -215,11 +217,12 @@ class _Planned:
         return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
 
     def _with_copies(self, part: TransferPlan) -> TransferPlan:
-        """A sharded replica's part with its co-located links (a trainer rank and a worker on one GPU), which its
-        worker copies by CUDA IPC (``rules.regions`` planned it on regions only where it can)."""
+        """A sharded replica's part with the links its workers copy by CUDA IPC (``sharding.links.copied``: a
+        trainer rank on the worker's GPU, where ``rules.regions`` planned it on regions only if it can copy, or on a
+        GPU the replica reaches peer-to-peer, where ``rules.no_copies`` says it can)."""
         (rp,) = part.replicas
         ranks, workers = dict(enumerate(self.rank_gpus)), dict(enumerate(self.worker_gpus[rp.replica_id]))
-        copied = sharding_links.colocated(rp.regions, ranks, workers)
+        copied = sharding_links.copied(rp.regions, ranks, workers, self.peer_gpus[rp.replica_id])
         return dataclasses.replace(part, replicas=(dataclasses.replace(rp, copied=copied),)) if copied else part
 
 
@@ -247,9 +250,11 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
         engine = member.layout if isinstance(member.layout, EngineLayout) else None
         why = rules.regions(p.channel, trainer.capabilities, member.capabilities) or staged
         members.append(sharding_plans.Member(p.replica_id, engine, why))
-    workers = {p.replica_id: job.members[p.replica_id].capabilities.gpu_uuids for p in plans}
+    caps = {p.replica_id: job.members[p.replica_id].capabilities for p in plans}
+    workers = {r: c.gpu_uuids for r, c in caps.items()}
+    peers = {r: () if rules.no_copies(trainer.capabilities, c) else c.peer_gpu_uuids for r, c in caps.items()}
     whole = job.transfer_plans.get(layout, members)
-    return _Planned(layout, tuple(members), whole, trainer.capabilities.rank_gpu_uuids, workers)
+    return _Planned(layout, tuple(members), whole, trainer.capabilities.rank_gpu_uuids, workers, peers)
 
 
 def _layout_of(trainer: Member, table: TableSummary) -> TrainerLayout | None:

@@ -75,8 +75,9 @@ class ReplicaPlan:
     regions: tuple[Region, ...] = ()
     gathered: str = ""
     copied: frozenset[tuple[int, int]] = frozenset()
-    """The (trainer rank, worker) links whose two ends share a GPU: the worker copies their regions by CUDA IPC
-    (``channels.ipc_regions``); the coordinator fills it from both ends' GPUs (``sharding.links.colocated``)."""
+    """The (trainer rank, worker) links whose worker reads the rank's GPU (the same GPU, or a peer every worker of
+    the replica reaches): the worker copies their regions by CUDA IPC (``channels.ipc_regions``); the coordinator
+    fills it from both ends' GPUs (``sharding.links.copied``)."""
 
     @property
     def sharded(self) -> bool:

@@ -129,7 +129,7 @@ WAIT_FOR_SETTLED: WaitFor
 WAIT_FOR_SETTLED_OR_DURABLE_NEEDED: WaitFor
 
 class Capabilities(_message.Message):
-    __slots__ = ("host", "gpu_uuids", "devices", "channels", "nccl_domain", "nixl", "volume_id", "volume_mount", "engine", "rank_gpu_uuids")
+    __slots__ = ("host", "gpu_uuids", "devices", "channels", "nccl_domain", "nixl", "volume_id", "volume_mount", "engine", "rank_gpu_uuids", "peer_gpu_uuids")
     HOST_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Capabilities(_message.Message):
     VOLUME_MOUNT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     host: str
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     devices: int
@@ -150,7 +151,8 @@ class Capabilities(_message.Message):
     volume_mount: str
     engine: EngineKind
     rank_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, host: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., devices: _Optional[int] = ..., channels: _Optional[_Iterable[_Union[Channel, str]]] = ..., nccl_domain: _Optional[str] = ..., nixl: _Optional[bool] = ..., volume_id: _Optional[str] = ..., volume_mount: _Optional[str] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., rank_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+    peer_gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, host: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., devices: _Optional[int] = ..., channels: _Optional[_Iterable[_Union[Channel, str]]] = ..., nccl_domain: _Optional[str] = ..., nixl: _Optional[bool] = ..., volume_id: _Optional[str] = ..., volume_mount: _Optional[str] = ..., engine: _Optional[_Union[EngineKind, str]] = ..., rank_gpu_uuids: _Optional[_Iterable[str]] = ..., peer_gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SenderOffer(_message.Message):
     __slots__ = ("channel", "host", "port", "devices", "agent", "metadata", "epoch")
