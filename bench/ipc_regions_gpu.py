@@ -102,6 +102,7 @@ from weightsync.sharding import links, plans
 from weightsync.sharding.fills import WHOLE
 from weightsync.vocabulary import Channel
 from weightsync_inference import sharded as sharded_updates
+from weightsync_inference.receipts import Identity, read_by_every
 from weightsync_trainer import region_sends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,22 +140,24 @@ def _job(model: str, device: torch.device) -> tuple[Any, Any, list[Any], Callabl
 
 def _planned(store: Any, idx: int, device: torch.device, trainer: Any, engine: Any, rows: list[Any]) -> tuple[Any, Any]:
     """The product's plans for the replica (``region_sends.Target``, the same for every process): process 0 registers
-    the trainer (each rank's GPU UUID) and the replica (each worker's, and the GPUs every worker reads directly,
-    ``gpu.peers``, as the agent reports them) with a coordinator core and opens a version, as the publisher does;
-    the region membership's rendezvous and the copied links go to the others through the store, as JSON. Then the
-    same replica reporting no peers (``wired``: pods that each see their own GPU): only the co-located links
-    copied, the crossing ones over a group per rank, in a membership of its own."""
+    the trainer (each rank's GPU UUID) and the replica (each worker's, and the GPUs every worker reads directly:
+    ``receipts.read_by_every`` of what each worker reports, as the agent does) with a coordinator core and opens a
+    version, as the publisher does; the region membership's rendezvous and the copied links go to the others through
+    the store, as JSON. Then the same replica reporting no peers (``wired``: pods that each see their own GPU): only
+    the co-located links copied, the crossing ones over a group per rank, in a membership of its own."""
     sys.path.insert(0, str(ROOT))
     from tests.integration.region_ranks import colocated_targets
 
-    role = f"rank{idx}" if idx < RANKS else f"worker{idx - RANKS}"
-    store.set(f"gpu/{role}", json.dumps([gpu.uuid(device), *gpu.peers(device)]))
+    if idx < RANKS:
+        store.set(f"gpu/rank{idx}", gpu.uuid(device))
+    else:  # what a worker of the engine reports (``WeightsyncEngine.identity``)
+        me = Identity(idx - RANKS, TP, str(device), gpu.uuid(device), peers=gpu.peers(device))
+        store.set(f"gpu/worker{idx - RANKS}", json.dumps(me.to_dict()))
     if idx == 0:
         store.wait([f"gpu/rank{r}" for r in range(RANKS)] + [f"gpu/worker{w}" for w in range(TP)])
-        ranks = tuple(json.loads(store.get(f"gpu/rank{r}"))[0] for r in range(RANKS))
-        reach = [json.loads(store.get(f"gpu/worker{w}")) for w in range(TP)]
-        workers = tuple(r[0] for r in reach)
-        peers = tuple(sorted(set.intersection(*(set(r) for r in reach))))
+        ranks = tuple(store.get(f"gpu/rank{r}").decode() for r in range(RANKS))
+        reach = [Identity.from_dict(json.loads(store.get(f"gpu/worker{w}"))) for w in range(TP)]
+        workers, peers = tuple(w.gpu_uuid for w in reach), read_by_every(reach)
         targets = {}
         for name, seen in (("plan", peers), ("wired", ())):
             (t,) = colocated_targets(store.port, trainer, engine, ranks, workers, peers=seen)

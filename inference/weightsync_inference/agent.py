@@ -69,7 +69,7 @@ from weightsync_inference.lifecycle import (
     UpdateOutcome,
     VolumeRegionControl,
 )
-from weightsync_inference.receipts import Identity, Receipt
+from weightsync_inference.receipts import Identity, Receipt, read_by_every
 from weightsync_inference.served import Board
 from weightsync_inference.staging import StageStatus, StagingUnavailable, staging_bytes
 from weightsync_inference.volume_reads import RegionsRead
@@ -124,8 +124,7 @@ def capabilities(config: AgentConfig, workers: Sequence[Identity]) -> models.Cap
         host=config.host,
         # in worker order: the coordinator matches worker i with the trainer rank on its GPU (``links.copied``)
         gpu_uuids=tuple(w.gpu_uuid for w in sorted(workers, key=lambda w: w.rank) if w.gpu_uuid),
-        # the GPUs every worker reads, its own or a peer: a trainer rank on one is a link each worker copies
-        peer_gpu_uuids=tuple(sorted(set.intersection(*({w.gpu_uuid, *w.peers} for w in workers)))) if gpu else (),
+        peer_gpu_uuids=read_by_every(workers) if gpu else (),
         devices=max(1, len(workers)),
         nccl_domain=config.nccl_domain,
         nixl=bool(workers) and all(w.nixl for w in workers),

@@ -50,6 +50,14 @@ class Identity:
             raise PermanentError(f"engine worker identity {dict(d)!r} is malformed: {e}") from None
 
 
+def read_by_every(workers: Sequence[Identity]) -> tuple[str, ...]:
+    """The GPUs every worker of a replica reads directly, its own or a peer (``Capabilities.peer_gpu_uuids``): a
+    trainer rank on one is a link each worker copies."""
+    if not workers:
+        return ()
+    return tuple(sorted(set.intersection(*({w.gpu_uuid, *w.peers} for w in workers))))
+
+
 @dataclass(frozen=True)
 class Receipt:
     """One worker's record of its last update (``version`` 0: none yet)."""

@@ -80,14 +80,20 @@ def runs(t: torch.Tensor) -> Runs | None:
         return (*whole, (), ())
     if not t.numel():
         return None
+    ptr, run, lead, strides = as_runs(t)
+    aligned = ptr % 16 == 0 and run % 8 == 0 and all(s > 0 and s % 16 == 0 for s in strides)
+    return (ptr, run, lead, strides) if aligned and (not lead or run >= MIN_RUN) else None
+
+
+def as_runs(t: torch.Tensor) -> Runs:
+    """``t`` as its runs of contiguous bytes, whatever their alignment and length (``runs`` keeps those a batched
+    kernel reads; ``peer_copies`` those a 2D copy moves)."""
     size = t.element_size()
     dims = [(n, s * size) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
     run = size
     while dims and dims[-1][1] == run:  # the innermost dims that lie back to back make one run
         run *= dims.pop()[0]
-    lead, strides = tuple(n for n, _ in dims), tuple(s for _, s in dims)
-    aligned = t.data_ptr() % 16 == 0 and run % 8 == 0 and all(s > 0 and s % 16 == 0 for s in strides)
-    return (t.data_ptr(), run, lead, strides) if aligned and (not lead or run >= MIN_RUN) else None
+    return t.data_ptr(), run, tuple(n for n, _ in dims), tuple(s for _, s in dims)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -433,6 +439,7 @@ __all__ = [
     "Rows",
     "Runs",
     "address",
+    "as_runs",
     "available",
     "copies",
     "copy_digest",

@@ -185,6 +185,7 @@ class Mappings:
             export = Export.from_dict(json.loads(raw))
             self._mapped[buf], self._gpus[buf] = export.open(on), export.uuid
         self._mapped = {k: v for k, v in self._mapped.items() if k in wanted}
+        self._gpus = {k: v for k, v in self._gpus.items() if k in wanted}
         return self._mapped
 
     def gpu(self, buf: int) -> str:
@@ -192,7 +193,7 @@ class Mappings:
         return self._gpus[buf]
 
     def clear(self) -> None:
-        self._mapped = {}
+        self._mapped, self._gpus = {}, {}
 
 
 class _Shared(NamedTuple):

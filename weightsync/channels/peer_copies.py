@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from weightsync.channels import batched
 from weightsync.errors import PermanentError
 
 _DEFAULT = 4
@@ -47,17 +48,12 @@ Rows = tuple[int, int, int, int]
 
 
 def rows(t: torch.Tensor) -> Rows | None:
-    """``t`` as rows a 2D copy moves; None where its elements are not rows at one stride (more than one dimension
-    strided beyond them)."""
-    size = t.element_size()
-    dims = [(n, s * size) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1]
-    run = size
-    while dims and dims[-1][1] == run:  # the innermost dims that lie back to back make one row
-        run *= dims.pop()[0]
-    if len(dims) > 1 or (dims and dims[0][1] < run):
+    """``t`` as rows a 2D copy moves (its runs, ``batched.as_runs``); None where they are not rows at one stride
+    (more than one dimension strided beyond them)."""
+    ptr, run, lead, strides = batched.as_runs(t)
+    if len(lead) > 1 or (lead and strides[0] < run):
         return None
-    count, stride = dims[0] if dims else (1, run)
-    return t.data_ptr(), run, count, stride
+    return (ptr, run, lead[0], strides[0]) if lead else (ptr, run, 1, run)
 
 
 def pair(dest: torch.Tensor, src: torch.Tensor) -> tuple[Rows, Rows] | None:
