@@ -8,6 +8,7 @@ copy from the full tensors as the IPC ends copy from a rank's shard, beside a re
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -265,3 +266,45 @@ def test_a_replica_reports_the_gpus_every_worker_reads_directly_its_own_or_a_pee
     assert capabilities(config, [Identity(0, 1, "cuda:0", "GPU-a")]).peer_gpu_uuids == ("GPU-a",)
     assert capabilities(config, [Identity(0, 1, "cpu")]).peer_gpu_uuids == ()
     assert Identity.from_dict(pair[0].to_dict()) == pair[0]
+
+
+def test_the_walk_and_the_sends_run_with_the_collector_off_and_turn_it_back_on() -> None:
+    trainer, result, members, full = job(24, RANKS)
+    replica = result.replica("tp2")
+    seen: list[bool] = []
+
+    class Watched(_Places):
+        def place(self, fill: Fill) -> torch.Tensor | None:
+            seen.append(gc.isenabled())
+            return super().place(fill)
+
+    class Sharing(_Shared):
+        def share(self, regions: Sequence[Region], cuts: Sequence[torch.Tensor]) -> list[int]:
+            seen.append(gc.isenabled())
+            return super().share(regions, cuts)
+
+    places = Watched(members[0].layout.workers[0], trainer.table)
+    ends = {0: _Near(full, 0, direct=True), 1: _Near(full, 1)}
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        walk = regions.receive(
+            None, RANKS, 0, trainer.table, replica.regions, regions.Tally(), bucket=4096, links=ends, places=places
+        )  # type: ignore[arg-type]
+        next(walk)
+        assert gc.isenabled()  # the consumer's code between pieces runs as the application's
+        assert len(list(walk)) > 0 and gc.isenabled()
+        local = [None if (b := trainer.shard(t, 0)) is None else full[t][_slices(b)] for t in range(len(full))]
+        sends = [r for r in replica.regions if r.rank == 0 and r.worker == 0]
+        regions.send(None, trainer, 0, local, sends, links={0: Sharing()})
+        assert seen and not any(seen) and gc.isenabled()
+        left = {0: _Near(full, 0, direct=True), 1: _Near(full, 1)}
+        dropped = regions.receive(
+            None, RANKS, 0, trainer.table, replica.regions, regions.Tally(), bucket=4096, links=left, places=places
+        )  # type: ignore[arg-type]
+        next(dropped)
+        assert gc.isenabled()  # a walk left unfinished does not keep it off
+        dropped.close()
+        assert left[0].released and left[1].released  # closing it still releases its links
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from weightsync.channels import digests
+from weightsync.channels import collector, digests
 from weightsync.channels.wire import TORCH_DTYPES
 from weightsync.errors import IntegrityError, ModelMismatchError, PermanentError, TransferTimeoutError
 from weightsync.sharding.boxes import Box
@@ -278,6 +278,7 @@ def _wait(works: Sequence[Any], bound: Bound | None, what: str) -> None:
         work.wait()
 
 
+@collector.during
 def send(
     pg: Any,
     layout: TrainerLayout,
@@ -422,6 +423,7 @@ _Arrived = tuple[list[_Bucket], torch.Tensor, list[torch.Tensor]]
 """A round that arrived: its buckets, our digest words of their regions, the words their ranks sent (per bucket)."""
 
 
+@collector.during_steps
 def receive(
     pg: Any,
     trainers: int,
