@@ -189,11 +189,12 @@ def at_scale(model: str, trainer_gpus: int, replicas: int, tp: int, ep: bool, la
     send_s, recv_s = max(send) / IB_GBS / 1e9, max(recv) / IB_GBS / 1e9
     # wire sizes against the coordinator's 4 MiB message limit; a shortened model's grow with its depth
     depth_scale = depth / (layers or depth)
+    part_mb = serde.transfer_part_to(one.part_for_replica("replica-0")).ByteSize() / 1e6 * depth_scale
     wire_mb = {
         "trainer_layout_mb": serde.trainer_layout_to(fsdp(full_table, trainer_gpus)).ByteSize() / 1e6,
         "engine_layout_mb": serde.engine_layout_to(layout).ByteSize() / 1e6 * depth_scale,
-        "replica_part_mb": serde.transfer_part_to(one.part_for_replica("replica-0")).ByteSize() / 1e6 * depth_scale,
-        "rank_0_part_mb": serde.transfer_part_to(one.part_for_rank(0)).ByteSize() / 1e6 * depth_scale * replicas,
+        "replica_part_mb": part_mb,
+        "open_version_mb": part_mb * replicas,  # rank 0's: every replica's part (each repeats the one planned here)
     }
     return {
         "model": model,

@@ -182,6 +182,9 @@ class Agent:
         """What the workers read by region from a sharded volume version last (for status displays and tests)."""
         self._holds_regions = False
         """Whether the workers may hold region groups (a plan sent them regions since they last let them go)."""
+        self._workers_plan = ""
+        """The plan key whose regions every worker parsed in the last version it received over regions (what the
+        next request may leave out); "" after a failed one."""
         self._refused: dict[int, _Refused] = {}
         self._staged: _Staged | None = None
         """All-or-nothing: the version staged here and waiting for its COMMIT."""
@@ -330,8 +333,10 @@ class Agent:
             )
         except (UpdateFailed, WeightsyncError) as e:
             log.warning("replica %s: v%d over regions failed: %s", self.config.replica_id, a.version, e)
+            self._workers_plan = ""  # a worker may have failed before it parsed the plan: send it in full next
             self._failed(a.version, plan, table.layout_digest, e)
             return
+        self._workers_plan = plan.transfer.key if plan.transfer is not None else ""
         received = self.last_regions
         assert received is not None and received.version == a.version
         log.info(
@@ -380,7 +385,9 @@ class Agent:
             )
         rdv = plan.rendezvous.with_timeout(self.config.update_timeout_s)
         order = sharded.Order(version, rdv, part.regions, part.copied)
-        return control, sharded.request(order, recorded[0], recorded[1].workers)
+        key = plan.transfer.key if plan.transfer is not None else ""
+        held = bool(key) and key == self._workers_plan
+        return control, sharded.request(order, recorded[0], recorded[1].workers, key, held)
 
     def _receive_regions(
         self, version: int, control: RegionControl, request: dict[str, Any], part: ReplicaPlan

@@ -16,6 +16,11 @@ in-place update does.
 
 Answers what it received: bytes, each region's digest in its order (the agent combines
 the workers' lists in plan order, ``regions.combine``), seconds.
+
+The request names the plan's key; its table, regions and layouts (every region of the
+replica: a few hundred a link) come only where the agent's workers did not parse them
+under that key yet (``request``'s ``held``): each worker keeps what it parsed of the last
+plans (``Part``), so a version whose plan did not change carries and parses none.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ from weightsync.sharding.plans import Region
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 from weightsync_inference.landing import Landing
+
+PARTS_KEPT = 2
+"""Plans whose parts a worker keeps (the newest): the agent names only the last one it delivered in full."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a worker parsed of a plan's request, kept under the plan's key for its later versions."""
+
+    table: TensorTable
+    layout: WorkerLayout
+    """This worker's."""
+    regions: tuple[Region, ...]
+    """Every worker's of the replica, in plan order."""
 
 
 @dataclass(frozen=True)
@@ -151,31 +170,55 @@ def land(
     return landing.nbytes
 
 
-def request(order: Order, table: TensorTable, layouts: Sequence[WorkerLayout]) -> dict[str, Any]:
-    """The JSON a replica's workers take (``WorkerExtension.weightsync_receive_regions``)."""
-    return {
+def request(
+    order: Order, table: TensorTable, layouts: Sequence[WorkerLayout], plan_key: str, held: bool = False
+) -> dict[str, Any]:
+    """The JSON a replica's workers take (``WorkerExtension.weightsync_receive_regions``); ``held``: every worker
+    parsed the plan ``plan_key``'s table, regions and layouts before (they are left out)."""
+    out = {
         "version": order.version,
         "rendezvous": order.rendezvous.to_dict(),
-        "table": table.to_dict(),
-        "regions": plans.regions_to(order.regions),
         "copied": plans.links_to(order.copied),
-        "layouts": [w.to_dict() for w in layouts],
+        "plan_key": plan_key,
     }
+    if not held:
+        out |= {
+            "table": table.to_dict(),
+            "regions": plans.regions_to(order.regions),
+            "layouts": [w.to_dict() for w in layouts],
+        }
+    return out
 
 
 def from_request(engine: Any, d: Mapping[str, Any]) -> dict[str, Any]:
-    worker = engine.updater.ctx.rank
-    layouts = [WorkerLayout.from_dict(w) for w in d["layouts"]]
-    mine = next((w for w in layouts if w.rank == worker), None)
-    if mine is None:
-        raise PermanentError(f"the request gives no layout for worker {worker} (it gives {[w.rank for w in layouts]})")
-    order = Order(
-        int(d["version"]),
-        Rendezvous.from_dict(d["rendezvous"]),
-        tuple(plans.regions_from(d["regions"])),
-        plans.links_from(d["copied"]),
-    )
-    return receive(engine, order, TensorTable.from_dict(d["table"]), mine)
+    order, part = parse(d, engine.updater.ctx.rank, engine.updater.parts)
+    return receive(engine, order, part.table, part.layout)
 
 
-__all__ = ["Order", "from_request", "land", "receive", "request", "walk"]
+def parse(d: Mapping[str, Any], worker: int, parts: dict[str, Part]) -> tuple[Order, Part]:
+    """Worker ``worker``'s order and part of ``request``'s JSON ``d``: the plan's part parsed from it, or taken from
+    ``parts`` (the worker's, by plan key) where it left them out; ``parts`` keeps it, the newest last."""
+    key = str(d["plan_key"])
+    part = parts.pop(key, None)
+    if "regions" in d:
+        layouts = [WorkerLayout.from_dict(w) for w in d["layouts"]]
+        mine = next((w for w in layouts if w.rank == worker), None)
+        if mine is None:
+            raise PermanentError(
+                f"the request gives no layout for worker {worker} (it gives {[w.rank for w in layouts]})"
+            )
+        part = Part(TensorTable.from_dict(d["table"]), mine, tuple(plans.regions_from(d["regions"])))
+    elif part is None:
+        raise PermanentError(
+            f"worker {worker}: the request leaves out the regions of plan {key[:19]}..., which this worker has not "
+            f"parsed (it holds {len(parts)} plans' parts: a worker restarted under its agent?); the next version "
+            "carries them"
+        )
+    parts[key] = part  # the newest last
+    while len(parts) > PARTS_KEPT:
+        del parts[next(iter(parts))]
+    order = Order(int(d["version"]), Rendezvous.from_dict(d["rendezvous"]), part.regions, plans.links_from(d["copied"]))
+    return order, part
+
+
+__all__ = ["PARTS_KEPT", "Order", "Part", "from_request", "land", "parse", "receive", "request", "walk"]

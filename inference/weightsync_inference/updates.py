@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -91,6 +91,8 @@ class Updater:
         self.stager = Stager(ctx)
         self.regions = region_groups.Kept()
         """The sharded path's region group of this worker's replica, kept across versions (``sharded``)."""
+        self.parts: dict[str, Any] = {}  # sharded.Part (which imports this module)
+        """The sharded path's parts of plans this worker parsed, by plan key, the newest last (``sharded.Part``)."""
 
     def init(self, rdv: Rendezvous) -> None:
         """Start (or restart) the receiver of the rendezvous' channel; one receiver per channel."""

@@ -93,7 +93,9 @@ def test_a_tp2_engine_takes_only_its_regions_from_two_ranks_and_generates_like_t
         senders = [threading.Thread(target=rank, args=(r,)) for r in range(RANKS)]
         for t in senders:
             t.start()
-        answers = engine.receive_regions(sharded.request(sharded.Order(1, rdv, replica.regions), table, layout.workers))
+        answers = engine.receive_regions(
+            sharded.request(sharded.Order(1, rdv, replica.regions), table, layout.workers, "plan")
+        )
         for t in senders:
             t.join(timeout=120)
         assert all(isinstance(sent[r], regions.Tally) for r in range(RANKS)), sent

@@ -17,7 +17,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests import support
-from tests.integration.test_sharded_publish import ALL, Fleet, assert_the_second_version_moves_as_regions, running
+from tests.integration.test_sharded_publish import (
+    ALL,
+    Fleet,
+    assert_the_versions_after_the_first_move_as_regions,
+    running,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -32,4 +37,4 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def test_a_fsdp2_moe_trainer_sends_each_expert_from_the_rank_that_holds_it(fleet: Fleet) -> None:
-    assert_the_second_version_moves_as_regions(fleet, "moe")
+    assert_the_versions_after_the_first_move_as_regions(fleet, "moe")

@@ -239,30 +239,36 @@ def publish(
 
 
 def test_a_fsdp2_trainer_sends_a_tp2_replica_only_its_regions_through_the_publisher_and_agent(fleet: Fleet) -> None:
-    assert_the_second_version_moves_as_regions(fleet, "run")
+    assert_the_versions_after_the_first_move_as_regions(fleet, "run")
 
 
-def assert_the_second_version_moves_as_regions(fleet: Fleet, name: str) -> None:
-    """Two versions from 2 FSDP2 ranks: the first whole (no engine layout yet), the second as regions to the
-    replicas that take them and gathered to the other, each worker receiving only its regions and then holding
-    what vLLM's loader makes of the full tensors; every replica generates what transformers does."""
+def assert_the_versions_after_the_first_move_as_regions(fleet: Fleet, name: str) -> None:
+    """Three versions from 2 FSDP2 ranks: the first whole (no engine layout yet), the second and third as regions
+    to the replicas that take them and gathered to the other, each worker receiving only its regions and then
+    holding what vLLM's loader makes of the full tensors; every replica generates what transformers does. The
+    third has the second's plan: its regions cross none of the hops again (the coordinator's messages, rank 0's
+    round, the agent's request to its workers), each end taking the ones it kept."""
     import transformers
 
-    first, second = publish(fleet, name, [1, 2])
+    first, second, third = publish(fleet, name, [1, 2, 3])
     channels = {rid: CHANNELS[rid].value for rid in (WHOLE, *fleet.sharded)}
     assert first["state"] == "READY" and first["channels"] == channels, first
     assert "regions" not in first["seconds"], "no engine layout was registered yet: the first version goes whole"
     assert second["state"] == "READY" and second["channels"] == channels, second
     assert "regions" in second["seconds"] and "stream" in second["seconds"] and second["failed"] == {}, second
+    assert third["state"] == "READY" and "regions" in third["seconds"] and third["failed"] == {}, third
+    for _, agent in fleet.sharded.values():  # its workers parsed v2's plan; v3's request named it only
+        assert agent._workers_plan.startswith("sha256:") and agent.last_regions.version == third["version"]
     # the replica that cannot take regions got the same version the gathered way, in the same publish
     assert fleet.whole_agent.engine_layout is None and fleet.whole_agent.last_regions is None
-    assert [e for e in fleet.whole_agent.events if e[0] == "assign"][-2:] == [
+    assert [e for e in fleet.whole_agent.events if e[0] == "assign"][-3:] == [
         ("assign", first["version"], "ok"),
         ("assign", second["version"], "ok"),
+        ("assign", third["version"], "ok"),
     ]
-    assert_received_only_their_regions(fleet, second["version"])
+    assert_received_only_their_regions(fleet, third["version"])
     assert_hold_what_vllms_loader_makes(fleet)
-    reference = fleet.work / name / "reference-2"
+    reference = fleet.work / name / "reference-3"
     trained = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     for engine in (fleet.whole_engine, *(e for e, _ in fleet.sharded.values())):
         support.assert_generates_like(engine, trained)

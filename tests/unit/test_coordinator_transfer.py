@@ -1,9 +1,10 @@
-"""The coordinator plans the sharded path: layouts registered, each replica's part in its plan, each rank's own.
+"""The coordinator plans the sharded path: layouts registered, each replica's part in its plan.
 
 On the core (no gRPC) with a ``ManualClock``: a 2-rank trainer that registered its layout and three replicas:
 one on the CPU stream with its engine layout (sharded), one that registered none, one whose only channel is the
-volume (both gathered in the same version, the plan saying why). Each trainer rank's part holds exactly the
-regions it sends; the plan comes from the job's cache while nothing changes; the wire form round-trips.
+volume (both gathered in the same version, the plan saying why). Each trainer rank's sends are exactly its
+regions; the plan comes from the job's cache while nothing changes; the wire form round-trips, and carries a part's
+regions once per plan key to each end.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import (
     AckReport,
+    Assignment,
     Capabilities,
     EngineKind,
+    EventKind,
     JobPolicy,
     Role,
     SentReport,
@@ -61,7 +64,7 @@ def _fleet_with_replicas(trainer: TrainerLayout | None = TRAINER) -> tuple[Coord
     return core, lease, replicas
 
 
-def test_each_replica_gets_its_part_and_each_rank_its_own_in_one_version() -> None:
+def test_each_replica_gets_its_part_and_each_rank_its_sends_in_one_version() -> None:
     core, lease = _fleet()
     opened = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
     parts = {p.replica_id: p.transfer for p in opened.plans}
@@ -71,15 +74,12 @@ def test_each_replica_gets_its_part_and_each_rank_its_own_in_one_version() -> No
     assert "no engine layout" in parts["r-none"].replica("r-none").gathered  # type: ignore[union-attr]
     volume = parts["r-volume"].replica("r-volume")  # type: ignore[union-attr]
     assert "'volume' carries whole tensors only" in volume.gathered and not volume.regions
-    assert len(opened.transfers) == 2
-    for rank, part in enumerate(opened.transfers):
-        mine = part.replica("r-sharded").regions
-        assert mine and {r.rank for r in mine} == {rank}
-        assert part.replica("r-volume").gathered == volume.gathered  # a rank knows who takes the gathered path
-    assert {r for p in opened.transfers for r in p.replica("r-sharded").regions} == set(sharded.regions)
-    assert sum(len(p.replica("r-sharded").regions) for p in opened.transfers) == len(sharded.regions)
+    whole = parts["r-sharded"]
+    sends = [[r for _, r in whole.sends(rank)] for rank in range(2)]  # type: ignore[union-attr]
+    assert all(mine and {r.rank for r in mine} == {rank} for rank, mine in enumerate(sends))
+    assert sorted(sends[0] + sends[1], key=sharded.regions.index) == list(sharded.regions)
     again = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))  # a retried open: the same parts
-    assert again.reused and again.transfers == opened.transfers
+    assert again.reused and again.plans == opened.plans
 
 
 def test_the_plan_comes_from_the_jobs_cache_until_something_changes() -> None:
@@ -87,7 +87,8 @@ def test_the_plan_comes_from_the_jobs_cache_until_something_changes() -> None:
     first = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
     second = core.open_version(lease, "job", "t1", 2, summarize(TABLE, True))
     cache = core._state.job("job").transfer_plans
-    assert cache.computed == 1 and second.transfers == first.transfers
+    parts = [{p.replica_id: p.transfer for p in o.plans} for o in (first, second)]
+    assert cache.computed == 1 and parts[0] == parts[1]
     core.register("job", Role.REPLICA, "r-none", "i1", CPU, layout=ENGINE)  # it records its layout now
     third = core.open_version(lease, "job", "t1", 3, summarize(TABLE, True))
     assert (
@@ -103,17 +104,18 @@ def test_the_plan_comes_from_the_jobs_cache_until_something_changes() -> None:
 def test_no_plan_without_a_trainer_layout_or_for_another_table() -> None:
     core, lease = _fleet(trainer=None)
     opened = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
-    assert opened.transfers == () and all(p.transfer is None for p in opened.plans)
+    assert all(p.transfer is None for p in opened.plans)
     other = TensorTable.build([[("a.weight", "bfloat16", (8, 6))]])
     core, lease = _fleet()
     opened = core.open_version(lease, "job", "t1", 1, summarize(other, True))
-    assert opened.transfers == () and all(p.transfer is None for p in opened.plans)
+    assert all(p.transfer is None for p in opened.plans)
 
 
 def test_the_wire_carries_layouts_and_parts_and_refuses_the_wrong_layout_for_a_role() -> None:
     core, lease = _fleet()
     opened = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
     assert serde.opened(serde.opened_to(opened)) == opened
+    assert serde.opened(serde.opened_to(opened), serde.HeldRegions()) == opened
     trainer = serde.register_request("job", Role.TRAINER, "t", "t1", CPU, None, OFFERS, 0, TRAINER)
     replica = serde.register_request("job", Role.REPLICA, "r", "i", CPU, None, (), 0, ENGINE)
     assert serde.registered_layout(trainer, Role.TRAINER) == TRAINER
@@ -372,6 +374,53 @@ def test_a_replica_on_nixl_reads_every_link_itself_on_the_trainers_gpus_too() ->
     assert {(r.rank, r.worker) for r in part.regions} == {(0, 0), (0, 1), (1, 0), (1, 1)}
     rdv = nixl.rendezvous
     assert (rdv.endpoint, rdv.rank, rdv.world_size) == (offers[1].endpoint, 2, 4) and "nixl-regions" in rdv.group
-    assert {r.rank for p in opened.transfers for r in p.replica("r-nixl").regions} == {0, 1}
     ipc = plans["r-ipc"].transfer.replica("r-ipc")  # type: ignore[union-attr]
     assert plans["r-ipc"].channel is Channel.IPC and "'ipc' carries whole tensors only" in ipc.gathered
+
+
+def test_a_plans_regions_go_once_per_key_to_each_end_and_its_links_every_time() -> None:
+    core, lease = _fleet()
+    v1, v2 = (core.open_version(lease, "job", "t1", s, summarize(TABLE, True)) for s in (1, 2))
+    p1, p2 = (next(p for p in o.plans if p.replica_id == "r-sharded") for o in (v1, v2))
+    assert p1.transfer is not None and p2.transfer is not None and p1.transfer.key == p2.transfer.key
+    events = [Assignment(EventKind.ASSIGN, "job", v, plan=p) for v, p in ((1, p1), (2, p2))]
+
+    # a watch stream sends a part's regions the first time only; the agent's client fills them back in
+    stream: set[tuple[str, str]] = set()
+    first, second = (serde.event_to(e, stream) for e in events)
+    assert len(first.plan.transfer.replicas[0].regions) == len(p1.transfer.replica("r-sharded").regions) > 0
+    assert second.plan.transfer.replicas[0].held and not second.plan.transfer.replicas[0].regions
+    agent = serde.HeldRegions()
+    assert [serde.event(first, agent), serde.event(second, agent)] == events
+    # an end that did not see the first (a new stream starts empty: it sends them again) refuses, naming the replica
+    with pytest.raises(serde.NotHeld, match="replica 'r-sharded'"):
+        serde.event(second, serde.HeldRegions())
+    with pytest.raises(serde.NotHeld, match="keeps no regions"):
+        serde.event(second)
+    assert serde.event_to(events[1], set()).plan.transfer.replicas[0].regions  # a new stream: in full
+
+    # what is not the key's travels every time: links copied now, under the same key
+    (rp,) = p2.transfer.replicas
+    copied = dataclasses.replace(
+        p2, transfer=dataclasses.replace(p2.transfer, replicas=(dataclasses.replace(rp, copied=frozenset({(0, 1)})),))
+    )
+    again = serde.event_to(Assignment(EventKind.ASSIGN, "job", 3, plan=copied), stream)
+    assert again.plan.transfer.replicas[0].held
+    assert serde.event(again, agent).plan == copied
+
+    # OpenVersion: the trainer names the key it holds; every replica's regions of that plan stay home
+    trainer = serde.HeldRegions()
+    assert serde.opened(serde.opened_to(v1), trainer) == v1 and trainer.newest == p1.transfer.key
+    wire = serde.opened_to(v2, trainer.newest)
+    assert all(r.held and not r.regions for p in wire.plans if p.HasField("transfer") for r in p.transfer.replicas)
+    assert serde.opened(wire, trainer) == v2
+    other = serde.opened_to(v2, "sha256:" + "0" * 64)  # another key: in full
+    assert any(r.regions for p in other.plans if p.HasField("transfer") for r in p.transfer.replicas)
+
+    # the newest keys only: an end keeps what the next versions can name
+    few = serde.HeldRegions(keys=1)
+    few.keep("k1", "r", ())
+    few.keep("k2", "r", ())
+    assert few.newest == "k2"
+    with pytest.raises(serde.NotHeld):
+        few.regions("k1", "r", "plan")

@@ -8,6 +8,7 @@ one that did not); the digests are the ones ``regions`` would report, made up pe
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from tests import vllm_stub
 from tests.unit.sharding_cases import random_replica
 from weightsync.channels import regions
 from weightsync.channels.base import Endpoint, Offer
+from weightsync.coordinator import serde
 from weightsync.coordinator.clock import ManualClock
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import Capabilities, OpenedVersion, Role, summarize
@@ -55,12 +57,19 @@ def test_the_round_names_only_the_replicas_sent_regions_and_survives_json() -> N
     opened = _opened()
     (target,) = region_sends.targets(opened)
     assert target.replica_id == "r-regions" and target.rendezvous.rank == 2 and target.regions
+    assert target.plan_key == next(p for p in opened.plans if p.replica_id == "r-regions").transfer.key  # type: ignore[union-attr]
     told = Round(opened.version, gather=True, targets=(target,))
-    assert Round.from_json(told.to_json()) == told
+    rank = serde.HeldRegions()  # what a rank decoded
+    assert Round.from_json(told.to_json(), rank) == told
     colocated = Round(opened.version, gather=False, targets=(dataclasses.replace(target, copied={(0, 0), (1, 1)}),))
-    assert Round.from_json(colocated.to_json()) == colocated  # the copied links reach every rank
+    # once every rank holds the target's regions under its key, rank 0 leaves them out; the links still travel
+    held = {(target.plan_key, target.replica_id)}
+    assert b'"regions"' in colocated.to_json() and b'"regions"' not in colocated.to_json(held)
+    assert Round.from_json(colocated.to_json(held), rank) == colocated  # the copied links reach every rank
+    with pytest.raises(serde.NotHeld, match="'r-regions'"):  # a rank that did not parse them fails naming it
+        Round.from_json(told.to_json(held), serde.HeldRegions())
     with pytest.raises(PermanentError, match="rank 0's round is malformed"):
-        Round.from_json(b'{"version": 1}')
+        Round.from_json(b'{"version": 1}', rank)
 
 
 def test_rank_0_combines_every_ranks_digests_in_plan_order_and_names_a_rank_that_failed() -> None:
@@ -116,7 +125,6 @@ def test_an_agent_acks_its_workers_combined_digest_only_when_each_received_exact
 
 def test_a_served_engine_takes_the_sharded_calls_through_collective_rpc_with_the_rendezvous_bounds() -> None:
     """``HttpEngine``'s region calls against a stand-in for vLLM's ``/collective_rpc`` (one answer per worker)."""
-    import json
     from typing import Any
 
     from weightsync_inference.http_engine import HttpEngine
@@ -159,3 +167,29 @@ def test_workers_answer_a_failed_sharded_update_and_the_engine_raises_naming_eac
     with pytest.raises(WeightsyncError, match="worker 1: ") as failed:
         regions_answers([ok[0], died[1]])
     assert "worker 0" not in str(failed.value)
+
+
+def test_a_worker_keeps_the_plans_it_parsed_and_takes_a_later_request_that_names_one_only() -> None:
+    from weightsync_inference import sharded
+
+    opened = _opened()
+    plan = next(p for p in opened.plans if p.replica_id == "r-regions")
+    part = plan.regions_part()
+    assert part is not None and plan.transfer is not None
+    key = plan.transfer.key
+    order = sharded.Order(1, plan.rendezvous, part.regions, part.copied)
+    full = json.loads(json.dumps(sharded.request(order, TABLE, ENGINE.workers, key)))
+    named = json.loads(json.dumps(sharded.request(order, TABLE, ENGINE.workers, key, held=True)))
+    assert "regions" in full and not {"regions", "table", "layouts"} & set(named)
+    parts: dict[str, sharded.Part] = {}
+    first = sharded.parse(full, 1, parts)
+    assert first[0] == order and first[1].layout == ENGINE.workers[1] and first[1].table == TABLE
+    assert sharded.parse(named, 1, parts) == first and list(parts) == [key]
+    # a worker that did not parse it (restarted under its agent) refuses, naming the plan: the agent sends it next
+    with pytest.raises(PermanentError, match=r"leaves out the regions of plan sha256:.* which this worker has not"):
+        sharded.parse(named, 1, {})
+    for other in ("k1", "k2"):  # the newest plans only
+        sharded.parse({**full, "plan_key": other}, 1, parts)
+    assert list(parts) == ["k1", "k2"]
+    with pytest.raises(PermanentError, match="no layout for worker 5"):
+        sharded.parse(full, 5, parts)

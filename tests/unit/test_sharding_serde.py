@@ -35,10 +35,7 @@ def test_layouts_and_plan_parts_round_trip() -> None:
             )
             assert layout == m.layout and layout.digest() == m.layout.digest()
         full = plan(trainer, members)
-        for rank in range(trainer.world_size):
-            part = full.part_for_rank(rank)
-            assert serde.transfer_part(serde.transfer_part_to(part)) == part
-            assert [r for _, r in part.ordered()] == [r for _, r in full.sends(rank)]  # the order survives the cut
+        assert serde.transfer_part(serde.transfer_part_to(full)) == full  # every replica's, as rank 0 gets them
         for m in members:
             part = full.part_for_replica(m.replica_id)
             assert serde.transfer_part(serde.transfer_part_to(part)).replica(m.replica_id) == full.replica(m.replica_id)

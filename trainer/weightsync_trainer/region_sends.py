@@ -7,7 +7,9 @@ group of the publisher's own, in three steps that every rank takes in the same o
 1. rank 0 broadcasts the round (``Round``): the version, whether the gathered path runs
    this time (a replica planned on it, or the gathered volume copy), and for each replica
    the plan sends regions its region group's rendezvous and its regions (every rank's, in
-   plan order);
+   plan order), these only where the ranks do not hold them under the plan's key already
+   (the last round every rank reported on sent them: a version whose plan did not change
+   broadcasts and parses none);
 2. every rank sends its regions to each of those replicas at once, a thread each (``regions.send``: cut
    from its own local shards, each region's digest word appended), over that replica's
    region group, formed at its first round and kept while the plan names the same group
@@ -40,7 +42,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +52,7 @@ import torch
 
 from weightsync.channels import exchanges, ipc_regions, nixl_regions, region_groups, regions, shard_reads, wire
 from weightsync.channels.base import Rendezvous
-from weightsync.coordinator import models
+from weightsync.coordinator import models, serde
 from weightsync.errors import PermanentError, TransferTimeoutError, WeightsyncError
 from weightsync.sharding import plans
 from weightsync.sharding.links import Link
@@ -73,6 +75,8 @@ class Target:
     """The replica's regions, every rank's, in plan order (what its digests combine in)."""
     copied: frozenset[Link] = frozenset()
     """Its links whose ends share a GPU (``ReplicaPlan.copied``): the worker copies those regions by CUDA IPC."""
+    plan_key: str = ""
+    """The plan they were computed for: the regions depend on it only (``TransferPlan.key``)."""
 
 
 @dataclass(frozen=True)
@@ -85,37 +89,39 @@ class Round:
     """Whether the gathered path runs (a collective: every rank takes part in the gather)."""
     targets: tuple[Target, ...] = ()
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "version": self.version,
-                "gather": self.gather,
-                "targets": [
-                    {
-                        "replica": t.replica_id,
-                        "rendezvous": t.rendezvous.to_dict(),
-                        "regions": plans.regions_to(t.regions),
-                        "copied": plans.links_to(t.copied),
-                    }
-                    for t in self.targets
-                ],
+    def to_json(self, held: Set[tuple[str, str]] = frozenset()) -> bytes:
+        """``held``: the (plan key, replica id) pairs whose regions every rank holds: theirs are left out."""
+        out = []
+        for t in self.targets:
+            target = {
+                "replica": t.replica_id,
+                "rendezvous": t.rendezvous.to_dict(),
+                "copied": plans.links_to(t.copied),
+                "plan_key": t.plan_key,
             }
-        ).encode()
+            if (t.plan_key, t.replica_id) not in held:
+                target["regions"] = plans.regions_to(t.regions)
+            out.append(target)
+        return json.dumps({"version": self.version, "gather": self.gather, "targets": out}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Round:
+    def from_json(cls, data: bytes, held: serde.HeldRegions) -> Round:
+        """The round, a target's regions left out taken from ``held`` (by plan key and replica), and those sent
+        kept there."""
         try:
             d = json.loads(data)
-            targets = tuple(
-                Target(
-                    str(t["replica"]),
-                    Rendezvous.from_dict(t["rendezvous"]),
-                    tuple(plans.regions_from(t["regions"])),
-                    plans.links_from(t["copied"]),
+            targets = []
+            for t in d["targets"]:
+                rid, key = str(t["replica"]), str(t["plan_key"])
+                if "regions" in t:
+                    regions_ = tuple(plans.regions_from(t["regions"]))
+                    held.keep(key, rid, regions_)
+                else:
+                    regions_ = held.regions(key, rid, f"rank 0's round for {rid!r}")
+                targets.append(
+                    Target(rid, Rendezvous.from_dict(t["rendezvous"]), regions_, plans.links_from(t["copied"]), key)
                 )
-                for t in d["targets"]
-            )
-            return cls(int(d["version"]), bool(d["gather"]), targets)
+            return cls(int(d["version"]), bool(d["gather"]), tuple(targets))
         except (KeyError, TypeError, ValueError) as e:
             raise PermanentError(f"rank 0's round is malformed ({type(e).__name__}: {e})") from None
 
@@ -123,7 +129,11 @@ class Round:
 def targets(opened: models.OpenedVersion) -> tuple[Target, ...]:
     """The replicas ``opened`` plans on regions, in plan order, each with its region group's rendezvous."""
     parts = ((p, p.regions_part()) for p in opened.plans)
-    return tuple(Target(p.replica_id, p.rendezvous, part.regions, part.copied) for p, part in parts if part is not None)
+    return tuple(
+        Target(p.replica_id, p.rendezvous, part.regions, part.copied, p.transfer.key if p.transfer else "")
+        for p, part in parts
+        if part is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,11 @@ class RegionSends:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.kept: dict[str, region_groups.Kept] = {}
         """Replica id -> its region group, kept across rounds while the plan names the same one."""
+        self._held = serde.HeldRegions()
+        """The regions of the rounds' targets this rank decoded (the ranks but rank 0)."""
+        self._reported: set[tuple[str, str]] = set()
+        """Rank 0: the targets whose regions every rank holds: sent in full in the last round every rank reported
+        on, and in none that failed since (a rank that failed may have parsed another round's or none)."""
         mine = gpu.uuid(device) if device.type == "cuda" else ""
         gpus = [b.decode() for b in exchanges.all_gather_bytes(self.group, layout.world_size, mine.encode())]
         self.gpus: tuple[str, ...] = tuple(gpus) if all(gpus) else ()
@@ -170,8 +185,8 @@ class RegionSends:
         """Rank 0 passes its round and every rank returns it."""
         if (lead is None) != (self.rank != 0):
             raise PermanentError("rank 0 leads a round, and only rank 0")
-        data = exchanges.broadcast_bytes(self.group, self.rank, lead.to_json() if lead is not None else b"")
-        return lead if lead is not None else Round.from_json(data)
+        data = exchanges.broadcast_bytes(self.group, self.rank, lead.to_json(self._reported) if lead else b"")
+        return lead if lead is not None else Round.from_json(data, self._held)
 
     def send(self, r: Round) -> Sent | None:
         """This rank's sends of round ``r``, then the reports to rank 0; rank 0 returns the round's account."""
@@ -189,10 +204,13 @@ class RegionSends:
         try:
             reports = exchanges.all_gather_bytes(self.group, self.layout.world_size, json.dumps(mine).encode())
         except RuntimeError as e:  # gloo: a rank died, or did not report within the group's timeout
+            self._reported = set()
             why = f"regions: not every trainer rank reported its sends ({e})"
             return Sent(failed={t.replica_id: why for t in r.targets}) if self.rank == 0 else None
         if self.rank != 0:
             return None
+        if r.targets:  # every rank parsed this round: its targets' regions are what each holds under their keys
+            self._reported = {(t.plan_key, t.replica_id) for t in r.targets}
         return _account(r, [json.loads(b) for b in reports], time.perf_counter() - t0)
 
     def start(self, r: Round) -> InFlight:

@@ -142,6 +142,8 @@ class CoordinatorClient:
         self._lease: Lease | None = None
         self._renewer: threading.Thread | None = None
         self._active: list[Any] = []
+        self._opened_parts = serde.HeldRegions()  # the replicas' regions of the plans open_version returned
+        self._watched_parts = serde.HeldRegions()  # this replica's regions of the plans its watch stream sent
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
 
@@ -267,10 +269,19 @@ class CoordinatorClient:
     def open_version(
         self, step: int, table: TableSummary, *, offers: Sequence[Offer] = (), timeout_s: float | None = None
     ) -> OpenedVersion:
-        def request() -> Any:
-            return serde.open_request(self.lease.lease_id, self.job, self.incarnation, step, table, offers)
+        held = self._opened_parts
 
-        return serde.opened(self._call("OpenVersion", request, timeout_s))
+        def request(key: str) -> Any:
+            return serde.open_request(self.lease.lease_id, self.job, self.incarnation, step, table, offers, key)
+
+        key = held.newest
+        try:
+            return serde.opened(self._call("OpenVersion", lambda: request(key), timeout_s), held)
+        except serde.NotHeld:
+            if not key:
+                raise
+            # it left out regions this end does not hold: the same open again (idempotent) with every region
+            return serde.opened(self._call("OpenVersion", lambda: request(""), timeout_s), held)
 
     def _wait(self, version: int, until: WaitFor, timeout_s: float, job: str | None = None) -> tuple[VersionInfo, bool]:
         response = self._call(
@@ -360,7 +371,7 @@ class CoordinatorClient:
             try:
                 for event in call:
                     delay = 0.05
-                    yield serde.event(event)
+                    yield serde.event(event, self._watched_parts)
             except grpc.RpcError as e:
                 code = e.code()
                 if self._closed.is_set():

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 
 from weightsync.coordinator.models import LIVE_CHANNELS, ChannelPlan, ReplicaStatus, TableSummary, VersionInfo
-from weightsync.sharding.plans import TransferPlan
 from weightsync.tensors import DIGEST_PREFIX
 from weightsync.vocabulary import Channel, ReplicaState, VersionState
 
@@ -50,8 +49,6 @@ class VersionRecord:
     table: TableSummary
     plans: dict[str, ChannelPlan]
     quorum: int = 0
-    transfers: tuple[TransferPlan, ...] = ()
-    """Each trainer rank's part of the version's transfer plan (the replicas' parts are in their plans)."""
     ready_without_acks: bool = False
     all_or_nothing: bool = False
     committed: bool = False

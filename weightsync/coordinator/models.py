@@ -163,8 +163,6 @@ class OpenedVersion:
     version: int
     plans: tuple[ChannelPlan, ...]
     reused: bool = False
-    transfers: tuple[transfer_plans.TransferPlan, ...] = ()
-    """Trainer rank r's part of the transfer plan at index r (``TransferPlan.part_for_rank``); empty: no plan."""
 
     def receivers(self, channel: Channel) -> dict[str, Rendezvous]:
         """The replicas planned on ``channel`` and their rendezvous: what that channel's sender takes as its plan."""

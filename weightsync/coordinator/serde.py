@@ -241,22 +241,22 @@ def rendezvous_to(r: Rendezvous) -> pb.Rendezvous:
     )
 
 
-def plan(m: pb.ChannelPlan, field: str = "plan") -> models.ChannelPlan:
+def plan(m: pb.ChannelPlan, field: str = "plan", held: HeldRegions | None = None) -> models.ChannelPlan:
     ch = channel(m.channel, f"{field}.channel")
-    transfer = transfer_part(m.transfer, f"{field}.transfer") if m.HasField("transfer") else None
+    transfer = transfer_part(m.transfer, f"{field}.transfer", held) if m.HasField("transfer") else None
     return models.ChannelPlan(
         m.replica_id, ch, rendezvous(m.rendezvous, ch, field), m.reason, _digest(m.manifest_checksum, field), transfer
     )
 
 
-def plan_to(p: models.ChannelPlan) -> pb.ChannelPlan:
+def plan_to(p: models.ChannelPlan, held: set[tuple[str, str]] | None = None) -> pb.ChannelPlan:
     return pb.ChannelPlan(
         replica_id=p.replica_id,
         channel=channel_to(p.channel),
         rendezvous=rendezvous_to(p.rendezvous),
         reason=p.reason,
         manifest_checksum=p.manifest_checksum,
-        transfer=transfer_part_to(p.transfer) if p.transfer is not None else None,
+        transfer=transfer_part_to(p.transfer, held) if p.transfer is not None else None,
     )
 
 
@@ -267,26 +267,27 @@ def _digest(value: str, field: str) -> str:
     return value
 
 
-def event(m: pb.WatchEvent) -> models.Assignment:
+def event(m: pb.WatchEvent, held: HeldRegions | None = None) -> models.Assignment:
     return models.Assignment(
         kind=models.EventKind(_parse(_EV_IN, m.kind, "kind")),
         job=m.job,
         version=m.version,
         step=m.step,
-        plan=plan(m.plan) if m.HasField("plan") else None,
+        plan=plan(m.plan, held=held) if m.HasField("plan") else None,
         table=table(m.table) if m.HasField("table") else None,
         reason=m.reason,
         await_commit=m.await_commit,
     )
 
 
-def event_to(a: models.Assignment) -> pb.WatchEvent:
+def event_to(a: models.Assignment, held: set[tuple[str, str]] | None = None) -> pb.WatchEvent:
+    """``held``: what this watch stream sent in full so far (``transfer_part_to``)."""
     return pb.WatchEvent(
         kind=_EV_OUT[a.kind.value],
         job=a.job,
         version=a.version,
         step=a.step,
-        plan=plan_to(a.plan) if a.plan else None,
+        plan=plan_to(a.plan, held) if a.plan else None,
         table=table_to(a.table),
         reason=a.reason,
         await_commit=a.await_commit,
@@ -585,26 +586,74 @@ def _region(m: pb.TransferRegion, field: str) -> plans.Region:
     )
 
 
-def transfer_part(m: pb.TransferPart, field: str = "transfer") -> plans.TransferPlan:
-    """One side's part of a plan (``TransferPlan.part_for_rank`` / ``part_for_replica``) as it left the coordinator."""
-    return plans.TransferPlan(
-        m.plan_key,
-        tuple(
-            plans.ReplicaPlan(
-                r.replica_id,
-                tuple(_region(g, f"{field}.replicas[{i}].regions[{j}]") for j, g in enumerate(r.regions)),
-                r.gathered,
-                frozenset((link.rank, link.worker) for link in r.copied),
+class NotHeld(PermanentError):
+    """A part came without its regions (``ReplicaRegions.held``), and this end does not hold them."""
+
+
+class HeldRegions:
+    """The regions of the plan parts one end decoded, by plan key and replica: a part that comes again under its key
+    comes without them (``ReplicaRegions.held``), so a version whose plan did not change moves and decodes none of
+    its regions (hundreds a link: most of a version's control messages, and their host time on both ends). Only the
+    parts of the newest ``keys`` keys are kept."""
+
+    def __init__(self, keys: int = 2) -> None:
+        self.keys = keys
+        self._parts: dict[str, dict[str, tuple[plans.Region, ...]]] = {}
+
+    @property
+    def newest(self) -> str:
+        """The key decoded last ("" when none): what a trainer names in ``OpenVersionRequest.held_plan_key``."""
+        return next(reversed(self._parts), "")
+
+    def keep(self, key: str, replica_id: str, regions: tuple[plans.Region, ...]) -> None:
+        self._parts[key] = {**self._parts.pop(key, {}), replica_id: regions}  # newest last
+        while len(self._parts) > self.keys:
+            del self._parts[next(iter(self._parts))]
+
+    def regions(self, key: str, replica_id: str, field: str) -> tuple[plans.Region, ...]:
+        got = self._parts.get(key, {}).get(replica_id)
+        if got is None:
+            raise NotHeld(
+                f"{field}: the coordinator left out replica {replica_id!r}'s regions of plan {key[:19]}..., which this "
+                f"end does not hold (it holds {len(self._parts)} plans' parts): the two ends disagree on what was sent"
             )
-            for i, r in enumerate(m.replicas)
-        ),
-    )
+        return got
 
 
-def transfer_part_to(p: plans.TransferPlan) -> pb.TransferPart:
-    return pb.TransferPart(
-        plan_key=p.key,
-        replicas=[
+def transfer_part(m: pb.TransferPart, field: str = "transfer", held: HeldRegions | None = None) -> plans.TransferPlan:
+    """One replica's part of a plan (``TransferPlan.part_for_replica``), or every replica's, as it left the
+    coordinator; a part's regions left out (``held``) are the ones ``held`` kept for its key, and those decoded are
+    kept there."""
+    replicas = []
+    for i, r in enumerate(m.replicas):
+        at = f"{field}.replicas[{i}]"
+        if r.held and held is not None:
+            regions = held.regions(m.plan_key, r.replica_id, at)
+        elif r.held:
+            raise NotHeld(f"{at}: the regions are left out (held), but this end keeps no regions of plans")
+        else:
+            regions = tuple(_region(g, f"{at}.regions[{j}]") for j, g in enumerate(r.regions))
+            if held is not None:
+                held.keep(m.plan_key, r.replica_id, regions)
+        copied = frozenset((link.rank, link.worker) for link in r.copied)
+        replicas.append(plans.ReplicaPlan(r.replica_id, regions, r.gathered, copied))
+    return plans.TransferPlan(m.plan_key, tuple(replicas))
+
+
+def transfer_part_to(p: plans.TransferPlan, held: set[tuple[str, str]] | None = None) -> pb.TransferPart:
+    """``held``: the (plan key, replica id) pairs the receiving end holds the regions of; theirs are left out, and
+    every part sent in full is added (a watch stream's own set: its events arrive in order)."""
+    out = pb.TransferPart(plan_key=p.key)
+    for r in p.replicas:
+        link = (p.key, r.replica_id)
+        copied = [pb.RegionLink(rank=rank, worker=worker) for rank, worker in sorted(r.copied)]
+        if held is not None and link in held:
+            kept = pb.ReplicaRegions(replica_id=r.replica_id, gathered=r.gathered, copied=copied, held=True)
+            out.replicas.append(kept)
+            continue
+        if held is not None:
+            held.add(link)
+        out.replicas.append(
             pb.ReplicaRegions(
                 replica_id=r.replica_id,
                 gathered=r.gathered,
@@ -620,11 +669,10 @@ def transfer_part_to(p: plans.TransferPlan) -> pb.TransferPart:
                     )
                     for g in r.regions
                 ],
-                copied=[pb.RegionLink(rank=rank, worker=worker) for rank, worker in sorted(r.copied)],
+                copied=copied,
             )
-            for r in p.replicas
-        ],
-    )
+        )
+    return out
 
 
 # ---- requests and responses: the only place the client and the servicer get wire messages from ------------------
@@ -684,7 +732,13 @@ def renew_response(x: models.Lease) -> pb.RenewResponse:
 
 
 def open_request(
-    lease_id: str, job: str, incarnation: str, step: int, summary: models.TableSummary, offers: Iterable[Offer]
+    lease_id: str,
+    job: str,
+    incarnation: str,
+    step: int,
+    summary: models.TableSummary,
+    offers: Iterable[Offer],
+    held_plan_key: str = "",
 ) -> pb.OpenVersionRequest:
     return pb.OpenVersionRequest(
         lease_id=lease_id,
@@ -693,25 +747,18 @@ def open_request(
         step=step,
         table=table_to(summary),
         offers=[offer_to(o) for o in offers],
+        held_plan_key=held_plan_key,
     )
 
 
-def opened(m: pb.OpenVersionResponse) -> models.OpenedVersion:
-    return models.OpenedVersion(
-        m.version,
-        tuple(plan(p, f"plans[{i}]") for i, p in enumerate(m.plans)),
-        m.reused,
-        tuple(transfer_part(t, f"transfers[{i}]") for i, t in enumerate(m.transfers)),
-    )
+def opened(m: pb.OpenVersionResponse, held: HeldRegions | None = None) -> models.OpenedVersion:
+    return models.OpenedVersion(m.version, tuple(plan(p, f"plans[{i}]", held) for i, p in enumerate(m.plans)), m.reused)
 
 
-def opened_to(o: models.OpenedVersion) -> pb.OpenVersionResponse:
-    return pb.OpenVersionResponse(
-        version=o.version,
-        plans=[plan_to(p) for p in o.plans],
-        reused=o.reused,
-        transfers=[transfer_part_to(t) for t in o.transfers],
-    )
+def opened_to(o: models.OpenedVersion, held_plan_key: str = "") -> pb.OpenVersionResponse:
+    """``held_plan_key``: the request's; every replica's regions of that plan are left out."""
+    held = {(held_plan_key, p.replica_id) for p in o.plans} if held_plan_key else None
+    return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p, held) for p in o.plans], reused=o.reused)
 
 
 def watch_request(lease_id: str) -> pb.WatchRequest:

@@ -153,7 +153,7 @@ class Servicer:
             serde.table(request.table),
             [serde.offer(o, f"offers[{i}]") for i, o in enumerate(request.offers)],
         )
-        return serde.opened_to(opened)
+        return serde.opened_to(opened, request.held_plan_key)
 
     @_guard_stream
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
@@ -165,6 +165,7 @@ class Servicer:
             self.core.stream_ended(lease_id)
 
         context.add_callback(ended)
+        held: set[tuple[str, str]] = set()  # the plan parts this stream sent in full: their regions go once
         ends = time.monotonic() + STREAM_WINDOW_S * random.uniform(0.8, 1.0)
         while context.is_active():
             left = ends - time.monotonic()
@@ -176,7 +177,7 @@ class Servicer:
                 continue
             if item is None:
                 return
-            yield serde.event_to(item)
+            yield serde.event_to(item, held)
 
     @_guard
     def ReportProgress(

@@ -109,7 +109,7 @@ def open_version(
         _await_members(state, job)
     if key in job.keys and job.keys[key] in job.versions:
         rec = job.versions[job.keys[key]]
-        return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), True, rec.transfers)
+        return OpenedVersion(rec.version, tuple(rec.plans[r] for r in sorted(rec.plans)), True)
     last = job.last_step.get(incarnation)
     if last is not None and step < last:
         raise faults.FailedPrecondition(
@@ -145,7 +145,7 @@ def open_version(
         plans, unplanned, groups = negotiate(planned.sharded)
         planned = _transfer(job, trainer, table, plans)
     job.groups = groups
-    plans, transfers = planned.parts(plans) if planned is not None else (plans, ())
+    plans = planned.parts(plans) if planned is not None else plans
     rec = VersionRecord(
         job_name,
         job.next_version,
@@ -154,7 +154,6 @@ def open_version(
         table,
         {p.replica_id: p for p in plans},
         quorum=job.policy.ack_quorum,
-        transfers=transfers,
         ready_without_acks=job.policy.ready_without_acks,
         all_or_nothing=job.policy.all_or_nothing,
         opened_at=state.clock.time(),
@@ -178,7 +177,7 @@ def open_version(
     verdicts.settle(state, job, rec)
     _trim(job)
     state.dirty = True
-    return OpenedVersion(rec.version, tuple(plans), transfers=transfers)
+    return OpenedVersion(rec.version, tuple(plans))
 
 
 @dataclass(frozen=True)
@@ -203,9 +202,10 @@ class _Planned:
             if m.layout is not None and self.whole.part_for_replica(m.replica_id).replicas[0].sharded
         )
 
-    def parts(self, plans: list[ChannelPlan]) -> tuple[list[ChannelPlan], tuple[TransferPlan, ...]]:
+    def parts(self, plans: list[ChannelPlan]) -> list[ChannelPlan]:
         """Each replica's plan with its part, a replica sent regions with its region group's rendezvous
-        (``region_group``, from the membership of its own ``negotiate`` gave it); each trainer rank's part."""
+        (``region_group``, from the membership of its own ``negotiate`` gave it). Rank 0 reads every replica's part
+        from them and hands each trainer rank the round."""
         sharded, out = self.sharded, []
         for p, m in zip(plans, self.members, strict=True):
             rdv, part = p.rendezvous, self.whole.part_for_replica(p.replica_id)
@@ -214,7 +214,7 @@ class _Planned:
                 if p.channel is Channel.NCCL:  # NIXL reads every link, a worker on a rank's GPU too
                     part = self._with_copies(part)
             out.append(dataclasses.replace(p, rendezvous=rdv, transfer=part))
-        return out, tuple(self.whole.part_for_rank(rank) for rank in range(self.layout.world_size))
+        return out
 
     def _with_copies(self, part: TransferPlan) -> TransferPlan:
         """A sharded replica's part with the links its workers copy by CUDA IPC (``sharding.links.copied``: a

@@ -116,21 +116,6 @@ class TransferPlan:
         """What trainer ``rank`` sends, in the order it sends it."""
         return [(rid, r) for rid, r in self.ordered() if r.rank == rank]
 
-    def part_for_rank(self, rank: int) -> TransferPlan:
-        """Trainer ``rank``'s part: the regions it sends, every replica's reason for the gathered path."""
-        return TransferPlan(
-            self.key,
-            tuple(
-                ReplicaPlan(
-                    r.replica_id,
-                    tuple(g for g in r.regions if g.rank == rank),
-                    r.gathered,
-                    frozenset(link for link in r.copied if link[0] == rank),
-                )
-                for r in self.replicas
-            ),
-        )
-
     def part_for_replica(self, replica_id: str) -> TransferPlan:
         """A replica's part: its own regions (every worker's), or why it takes the gathered path."""
         return TransferPlan(self.key, (self.replica(replica_id),))

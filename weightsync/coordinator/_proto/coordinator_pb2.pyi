@@ -297,32 +297,32 @@ class ChannelPlan(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., channel: _Optional[_Union[Channel, str]] = ..., rendezvous: _Optional[_Union[Rendezvous, _Mapping]] = ..., reason: _Optional[str] = ..., manifest_checksum: _Optional[str] = ..., transfer: _Optional[_Union[TransferPart, _Mapping]] = ...) -> None: ...
 
 class OpenVersionRequest(_message.Message):
-    __slots__ = ("lease_id", "job", "incarnation", "step", "table", "offers")
+    __slots__ = ("lease_id", "job", "incarnation", "step", "table", "offers", "held_plan_key")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
+    HELD_PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     job: str
     incarnation: str
     step: int
     table: TableSummary
     offers: _containers.RepeatedCompositeFieldContainer[SenderOffer]
-    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., offers: _Optional[_Iterable[_Union[SenderOffer, _Mapping]]] = ...) -> None: ...
+    held_plan_key: str
+    def __init__(self, lease_id: _Optional[str] = ..., job: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., table: _Optional[_Union[TableSummary, _Mapping]] = ..., offers: _Optional[_Iterable[_Union[SenderOffer, _Mapping]]] = ..., held_plan_key: _Optional[str] = ...) -> None: ...
 
 class OpenVersionResponse(_message.Message):
-    __slots__ = ("version", "plans", "reused", "transfers")
+    __slots__ = ("version", "plans", "reused")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
-    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     plans: _containers.RepeatedCompositeFieldContainer[ChannelPlan]
     reused: bool
-    transfers: _containers.RepeatedCompositeFieldContainer[TransferPart]
-    def __init__(self, version: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[ChannelPlan, _Mapping]]] = ..., reused: _Optional[bool] = ..., transfers: _Optional[_Iterable[_Union[TransferPart, _Mapping]]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[ChannelPlan, _Mapping]]] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -705,16 +705,18 @@ class TransferRegion(_message.Message):
     def __init__(self, tensor: _Optional[int] = ..., rank: _Optional[int] = ..., worker: _Optional[int] = ..., source: _Optional[_Union[Box, _Mapping]] = ..., param: _Optional[int] = ..., dest: _Optional[_Union[Box, _Mapping]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class ReplicaRegions(_message.Message):
-    __slots__ = ("replica_id", "gathered", "regions", "copied")
+    __slots__ = ("replica_id", "gathered", "regions", "copied", "held")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     GATHERED_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     COPIED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     gathered: str
     regions: _containers.RepeatedCompositeFieldContainer[TransferRegion]
     copied: _containers.RepeatedCompositeFieldContainer[RegionLink]
-    def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ..., copied: _Optional[_Iterable[_Union[RegionLink, _Mapping]]] = ...) -> None: ...
+    held: bool
+    def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ..., copied: _Optional[_Iterable[_Union[RegionLink, _Mapping]]] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class RegionLink(_message.Message):
     __slots__ = ("rank", "worker")
