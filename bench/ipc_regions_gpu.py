@@ -204,6 +204,7 @@ class _Process:
         self.target, self.wired = _planned(self.store, idx, self.device, self.trainer, engine, self.rows)
         self.near = self.wired.copied  # the co-located links: the raw modes' copies
         self.kept = region_groups.Kept()  # the product's groups and IPC ends, kept across the repetitions
+        self.cuts: dict[int, regions.Cuts] = {}  # a rank's region views per target, as ``RegionSends`` keeps them
         self.wired_kept = region_groups.Kept()
         self.is_rank = idx < RANKS
         me, end = (idx, 0) if self.is_rank else (idx - RANKS, 1)  # end: 0 the trainer rank's, 1 the worker's
@@ -319,7 +320,8 @@ class _Process:
 
     def _product(self, kept: region_groups.Kept, t: region_sends.Target, version: int, land: bool, direct: bool) -> int:
         if self.is_rank:
-            n = region_sends.send_to(kept, t, version, self.idx, self.trainer, self.local, self.device)
+            cuts = self.cuts.setdefault(id(t), regions.Cuts())
+            n = region_sends.send_to(kept, t, version, self.idx, self.trainer, self.local, self.device, cuts)
             self.marks["shared"] = time.perf_counter()
             return n.nbytes
         tally = regions.Tally()

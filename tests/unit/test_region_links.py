@@ -308,3 +308,41 @@ def test_the_walk_and_the_sends_run_with_the_collector_off_and_turn_it_back_on()
         assert left[0].released and left[1].released  # closing it still releases its links
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_ranks_cuts_are_kept_while_its_shards_stay_in_the_same_memory_and_read_what_they_hold_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trainer, result, _, full = job(24, RANKS)
+    replica = result.replica("tp2")
+    made: list[Region] = []
+    cut = regions._cut
+
+    def counted(layout: Any, rank: int, local: Any, r: Region) -> torch.Tensor:
+        made.append(r)
+        return cut(layout, rank, local, r)
+
+    monkeypatch.setattr(regions, "_cut", counted)
+    rank, cuts = 0, regions.Cuts()
+    local = [None if (b := trainer.shard(t, rank)) is None else full[t][_slices(b)].clone() for t in range(len(full))]
+    mine = [r for r in replica.regions if r.rank == rank and r.worker == 0]
+
+    def sent(shards: list[torch.Tensor | None]) -> list[str]:
+        return regions.send(None, trainer, rank, shards, mine, links={0: _Shared()}, cuts=cuts).digests
+
+    first = sent(local)
+    assert len(made) == len(mine)
+    made.clear()
+    assert sent(local) == first and made == []  # the same shards: no region cut again
+    # a training step writes the shards in place: the kept views read the new values
+    with torch.no_grad():
+        for t in local:
+            if t is not None:
+                t.add_(1)
+    stepped = sent(local)
+    assert made == [] and stepped != first
+    assert stepped == regions.send(None, trainer, rank, local, mine, links={0: _Shared()}).digests  # as cut anew
+    # shards in new memory (a reallocation): cut again from them
+    moved = [None if t is None else t.clone() for t in local]
+    made.clear()
+    assert sent(moved) == stepped and len(made) == len(mine)

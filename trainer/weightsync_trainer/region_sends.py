@@ -170,6 +170,8 @@ class RegionSends:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.kept: dict[str, region_groups.Kept] = {}
         """Replica id -> its region group, kept across rounds while the plan names the same one."""
+        self.cuts: dict[str, regions.Cuts] = {}
+        """Replica id -> this rank's regions of it as views of its shards, kept while they stay in the same memory."""
         self._held = serde.HeldRegions()
         """The regions of the rounds' targets this rank decoded (the ranks but rank 0)."""
         self._reported: set[tuple[str, str]] = set()
@@ -195,6 +197,8 @@ class RegionSends:
         if r.version:  # a replica no round targets has left its region membership: its next one has a new name
             for rid in set(self.kept) - {t.replica_id for t in r.targets}:
                 self.kept.pop(rid).close()
+            for rid in set(self.cuts) - {t.replica_id for t in r.targets}:
+                del self.cuts[rid]
         if r.targets:
             local = local_shards(self.source, self.layout, self.rank)
             # every replica's sends at once, each over its own group: one slow to join, or failing, delays no other
@@ -222,11 +226,12 @@ class RegionSends:
         """This rank's regions of ``t`` over its region group: ``{"digests": [...], "nbytes": n}`` or
         ``{"error": why}``."""
         kept = self.kept.setdefault(t.replica_id, region_groups.Kept())
+        cuts = self.cuts.setdefault(t.replica_id, regions.Cuts())
         on = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         try:
             try:
                 with on:  # a thread of its own: the rank's device made current, for its kernels and NCCL calls
-                    tally = send_to(kept, t, version, self.rank, self.layout, local, self.device)
+                    tally = send_to(kept, t, version, self.rank, self.layout, local, self.device, cuts)
             except BaseException:
                 kept.close()
                 raise
@@ -253,6 +258,7 @@ def send_to(
     layout: TrainerLayout,
     local: Sequence[torch.Tensor | None],
     device: torch.device,
+    cuts: regions.Cuts | None = None,
 ) -> regions.Tally:
     """Trainer ``rank``'s regions of ``t`` (from its ``local`` shards) over what ``kept`` holds for the replica's
     membership, formed now where it holds nothing yet (every formation bounded): its region group; or, where some
@@ -260,7 +266,7 @@ def send_to(
     shards and each region's digest word, the worker copies) and the others over the rank's own group
     (``region_groups.rank_groups``); or, for a replica planned on NIXL, every link read by its worker out of the
     rank's registered shards (``nixl_regions``). The shards stay unchanged until the reading workers said they are
-    done."""
+    done. ``cuts``: the regions' views kept across versions (``regions.Cuts``)."""
     ours = [g for g in t.regions if g.rank == rank]
     # its workers say done when their walk ended, failed too: a walk waits up to the join deadline and the timeout
     # for another rank's placement, then the timeout for its reads; the rank waits longer, so that a worker failed
@@ -268,10 +274,10 @@ def send_to(
     wait_s = t.rendezvous.join_timeout_s + 2 * t.rendezvous.timeout_s
     if t.rendezvous.channel is Channel.NIXL:
         reads = kept.reads_end(t.rendezvous, Channel.NIXL, lambda store: nixl_regions.Exporter(store, rank, wait_s))
-        return _shared(reads, version, layout, rank, local, ours, sorted({g.worker for g in ours}), {})
+        return _shared(reads, version, layout, rank, local, ours, sorted({g.worker for g in ours}), {}, cuts=cuts)
     if not t.copied:
         group = kept.get(t.rendezvous, rank, device)
-        return regions.send(group.pg, layout, rank, local, ours, bound=region_groups.bound(group))
+        return regions.send(group.pg, layout, rank, local, ours, bound=region_groups.bound(group), cuts=cuts)
     links: dict[int, regions.Wire | regions.Shared] = {}
     wired = []
     mine = region_groups.rank_groups(t.rendezvous, t.regions, t.copied).get(rank)
@@ -282,9 +288,10 @@ def send_to(
         links.update({w: regions.Wire(group.pg, 1 + i) for i, w in enumerate(workers)})
     near = sorted({w for r, w in t.copied if r == rank})
     if not near:
-        return regions.send(None, layout, rank, local, ours, links=links, bound=region_groups.bound(*wired))
+        bound = region_groups.bound(*wired)
+        return regions.send(None, layout, rank, local, ours, links=links, bound=bound, cuts=cuts)
     copies = kept.reads_end(t.rendezvous, Channel.IPC, lambda store: ipc_regions.Exporter(store, rank, wait_s))
-    return _shared(copies, version, layout, rank, local, ours, near, links, region_groups.bound(*wired))
+    return _shared(copies, version, layout, rank, local, ours, near, links, region_groups.bound(*wired), cuts)
 
 
 def _shared(
@@ -297,13 +304,14 @@ def _shared(
     readers: Sequence[int],
     links: dict[int, regions.Wire | regions.Shared],
     bound: Any = None,
+    cuts: regions.Cuts | None = None,
 ) -> regions.Tally:
     """The rank's regions with the links of ``readers`` read by those workers from ``exporter`` (its shards
     published for ``version``), the others over ``links``; the shards stay unchanged until the readers said they
     are done."""
     exporter.publish(version, layout, local)
     links.update({w: exporter.link(w) for w in readers})
-    tally = regions.send(None, layout, rank, local, ours, links=links, bound=bound)
+    tally = regions.send(None, layout, rank, local, ours, links=links, bound=bound, cuts=cuts)
     exporter.release()
     return tally
 
