@@ -79,7 +79,7 @@ def run(model: str, ranks: int, tp: int, replicas: int, reps: int) -> dict[str, 
                 serde.opened_to(opened, key if held else ""), _held(opened, held)
             ),
             "ASSIGN (coordinator -> each agent)": lambda: serde.event(
-                serde.event_to(event, {(key, plan.replica_id)} if held else set()), _held(opened, held, "replica-0")
+                serde.event_to(event, _held(opened, held, "replica-0")), _held(opened, held, "replica-0")
             ),
             "round (rank 0 -> each rank)": lambda: region_sends.Round.from_json(
                 told.to_json(reported if held else frozenset()), _held(opened, held)

@@ -386,7 +386,7 @@ def test_a_plans_regions_go_once_per_key_to_each_end_and_its_links_every_time() 
     events = [Assignment(EventKind.ASSIGN, "job", v, plan=p) for v, p in ((1, p1), (2, p2))]
 
     # a watch stream sends a part's regions the first time only; the agent's client fills them back in
-    stream: set[tuple[str, str]] = set()
+    stream = serde.HeldRegions()
     first, second = (serde.event_to(e, stream) for e in events)
     assert len(first.plan.transfer.replicas[0].regions) == len(p1.transfer.replica("r-sharded").regions) > 0
     assert second.plan.transfer.replicas[0].held and not second.plan.transfer.replicas[0].regions
@@ -397,7 +397,7 @@ def test_a_plans_regions_go_once_per_key_to_each_end_and_its_links_every_time() 
         serde.event(second, serde.HeldRegions())
     with pytest.raises(serde.NotHeld, match="keeps no regions"):
         serde.event(second)
-    assert serde.event_to(events[1], set()).plan.transfer.replicas[0].regions  # a new stream: in full
+    assert serde.event_to(events[1], serde.HeldRegions()).plan.transfer.replicas[0].regions  # a new stream: in full
 
     # what is not the key's travels every time: links copied now, under the same key
     (rp,) = p2.transfer.replicas
@@ -417,10 +417,13 @@ def test_a_plans_regions_go_once_per_key_to_each_end_and_its_links_every_time() 
     other = serde.opened_to(v2, "sha256:" + "0" * 64)  # another key: in full
     assert any(r.regions for p in other.plans if p.HasField("transfer") for r in p.transfer.replicas)
 
-    # the newest keys only: an end keeps what the next versions can name
-    few = serde.HeldRegions(keys=1)
-    few.keep("k1", "r", ())
-    few.keep("k2", "r", ())
-    assert few.newest == "k2"
+    # the newest keys only, on both ends alike: a key the client let go comes in full again
+    sender, receiver = serde.HeldRegions(), serde.HeldRegions()
+    for key in ("k1", "k2", "k3", "k1"):
+        part = dataclasses.replace(p1.transfer, key=key)
+        wire = serde.transfer_part_to(part, sender)
+        assert not wire.replicas[0].held
+        assert serde.transfer_part(wire, held=receiver) == part
+    assert receiver.newest == "k1" and serde.transfer_part_to(part, sender).replicas[0].held
     with pytest.raises(serde.NotHeld):
-        few.regions("k1", "r", "plan")
+        receiver.regions("k2", "r-sharded", "plan")

@@ -249,7 +249,7 @@ def plan(m: pb.ChannelPlan, field: str = "plan", held: HeldRegions | None = None
     )
 
 
-def plan_to(p: models.ChannelPlan, held: set[tuple[str, str]] | None = None) -> pb.ChannelPlan:
+def plan_to(p: models.ChannelPlan, held: HeldRegions | None = None) -> pb.ChannelPlan:
     return pb.ChannelPlan(
         replica_id=p.replica_id,
         channel=channel_to(p.channel),
@@ -280,7 +280,7 @@ def event(m: pb.WatchEvent, held: HeldRegions | None = None) -> models.Assignmen
     )
 
 
-def event_to(a: models.Assignment, held: set[tuple[str, str]] | None = None) -> pb.WatchEvent:
+def event_to(a: models.Assignment, held: HeldRegions | None = None) -> pb.WatchEvent:
     """``held``: what this watch stream sent in full so far (``transfer_part_to``)."""
     return pb.WatchEvent(
         kind=_EV_OUT[a.kind.value],
@@ -600,6 +600,9 @@ class HeldRegions:
         self.keys = keys
         self._parts: dict[str, dict[str, tuple[plans.Region, ...]]] = {}
 
+    def holds(self, key: str, replica_id: str) -> bool:
+        return replica_id in self._parts.get(key, {})
+
     @property
     def newest(self) -> str:
         """The key decoded last ("" when none): what a trainer names in ``OpenVersionRequest.held_plan_key``."""
@@ -640,19 +643,18 @@ def transfer_part(m: pb.TransferPart, field: str = "transfer", held: HeldRegions
     return plans.TransferPlan(m.plan_key, tuple(replicas))
 
 
-def transfer_part_to(p: plans.TransferPlan, held: set[tuple[str, str]] | None = None) -> pb.TransferPart:
-    """``held``: the (plan key, replica id) pairs the receiving end holds the regions of; theirs are left out, and
-    every part sent in full is added (a watch stream's own set: its events arrive in order)."""
+def transfer_part_to(p: plans.TransferPlan, held: HeldRegions | None = None) -> pb.TransferPart:
+    """``held``: what the receiving end holds, as it keeps it (its events arrive in order, so a watch stream's copy
+    forgets what the client's does); those regions are left out, and every part sent in full is kept there."""
     out = pb.TransferPart(plan_key=p.key)
     for r in p.replicas:
-        link = (p.key, r.replica_id)
         copied = [pb.RegionLink(rank=rank, worker=worker) for rank, worker in sorted(r.copied)]
-        if held is not None and link in held:
+        if held is not None and held.holds(p.key, r.replica_id):
             kept = pb.ReplicaRegions(replica_id=r.replica_id, gathered=r.gathered, copied=copied, held=True)
             out.replicas.append(kept)
             continue
         if held is not None:
-            held.add(link)
+            held.keep(p.key, r.replica_id, r.regions)
         out.replicas.append(
             pb.ReplicaRegions(
                 replica_id=r.replica_id,
@@ -757,7 +759,11 @@ def opened(m: pb.OpenVersionResponse, held: HeldRegions | None = None) -> models
 
 def opened_to(o: models.OpenedVersion, held_plan_key: str = "") -> pb.OpenVersionResponse:
     """``held_plan_key``: the request's; every replica's regions of that plan are left out."""
-    held = {(held_plan_key, p.replica_id) for p in o.plans} if held_plan_key else None
+    held = None
+    if held_plan_key:
+        held = HeldRegions()
+        for p in o.plans:
+            held.keep(held_plan_key, p.replica_id, ())
     return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p, held) for p in o.plans], reused=o.reused)
 
 

@@ -165,7 +165,7 @@ class Servicer:
             self.core.stream_ended(lease_id)
 
         context.add_callback(ended)
-        held: set[tuple[str, str]] = set()  # the plan parts this stream sent in full: their regions go once
+        held = serde.HeldRegions()  # the plan parts this stream sent in full, as its client keeps them
         ends = time.monotonic() + STREAM_WINDOW_S * random.uniform(0.8, 1.0)
         while context.is_active():
             left = ends - time.monotonic()
