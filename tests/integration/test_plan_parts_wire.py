@@ -8,17 +8,20 @@ without their regions (``ReplicaRegions.held``) and each client fills them back 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from tests.unit.sharding_cases import random_replica
 from weightsync.channels.base import Endpoint, Offer
 from weightsync.coordinator import serde, server
+from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Assignment, Capabilities, EventKind, summarize
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
@@ -94,3 +97,41 @@ def test_regions_cross_once_per_plan_key_and_each_end_fills_them_back_in(
     finally:
         trainer.close()
         replica.close()
+
+
+def test_a_client_that_keeps_no_regions_gets_them_on_every_event(coordinator: server.CoordinatorServer) -> None:
+    """A watch stream opened without ``keeps_regions`` (an agent older than ``ReplicaRegions.held``, as in a rolling
+    upgrade) is sent every part's regions every time, so it never meets a part it cannot read."""
+    trainer = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+    old = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+    events: queue.Queue[Any] = queue.Queue()
+    call = None
+    try:
+        trainer.register_trainer(
+            "job", "t", CPU, offers=[Offer(Channel.CPU, Endpoint("127.0.0.1", 29999))], layout=TRAINER
+        )
+        old.register_replica("job", "old", CPU, layout=ENGINE)
+        request = serde.watch_request(old.lease.lease_id, keeps_regions=False)
+        call = old._rpc["WatchVersions"](request, timeout=60, metadata=old._metadata)
+        stream = call
+
+        def read() -> None:
+            with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+                for e in stream:
+                    events.put(e)
+
+        threading.Thread(target=read, daemon=True).start()
+        carried = []
+        for step in (1, 2):
+            version = trainer.open_version(step, summarize(TABLE, True)).version
+            while True:
+                e = events.get(timeout=30)
+                if e.kind == pb.EVENT_KIND_ASSIGN and e.version == version:
+                    break
+            carried += [(r.held, len(r.regions)) for r in e.plan.transfer.replicas]
+        assert len(carried) == 2 and carried[0] == carried[1] and carried[0][1] > 0 and not carried[0][0]
+    finally:
+        if call is not None:
+            call.cancel()
+        trainer.close()
+        old.close()

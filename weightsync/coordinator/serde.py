@@ -767,8 +767,8 @@ def opened_to(o: models.OpenedVersion, held_plan_key: str = "") -> pb.OpenVersio
     return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p, held) for p in o.plans], reused=o.reused)
 
 
-def watch_request(lease_id: str) -> pb.WatchRequest:
-    return pb.WatchRequest(lease_id=lease_id)
+def watch_request(lease_id: str, keeps_regions: bool = True) -> pb.WatchRequest:
+    return pb.WatchRequest(lease_id=lease_id, keeps_regions=keeps_regions)
 
 
 def progress_request(lease_id: str, version: int, value: models.Progress) -> pb.ReportProgressRequest:

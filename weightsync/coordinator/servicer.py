@@ -165,7 +165,8 @@ class Servicer:
             self.core.stream_ended(lease_id)
 
         context.add_callback(ended)
-        held = serde.HeldRegions()  # the plan parts this stream sent in full, as its client keeps them
+        # the plan parts this stream sent in full, as its client keeps them; a client that keeps none gets them all
+        held = serde.HeldRegions() if request.keeps_regions else None
         ends = time.monotonic() + STREAM_WINDOW_S * random.uniform(0.8, 1.0)
         while context.is_active():
             left = ends - time.monotonic()

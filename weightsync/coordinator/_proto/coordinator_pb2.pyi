@@ -325,10 +325,12 @@ class OpenVersionResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., plans: _Optional[_Iterable[_Union[ChannelPlan, _Mapping]]] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "keeps_regions")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_REGIONS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    keeps_regions: bool
+    def __init__(self, lease_id: _Optional[str] = ..., keeps_regions: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("kind", "job", "version", "step", "plan", "table", "reason", "await_commit")
