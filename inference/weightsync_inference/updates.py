@@ -91,8 +91,9 @@ class Updater:
         self.stager = Stager(ctx)
         self.regions = region_groups.Kept()
         """The sharded path's region group of this worker's replica, kept across versions (``sharded``)."""
-        self.parts: dict[str, Any] = {}  # sharded.Part (which imports this module)
-        """The sharded path's parts of plans this worker parsed, by plan key, the newest last (``sharded.Part``)."""
+        self.parts: dict[str, Any] = {}
+        """The sharded path's parts of plans this worker parsed, by plan key, the newest last (``sharded.Part``,
+        typed Any: that module imports this one)."""
 
     def init(self, rdv: Rendezvous) -> None:
         """Start (or restart) the receiver of the rendezvous' channel; one receiver per channel."""

@@ -290,7 +290,7 @@ class Cuts:
 
     def hold(self, layout: TrainerLayout, rank: int, local: Sequence[torch.Tensor | None]) -> None:
         """Keep the views while ``local`` is the same shards in the same memory as last time, else drop them."""
-        shards = (layout, rank, *(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in local))
+        shards = (layout, rank, memory_of(local))
         if shards != self._shards:
             self._shards, self._views = shards, {}
 
@@ -300,6 +300,12 @@ class Cuts:
         if view is None:
             view = self._views[r.tensor, r.source] = _cut(layout, rank, local, r)
         return view
+
+
+def memory_of(local: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    """Where a rank's local shards lie (pointer, shape, strides, dtype; None where it holds none): equal for the same
+    shards in the same memory, which views of them (``Cuts``) and exports of it (``shard_reads``) keep reading."""
+    return tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in local)
 
 
 @collector.during
@@ -644,6 +650,7 @@ __all__ = [
     "Tally",
     "Wire",
     "combine",
+    "memory_of",
     "rank_of",
     "receive",
     "send",

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightsync.channels import batched, digests
+from weightsync.channels import batched, digests, regions
 from weightsync.channels.wire import TORCH_DTYPES, dist, wait_key
 from weightsync.errors import IntegrityError, PermanentError, RetryableError, WeightsyncError
 from weightsync.sharding.boxes import Box
@@ -136,7 +136,9 @@ class Exporter:
         self._epoch = 0
         self._version: int | None = None
         self._workers: set[int] = set()
-        self._layout: tuple[TrainerLayout, list[Any]] | None = None  # what was last published, to skip it when same
+        self._layout: tuple[TrainerLayout, tuple[Any, ...]] | None = (
+            None  # what was last published, to skip it when same
+        )
 
     def _memory(self, store: Any) -> Memory:
         """The transport's side on this rank, keeping its keys on ``store`` (the rank's)."""
@@ -151,7 +153,7 @@ class Exporter:
                 f"trainer rank {self.rank}: v{version} published before v{self._version} was released: a worker may "
                 "still read the shards (call Exporter.release first)"
             )
-        same = (layout, [None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in local])
+        same = (layout, regions.memory_of(local))
         if self._layout is None or same[0] is not self._layout[0] or same[1] != self._layout[1]:
             self._place(layout, local)  # else the steady state: the same shards in the same memory
         self._version, self._layout = version, same
