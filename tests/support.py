@@ -6,10 +6,13 @@ import os
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from weightsync_trainer.tiny_models import ModelPreset
 
 PROMPTS = [[1, 5, 7, 9], [1, 42, 17, 300, 12]]
 TOKENS = 6
@@ -41,7 +44,7 @@ def built_images() -> dict[str, str]:
     return dict(line.split("=", 1) for line in IMAGES_ENV.read_text().splitlines() if "=" in line)
 
 
-def tiny_model(preset: str = "tiny-qwen2") -> Path:
+def tiny_model(preset: str | ModelPreset = "tiny-qwen2") -> Path:
     from weightsync_trainer import tiny_models
 
     return tiny_models.generate(preset)

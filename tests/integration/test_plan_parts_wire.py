@@ -1,4 +1,6 @@
-"""A plan's regions cross gRPC once per plan key to each end: the trainer's OpenVersion and a replica's watch stream.
+"""A plan's layouts and regions over gRPC: layouts of real models' length register, and a plan's regions cross once
+per plan key to each end (the trainer's OpenVersion and a replica's watch stream), a part past a message's room read
+in chunks.
 
 A real coordinator server (gRPC, in this process) and two real clients: a trainer that registered its layout and a
 replica that registered its engine layout and watches. While the plan key holds, the second version's parts come
@@ -12,6 +14,7 @@ import contextlib
 import queue
 import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,10 +23,10 @@ import pytest
 
 from tests.unit.sharding_cases import random_replica
 from weightsync.channels.base import Endpoint, Offer
-from weightsync.coordinator import serde, server
+from weightsync.coordinator import faults, limits, serde, server
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.client import CoordinatorClient
-from weightsync.coordinator.models import Assignment, Capabilities, EventKind, summarize
+from weightsync.coordinator.models import Assignment, Capabilities, ChannelPlan, EventKind, OpenedVersion, summarize
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
@@ -84,16 +87,119 @@ def test_regions_cross_once_per_plan_key_and_each_end_fills_them_back_in(
         streamed = [c[1:] for c in carried if c[0] == "replica"]
         assert streamed[0] == ("r", False, n) and set(streamed[1:]) == {("r", True, 0)}, streamed
 
-        # an end that lost them: the trainer names a key it no longer holds every part of; it opens again in full
-        # (a stand-in for a fault the product does not cause: its held parts are what it decoded)
-        lost = serde.HeldRegions()
+        # an end that lost them: the trainer names a key it no longer holds every part of; it reads the part it
+        # lacks (a stand-in for a fault the product does not cause: its held parts are what it decoded)
+        read: list[tuple[str, str]] = []
+
+        def fetch(key: str, replica_id: str) -> Any:
+            read.append((key, replica_id))
+            return trainer.plan_regions(key, replica_id)
+
+        lost = serde.HeldRegions(fetch=fetch)
         key = opened[0].plans[0].transfer.key  # type: ignore[union-attr]
         lost.keep(key, "another", ())
         trainer._opened_parts = lost
         carried.clear()
         again = trainer.open_version(2, summarize(TABLE, True))  # the same step: the same version, reused
         assert again.reused and again.plans == opened[1].plans
-        assert [c[1:] for c in carried if c[0] == "trainer"] == [("r", True, 0), ("r", False, n)]
+        assert [c[1:] for c in carried if c[0] == "trainer"] == [("r", True, 0)] and read == [(key, "r")]
+    finally:
+        trainer.close()
+        replica.close()
+
+
+def test_parts_past_a_messages_room_are_read_in_chunks_by_each_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part whose regions would take more than half the coordinator's message limit is left out of the message
+    (Qwen3-235B's is 12.7 MB a replica, rank 0's answer every replica's); each end reads it with GetPlanRegions, in
+    chunks within the limit, and gets the plan the coordinator computed. The limit is lowered here so a small plan
+    engages it (``--max-message-bytes``, which the coordinator's operator sets)."""
+    limit = 16 << 10
+    table = TensorTable.build([[(f"t{i}", "bfloat16", (64, 6)) for i in range(100)]])
+    layout = TrainerLayout(table, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (0,)) for _ in table))
+    config = server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0, max_message_bytes=limit)
+    coordinator = server.CoordinatorServer(config).start()
+    chunks: list[list[int]] = []  # per part read, each chunk's size
+    chunked = serde.chunked_regions
+
+    def counted(answer: Any, field: str) -> Any:
+        sizes: list[int] = []
+        chunks.append(sizes)
+        return chunked((sizes.append(c.ByteSize()) or c for c in answer), field)
+
+    monkeypatch.setattr(serde, "chunked_regions", counted)
+    try:
+        opened, assigned = _first_assigned(coordinator, layout, random_replica(random.Random(3), table, 2))
+        assert assigned == opened.plans[0]  # both ends read the part in full
+        planned = coordinator.core._state.job("job").transfer_plans.find(opened.plans[0].transfer.key)  # type: ignore[union-attr]
+        assert planned is not None and opened.plans[0].regions_part() == planned.replica("r")
+        # each end read it (the trainer, the replica), in more than one chunk, each within the limit
+        assert len(chunks) == 2 and all(len(c) > 1 and max(c) <= limit for c in chunks), chunks
+    finally:
+        coordinator.stop(0.5)
+
+
+def test_layouts_of_the_length_real_models_have_register_and_are_planned(
+    coordinator: server.CoordinatorServer,
+) -> None:
+    """Every request's fields are bounded (``limits.check_fields``); a layout lists an entry per tensor, per
+    parameter and per fill, and a trainer mesh one per rank, far past an ordinary list's bound (``MAX_ITEMS``):
+    Qwen3-8B has 399 tensors, its TP=2 worker 291 parameters, a 235B trainer 64 ranks. Here each of those lists is
+    past that bound (asserted, so the test cannot shrink below where the bound engages)."""
+    ranks = limits.MAX_ITEMS + 8
+    table = TensorTable.build(
+        [[(f"layers.{i}.w{j}", "bfloat16", (ranks * 2, 8)) for j in range(4)] for i in range(limits.MAX_ITEMS)]
+    )
+    layout = TrainerLayout(
+        table, ranks, (Mesh((ranks,), tuple(range(ranks))),), tuple(Placement(0, (0,)) for _ in table)
+    )
+    engine = random_replica(random.Random(5), table, 2)
+    assert len(table) > limits.MAX_ITEMS and len(layout.meshes[0].ranks) > limits.MAX_ITEMS
+    assert all(len(w.params) > limits.MAX_ITEMS and len(w.fills) > limits.MAX_ITEMS for w in engine.workers)
+    opened, assigned = _first_assigned(coordinator, layout, engine)
+    part = opened.plans[0].regions_part()
+    assert assigned == opened.plans[0] and part is not None, opened.plans[0].reason
+    assert {r.rank for r in part.regions} == set(range(ranks)) and {r.worker for r in part.regions} == {0, 1}
+
+
+def _first_assigned(
+    coordinator: server.CoordinatorServer, layout: TrainerLayout, engine: Any
+) -> tuple[OpenedVersion, ChannelPlan | None]:
+    """A trainer with ``layout`` and a watching replica "r" with ``engine`` registered over gRPC: the first version
+    planned for the replica, and the plan its ASSIGN carried."""
+    trainer = CoordinatorClient(coordinator.target, insecure=True, timeout_s=30)
+    replica = CoordinatorClient(coordinator.target, insecure=True, timeout_s=30)
+    events: queue.Queue[Assignment] = queue.Queue()
+    try:
+        trainer.register_trainer(
+            "job", "t", CPU, offers=[Offer(Channel.CPU, Endpoint("127.0.0.1", 29999))], layout=layout
+        )
+        replica.register_replica("job", "r", CPU, layout=engine)
+        threading.Thread(target=lambda: [events.put(e) for e in replica.watch()], daemon=True).start()
+        for step in range(1, 50):  # the replica is planned once its stream is up: the first opens may come before
+            opened = trainer.open_version(step, summarize(layout.table, True))
+            if opened.plans:
+                break
+            time.sleep(0.1)
+        while (e := events.get(timeout=30)).version != opened.version:
+            pass
+        return opened, e.plan
+    finally:
+        trainer.close()
+        replica.close()
+
+
+def test_a_replica_reads_only_its_own_part(coordinator: server.CoordinatorServer) -> None:
+    trainer = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+    replica = CoordinatorClient(coordinator.target, insecure=True, timeout_s=10)
+    try:
+        trainer.register_trainer(
+            "job", "t", CPU, offers=[Offer(Channel.CPU, Endpoint("127.0.0.1", 29999))], layout=TRAINER
+        )
+        replica.register_replica("job", "r", CPU, layout=ENGINE)
+        with pytest.raises(faults.PermissionDenied, match="replica 'r' asked for replica 'other'"):
+            replica.plan_regions("sha256:" + "0" * 64, "other")
+        with pytest.raises(faults.NotFound, match="holds no plan sha256:0000"):
+            trainer.plan_regions("sha256:" + "0" * 64, "r")
     finally:
         trainer.close()
         replica.close()

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from tests import netns, pki, support
+from weightsync.coordinator import limits
 from weightsync.vocabulary import Channel
+from weightsync_trainer import tiny_models
 
 pytestmark = pytest.mark.integration
 ALL = os.environ.get("WEIGHTSYNC_SHARDED") == "all"
@@ -64,6 +66,9 @@ CHANNELS = {REPLICA: Channel.CPU, WHOLE: Channel.CPU, TP1: Channel.NCCL, NIXL_TP
 RANKS = 4 if ALL else 2
 """Hosts for trainer ranks: ``make sharded`` also publishes from 4 FSDP2 ranks."""
 TIMEOUT_S = 60.0
+DEEP = replace(tiny_models.PRESETS["tiny-qwen2"], num_layers=10)
+"""The tiny Qwen2 with 10 layers: its layouts list more than an ordinary request list may hold (the table's 122
+tensors, a TP=2 worker's 72 parameters; ``limits.MAX_ITEMS``), as every real model's do."""
 
 
 @dataclass
@@ -117,7 +122,7 @@ def _mint(folder: Path, address: str) -> None:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     sizes = (2, 2, 1, 2) if ALL else (2, 2)
-    with running(tmp_path_factory.mktemp("sharded-publish"), support.tiny_model(), sizes) as f:
+    with running(tmp_path_factory.mktemp("sharded-publish"), support.tiny_model(DEEP), sizes) as f:
         yield f
 
 
@@ -313,6 +318,8 @@ def assert_received_only_their_regions(fleet: Fleet, version: str) -> None:
         table = engine.last_table()  # the table the first version brought in band
         assert table is not None
         layout = engine.engine_layout(table)
+        # the layouts the coordinator took are longer than an ordinary request list may be, as real models' are
+        assert len(table) > limits.MAX_ITEMS and all(len(w.params) > limits.MAX_ITEMS for w in layout.workers)
         assert sorted(received.nbytes) == list(range(len(layout.workers))), (rid, received.nbytes)
         for worker, nbytes in received.nbytes.items():
             assert nbytes == layout.workers[worker].bytes_needed(table), (rid, worker, nbytes)

@@ -35,8 +35,10 @@ def test_service_table_covers_the_proto() -> None:
         "MarkDurable",
         "GetJob",
         "ListVersions",
+        "GetPlanRegions",
     }
     assert methods["WatchVersions"].server_streaming and not methods["Ack"].server_streaming
+    assert methods["GetPlanRegions"].server_streaming
     assert methods["Ack"].path == "/weightsync.v1.Coordinator/Ack"
     assert not methods["ReportSent"].server_streaming
     assert methods["ReportSent"].path == "/weightsync.v1.Coordinator/ReportSent"

@@ -31,6 +31,7 @@ from weightsync.coordinator.models import (
     summarize,
 )
 from weightsync.coordinator.store import MemoryStore
+from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import DIGEST_PREFIX, TensorTable
 from weightsync.vocabulary import Channel, ReplicaState
@@ -260,6 +261,26 @@ def test_rank_gpus_cross_the_wire_within_their_limit() -> None:
         limits.check_fields(many)
 
 
+def test_layouts_are_bounded_by_their_own_limits_not_an_ordinary_lists() -> None:
+    """A layout lists an entry per tensor, parameter and fill and a mesh one per rank (real models: hundreds to tens
+    of thousands); those lists have their own bounds, past which a registration is refused naming the list."""
+    ranks = limits.MAX_RANKS + 1
+    layout = TrainerLayout(TABLE, ranks, (Mesh((ranks,), tuple(range(ranks))),), TRAINER.placements)
+    caps = Capabilities(host="n", channels=(Channel.CPU,))
+    request = serde.register_request("job", Role.TRAINER, "t", "t1", caps, None, (), 0, layout)
+    with pytest.raises(
+        faults.InvalidArgument, match=r"trainer_layout.meshes\[0\].ranks has 1025 entries, over the limit "
+    ):
+        limits.check_fields(request)
+    request.trainer_layout.meshes[0].ranks.pop()
+    limits.check_fields(request)  # up to the bound: passes
+    engine = serde.register_request("job", Role.REPLICA, "r", "r1", caps, None, (), 0, ENGINE)
+    del engine.engine_layout.workers[0].fills[:]
+    engine.engine_layout.workers[0].fills.extend([engine.engine_layout.workers[1].fills[0]] * (limits.MAX_TENSORS + 1))
+    with pytest.raises(faults.InvalidArgument, match=r"engine_layout.workers\[0\].fills has 1048577 entries"):
+        limits.check_fields(engine)
+
+
 def test_a_region_group_that_failed_on_either_end_gets_a_new_name_for_the_next_version() -> None:
     """Both ends keep a region group while its name holds and form each name once (``region_groups.Kept``): after a
     failure on the replica's end (its live channel failed) or the trainer's (its report names the replica lost),
@@ -427,3 +448,50 @@ def test_a_plans_regions_go_once_per_key_to_each_end_and_its_links_every_time() 
     assert receiver.newest == "k1" and serde.transfer_part_to(part, sender).replicas[0].held
     with pytest.raises(serde.NotHeld):
         receiver.regions("k2", "r-sharded", "plan")
+
+
+def test_a_part_past_the_messages_room_is_left_out_and_read_in_chunks() -> None:
+    """Regions take at most a message's room (half its limit); a part past it is left out (``held``), and its end,
+    holding none, reads it (``GetPlanRegions``: chunks within the room, checked to be every region)."""
+    core, lease, replicas = _fleet_with_replicas()
+    opened = core.open_version(lease, "job", "t1", 1, summarize(TABLE, True))
+    plan = next(p for p in opened.plans if p.replica_id == "r-sharded")
+    assert plan.transfer is not None
+    regions = plan.transfer.replica("r-sharded").regions
+    size = sum(
+        r.ByteSize()
+        for r in serde.event_to(Assignment(EventKind.ASSIGN, "job", 1, plan=plan)).plan.transfer.replicas[0].regions
+    )
+
+    fits, short = serde.Room(size), serde.Room(size - 1)
+    assert (
+        serde.event_to(Assignment(EventKind.ASSIGN, "job", 1, plan=plan), room=fits).plan.transfer.replicas[0].regions
+    )
+    assert fits.left == 0
+    wire = serde.event_to(Assignment(EventKind.ASSIGN, "job", 1, plan=plan), serde.HeldRegions(), short)
+    assert wire.plan.transfer.replicas[0].held and not wire.plan.transfer.replicas[0].regions
+    read: list[tuple[str, str]] = []
+
+    def fetch(key: str, replica_id: str) -> tuple[Region, ...]:
+        read.append((key, replica_id))
+        found = core.plan_regions(replicas[replica_id], key, replica_id)
+        return serde.chunked_regions(serde.region_chunks(found, 64), "regions")
+
+    agent = serde.HeldRegions(fetch=fetch)
+    assert serde.event(wire, agent).plan == plan and read == [(plan.transfer.key, "r-sharded")]
+    assert serde.event(wire, agent).plan == plan and len(read) == 1  # kept once read
+
+    chunks = list(serde.region_chunks(regions, 64))
+    assert len(chunks) > 1 and all(c.total == len(regions) for c in chunks)
+    with pytest.raises(
+        faults.InvalidArgument,
+        match=f"{len(regions) - len(chunks[-1].regions)} regions arrived of the part's {len(regions)}",
+    ):
+        serde.chunked_regions(chunks[:-1], "regions")
+    assert serde.chunked_regions(serde.region_chunks((), 64), "regions") == ()
+    # who may read: the trainer any replica's part, a replica its own; a key the job no longer holds is not found
+    assert core.plan_regions(lease, plan.transfer.key, "r-sharded") == regions
+    with pytest.raises(faults.PermissionDenied, match="a replica reads its own only"):
+        core.plan_regions(replicas["r-none"], plan.transfer.key, "r-sharded")
+    with pytest.raises(faults.NotFound, match="has no replica 'r-gone'"):
+        core.plan_regions(lease, plan.transfer.key, "r-gone")

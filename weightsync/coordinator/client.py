@@ -68,6 +68,7 @@ from weightsync.coordinator.models import (
 from weightsync.coordinator.tls import TlsConfig
 from weightsync.errors import PermanentError, RetryableError, WeightsyncError
 from weightsync.sharding.fills import EngineLayout
+from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import TrainerLayout
 from weightsync.vocabulary import ReplicaState, VersionState
 
@@ -142,15 +143,24 @@ class CoordinatorClient:
         self._lease: Lease | None = None
         self._renewer: threading.Thread | None = None
         self._active: list[Any] = []
-        self._opened_parts = serde.HeldRegions()  # the replicas' regions of the plans open_version returned
-        self._watched_parts = serde.HeldRegions()  # this replica's regions of the plans its watch stream sent
+        # the replicas' regions of the plans open_version returned, and this replica's its watch stream sent; a part
+        # left out that this end does not hold (too large for one message) is read with GetPlanRegions
+        self._opened_parts = serde.HeldRegions(fetch=self.plan_regions)
+        self._watched_parts = serde.HeldRegions(fetch=self.plan_regions)
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
 
-    def _call(self, method: str, request: Callable[[], Any], timeout_s: float | None = None) -> Any:
-        """One unary call, retrying UNAVAILABLE with backoff until the deadline.
+    def _call(
+        self,
+        method: str,
+        request: Callable[[], Any],
+        timeout_s: float | None = None,
+        read: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """One call, retrying UNAVAILABLE with backoff until the deadline.
 
-        ``request`` builds the message each try, so a retry after re-registering carries the new lease.
+        ``request`` builds the message each try, so a retry after re-registering carries the new lease. ``read``
+        takes a streaming method's answer (read whole inside the try: a stream's errors come as it is read).
         """
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         delay = 0.05
@@ -159,7 +169,8 @@ class CoordinatorClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._rpc[method](request(), timeout=max(left, 0.001), metadata=self._metadata)
+                answer = self._rpc[method](request(), timeout=max(left, 0.001), metadata=self._metadata)
+                return answer if read is None else read(answer)
             except grpc.RpcError as e:
                 lease_lost = e.code() is grpc.StatusCode.NOT_FOUND and (e.details() or "").startswith("lease ")
                 if lease_lost and not renewed and method not in ("Register", "Renew") and self._lease is not None:
@@ -275,13 +286,18 @@ class CoordinatorClient:
             return serde.open_request(self.lease.lease_id, self.job, self.incarnation, step, table, offers, key)
 
         key = held.newest
-        try:
-            return serde.opened(self._call("OpenVersion", lambda: request(key), timeout_s), held)
-        except serde.NotHeld:
-            if not key:
-                raise
-            # it left out regions this end does not hold: the same open again (idempotent) with every region
-            return serde.opened(self._call("OpenVersion", lambda: request(""), timeout_s), held)
+        return serde.opened(self._call("OpenVersion", lambda: request(key), timeout_s), held)
+
+    def plan_regions(self, plan_key: str, replica_id: str) -> tuple[Region, ...]:
+        """Replica ``replica_id``'s regions of plan ``plan_key``, read in chunks: a part a message left out that this
+        end does not hold (``ReplicaRegions.held``; too large for one message, or forgotten)."""
+        return self._call(  # type: ignore[no-any-return]
+            "GetPlanRegions",
+            lambda: serde.plan_regions_request(self.lease.lease_id, plan_key, replica_id),
+            read=lambda chunks: serde.chunked_regions(
+                chunks, f"replica {replica_id!r}'s regions of plan {plan_key[:19]}..."
+            ),
+        )
 
     def _wait(self, version: int, until: WaitFor, timeout_s: float, job: str | None = None) -> tuple[VersionInfo, bool]:
         response = self._call(

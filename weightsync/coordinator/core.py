@@ -58,6 +58,7 @@ from weightsync.coordinator.models import (
 )
 from weightsync.coordinator.state import CoreState
 from weightsync.coordinator.store import MemoryStore, VersionStore
+from weightsync.sharding.plans import Region
 from weightsync.vocabulary import VersionState
 
 
@@ -165,6 +166,11 @@ class Coordinator:
     ) -> OpenedVersion:
         with self._cond:
             return versions.open_version(self._state, lease_id, job_name, incarnation, step, table, offers)
+
+    def plan_regions(self, lease_id: str, plan_key: str, replica_id: str) -> tuple[Region, ...]:
+        """A replica's regions of a plan whose parts a message left out for their size (``versions.plan_regions``)."""
+        with self._cond:
+            return versions.plan_regions(self._state, lease_id, plan_key, replica_id)
 
     def report_progress(self, lease_id: str, version: int, progress: Progress) -> None:
         with self._cond:

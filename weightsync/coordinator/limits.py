@@ -32,12 +32,28 @@ MAX_ITEMS = 64
 """Entries in a repeated field (GPUs of a replica, channels, offers)."""
 MAX_BYTES = 4096
 """Bytes in a bytes field."""
+MAX_RANKS = 1024
+"""Trainer ranks a sharded trainer may have, and workers a replica (one GPU each)."""
+MAX_TENSORS = 1 << 20
+"""Entries a layout lists once per tensor (a table's tensors and placements, a worker's parameters and fills;
+Kimi-K2's checkpoint has about 70,000 tensors): bounded by the message size only. A layout is one member's, read by
+the planner and never repeated to the others."""
 COUNT_LIMITS: dict[str, int] = {
     "gpu_uuids": 16,  # a replica's GPUs: one node's
     "devices": 16,  # the GPUs a sender's buffers live on
-    "rank_gpu_uuids": 1024,  # a sharded trainer's ranks' GPUs
+    "rank_gpu_uuids": MAX_RANKS,  # a sharded trainer's ranks' GPUs
     "peer_gpu_uuids": 16,  # the other GPUs of a replica's node
     "failed": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost
+    "lost": MAX_MEMBERS_PER_JOB,  # the receivers a publisher lost while the version is under way
+    "region_digests": MAX_MEMBERS_PER_JOB,  # one per replica a version's plan sent regions
+    # the layouts (TrainerLayout, EngineLayout)
+    "tensors": MAX_TENSORS,
+    "placements": MAX_TENSORS,
+    "group_starts": MAX_TENSORS,
+    "ranks": MAX_RANKS,  # a device mesh's ranks
+    "workers": MAX_RANKS,
+    "params": MAX_TENSORS,
+    "fills": MAX_TENSORS,
 }
 """Repeated fields with their own bound on entries, by field name (each entry keeps its type's bound)."""
 FIELD_LIMITS: dict[str, int] = {

@@ -9,7 +9,7 @@ servicer can return it as-is with the INVALID_ARGUMENT status.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from weightsync.channels.base import Endpoint, Offer, Rendezvous
@@ -249,14 +249,14 @@ def plan(m: pb.ChannelPlan, field: str = "plan", held: HeldRegions | None = None
     )
 
 
-def plan_to(p: models.ChannelPlan, held: HeldRegions | None = None) -> pb.ChannelPlan:
+def plan_to(p: models.ChannelPlan, held: HeldRegions | None = None, room: Room | None = None) -> pb.ChannelPlan:
     return pb.ChannelPlan(
         replica_id=p.replica_id,
         channel=channel_to(p.channel),
         rendezvous=rendezvous_to(p.rendezvous),
         reason=p.reason,
         manifest_checksum=p.manifest_checksum,
-        transfer=transfer_part_to(p.transfer, held) if p.transfer is not None else None,
+        transfer=transfer_part_to(p.transfer, held, room) if p.transfer is not None else None,
     )
 
 
@@ -280,14 +280,15 @@ def event(m: pb.WatchEvent, held: HeldRegions | None = None) -> models.Assignmen
     )
 
 
-def event_to(a: models.Assignment, held: HeldRegions | None = None) -> pb.WatchEvent:
-    """``held``: what this watch stream sent in full so far (``transfer_part_to``)."""
+def event_to(a: models.Assignment, held: HeldRegions | None = None, room: Room | None = None) -> pb.WatchEvent:
+    """``held``: what this watch stream sent in full so far; ``room``: the event's for regions (as
+    ``transfer_part_to``)."""
     return pb.WatchEvent(
         kind=_EV_OUT[a.kind.value],
         job=a.job,
         version=a.version,
         step=a.step,
-        plan=plan_to(a.plan, held) if a.plan else None,
+        plan=plan_to(a.plan, held, room) if a.plan else None,
         table=table_to(a.table),
         reason=a.reason,
         await_commit=a.await_commit,
@@ -587,7 +588,81 @@ def _region(m: pb.TransferRegion, field: str) -> plans.Region:
 
 
 class NotHeld(PermanentError):
-    """A part came without its regions (``ReplicaRegions.held``), and this end does not hold them."""
+    """A part came without its regions (``ReplicaRegions.held``), and this end neither holds nor can read them."""
+
+
+Fetch = Callable[[str, str], tuple[plans.Region, ...]]
+"""Reads replica ``replica_id``'s regions of plan ``key`` from the coordinator (``(key, replica_id)``)."""
+
+
+class Room:
+    """Bytes of regions one message may still carry: a part past them is left out (``ReplicaRegions.held``) and its
+    end reads it with ``GetPlanRegions`` (Qwen3-235B's part is 12.7 MB a replica, rank 0's response every replica's).
+    The servicer gives each message half its message limit; the rest of a message is small."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    def take(self, message: pb.ReplicaRegions, regions: Sequence[plans.Region]) -> bool:
+        """Whether ``regions`` still fit (then taken, added to ``message``)."""
+        if len(regions) * _REGION_BYTES_MIN > self.left:  # too many whatever their boxes: encoded for nothing
+            return False
+        out = [_region_to(g) for g in regions]
+        nbytes = sum(g.ByteSize() for g in out)
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        message.regions.extend(out)
+        return True
+
+
+_REGION_BYTES_MIN = 16
+"""A region's encoded bytes at least (its box alone takes more)."""
+
+
+def _region_to(g: plans.Region) -> pb.TransferRegion:
+    return pb.TransferRegion(
+        tensor=g.tensor,
+        rank=g.rank,
+        worker=g.worker,
+        source=box_to(g.source),
+        param=g.param,
+        dest=box_to(g.dest),
+        nbytes=g.nbytes,
+    )
+
+
+def region_chunks(regions: Sequence[plans.Region], nbytes: int) -> Iterator[pb.PlanRegionsChunk]:
+    """``GetPlanRegions``' answer: ``regions`` in plan order, in messages of about ``nbytes`` (at least one region
+    each; an empty part is one empty chunk)."""
+    chunk = pb.PlanRegionsChunk(total=len(regions))
+    size = 0
+    for g in regions:
+        m = _region_to(g)
+        if chunk.regions and size + m.ByteSize() > nbytes:
+            yield chunk
+            chunk, size = pb.PlanRegionsChunk(total=len(regions)), 0
+        chunk.regions.append(m)
+        size += m.ByteSize()
+    yield chunk
+
+
+def chunked_regions(chunks: Iterable[pb.PlanRegionsChunk], field: str) -> tuple[plans.Region, ...]:
+    """The regions of ``GetPlanRegions``' chunks, checked to be the part's every one."""
+    out: list[plans.Region] = []
+    total = None
+    for i, c in enumerate(chunks):
+        if total is not None and c.total != total:
+            raise faults.InvalidArgument(f"{field}: chunk {i} says the part has {c.total} regions, the first {total}")
+        total = c.total
+        out.extend(_region(g, f"{field}[{len(out) + j}]") for j, g in enumerate(c.regions))
+    if total is None or len(out) != total:
+        raise faults.InvalidArgument(f"{field}: {len(out)} regions arrived of the part's {total}")
+    return tuple(out)
+
+
+def plan_regions_request(lease_id: str, plan_key: str, replica_id: str) -> pb.PlanRegionsRequest:
+    return pb.PlanRegionsRequest(lease_id=lease_id, plan_key=plan_key, replica_id=replica_id)
 
 
 class HeldRegions:
@@ -596,8 +671,10 @@ class HeldRegions:
     its regions (hundreds a link: most of a version's control messages, and their host time on both ends). Only the
     parts of the newest ``keys`` keys are kept."""
 
-    def __init__(self, keys: int = 2) -> None:
-        self.keys = keys
+    def __init__(self, keys: int = 2, fetch: Fetch | None = None) -> None:
+        """``fetch``: how this end reads a part it does not hold (the client's ``GetPlanRegions``); without it such
+        a part raises ``NotHeld``."""
+        self.keys, self.fetch = keys, fetch
         self._parts: dict[str, dict[str, tuple[plans.Region, ...]]] = {}
 
     def holds(self, key: str, replica_id: str) -> bool:
@@ -615,10 +692,13 @@ class HeldRegions:
 
     def regions(self, key: str, replica_id: str, field: str) -> tuple[plans.Region, ...]:
         got = self._parts.get(key, {}).get(replica_id)
+        if got is None and self.fetch is not None:
+            got = self.fetch(key, replica_id)
+            self.keep(key, replica_id, got)
         if got is None:
             raise NotHeld(
                 f"{field}: the coordinator left out replica {replica_id!r}'s regions of plan {key[:19]}..., which this "
-                f"end does not hold (it holds {len(self._parts)} plans' parts): the two ends disagree on what was sent"
+                f"end does not hold (it holds {len(self._parts)} plans' parts) and cannot read"
             )
         return got
 
@@ -643,37 +723,25 @@ def transfer_part(m: pb.TransferPart, field: str = "transfer", held: HeldRegions
     return plans.TransferPlan(m.plan_key, tuple(replicas))
 
 
-def transfer_part_to(p: plans.TransferPlan, held: HeldRegions | None = None) -> pb.TransferPart:
+def transfer_part_to(
+    p: plans.TransferPlan, held: HeldRegions | None = None, room: Room | None = None
+) -> pb.TransferPart:
     """``held``: what the receiving end holds, as it keeps it (its events arrive in order, so a watch stream's copy
-    forgets what the client's does); those regions are left out, and every part sent in full is kept there."""
+    forgets what the client's does); those regions are left out, and every part sent in full is kept there.
+    ``room``: the message's room for regions; a part past it is left out too (its end reads it)."""
     out = pb.TransferPart(plan_key=p.key)
     for r in p.replicas:
         copied = [pb.RegionLink(rank=rank, worker=worker) for rank, worker in sorted(r.copied)]
-        if held is not None and held.holds(p.key, r.replica_id):
-            kept = pb.ReplicaRegions(replica_id=r.replica_id, gathered=r.gathered, copied=copied, held=True)
-            out.replicas.append(kept)
-            continue
-        if held is not None:
-            held.keep(p.key, r.replica_id, r.regions)
-        out.replicas.append(
-            pb.ReplicaRegions(
-                replica_id=r.replica_id,
-                gathered=r.gathered,
-                regions=[
-                    pb.TransferRegion(
-                        tensor=g.tensor,
-                        rank=g.rank,
-                        worker=g.worker,
-                        source=box_to(g.source),
-                        param=g.param,
-                        dest=box_to(g.dest),
-                        nbytes=g.nbytes,
-                    )
-                    for g in r.regions
-                ],
-                copied=copied,
-            )
-        )
+        part = pb.ReplicaRegions(replica_id=r.replica_id, gathered=r.gathered, copied=copied)
+        held_there = held is not None and held.holds(p.key, r.replica_id)
+        if held_there or (room is not None and not room.take(part, r.regions)):
+            part.held = True
+        else:
+            if room is None:
+                part.regions.extend(_region_to(g) for g in r.regions)
+            if held is not None:
+                held.keep(p.key, r.replica_id, r.regions)
+        out.replicas.append(part)
     return out
 
 
@@ -757,14 +825,16 @@ def opened(m: pb.OpenVersionResponse, held: HeldRegions | None = None) -> models
     return models.OpenedVersion(m.version, tuple(plan(p, f"plans[{i}]", held) for i, p in enumerate(m.plans)), m.reused)
 
 
-def opened_to(o: models.OpenedVersion, held_plan_key: str = "") -> pb.OpenVersionResponse:
-    """``held_plan_key``: the request's; every replica's regions of that plan are left out."""
+def opened_to(o: models.OpenedVersion, held_plan_key: str = "", room: Room | None = None) -> pb.OpenVersionResponse:
+    """``held_plan_key``: the request's; every replica's regions of that plan are left out, and those past
+    ``room``."""
     held = None
     if held_plan_key:
         held = HeldRegions()
         for p in o.plans:
             held.keep(held_plan_key, p.replica_id, ())
-    return pb.OpenVersionResponse(version=o.version, plans=[plan_to(p, held) for p in o.plans], reused=o.reused)
+    plans_ = [plan_to(p, held, room) for p in o.plans]
+    return pb.OpenVersionResponse(version=o.version, plans=plans_, reused=o.reused)
 
 
 def watch_request(lease_id: str, keeps_regions: bool = True) -> pb.WatchRequest:

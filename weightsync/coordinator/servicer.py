@@ -107,6 +107,7 @@ class Servicer:
                 "MarkDurable",
                 "GetJob",
                 "ListVersions",
+                "GetPlanRegions",
             )
         }
 
@@ -153,7 +154,7 @@ class Servicer:
             serde.table(request.table),
             [serde.offer(o, f"offers[{i}]") for i, o in enumerate(request.offers)],
         )
-        return serde.opened_to(opened, request.held_plan_key)
+        return serde.opened_to(opened, request.held_plan_key, self._room())
 
     @_guard_stream
     def WatchVersions(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
@@ -178,7 +179,7 @@ class Servicer:
                 continue
             if item is None:
                 return
-            yield serde.event_to(item, held)
+            yield serde.event_to(item, held, self._room())
 
     @_guard
     def ReportProgress(
@@ -237,6 +238,19 @@ class Servicer:
             request.job, request.version, request.manifest_path, request.manifest_checksum, request.content_digest
         )
         return serde.mark_durable_response(info)
+
+    @_guard_stream
+    def GetPlanRegions(
+        self, request: pb.PlanRegionsRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.PlanRegionsChunk]:
+        lease_id = _nonempty(request.lease_id, "lease_id", "register first")
+        key = _nonempty(request.plan_key, "plan_key", "send the key of the part whose regions were left out")
+        regions = self.core.plan_regions(lease_id, key, request.replica_id)
+        yield from serde.region_chunks(regions, self._room().left)
+
+    def _room(self) -> serde.Room:
+        """One answer's room for plan regions: half the message limit (the rest of a message is small)."""
+        return serde.Room(self.max_message_bytes // 2)
 
     @_guard
     def GetJob(self, request: pb.GetJobRequest, context: grpc.ServicerContext) -> pb.GetJobResponse:

@@ -62,7 +62,7 @@ from weightsync.coordinator.state import CoreState
 from weightsync.sharding import links as sharding_links
 from weightsync.sharding import plans as sharding_plans
 from weightsync.sharding.fills import EngineLayout
-from weightsync.sharding.plans import TransferPlan
+from weightsync.sharding.plans import Region, TransferPlan
 from weightsync.sharding.shards import TrainerLayout
 from weightsync.vocabulary import Channel, ReplicaState, SyncPhase, VersionState
 
@@ -524,6 +524,25 @@ def _lost(state: CoreState, job: Job, rec: VersionRecord, lost: Mapping[str, str
         if member is None or not _fall_back(state, job, rec, member, planned, error):
             rec.errors.setdefault(rid, f"{error}; it has no volume to fall back to")
     state.dirty = True
+
+
+def plan_regions(state: CoreState, lease_id: str, plan_key: str, replica_id: str) -> tuple[Region, ...]:
+    """Replica ``replica_id``'s regions of the plan computed under ``plan_key``: for the job's trainer (rank 0 reads
+    every replica's part) or the replica itself, while the job's plan cache holds the plan."""
+    member = state.member(lease_id)
+    if member.role is Role.REPLICA and member.member_id != replica_id:
+        raise faults.PermissionDenied(
+            f"replica {member.member_id!r} asked for replica {replica_id!r}'s regions; a replica reads its own only"
+        )
+    found = state.job(member.job).transfer_plans.find(plan_key)
+    if found is None:
+        raise faults.NotFound(
+            f"job {member.job!r} holds no plan {plan_key[:19]}... any more (its layouts or membership changed since): "
+            "the next version carries the new plan"
+        )
+    if replica_id not in {r.replica_id for r in found.replicas}:
+        raise faults.NotFound(f"plan {plan_key[:19]}... of job {member.job!r} has no replica {replica_id!r}")
+    return found.replica(replica_id).regions
 
 
 def report_lost(state: CoreState, lease_id: str, version: int, lost: Mapping[str, str]) -> None:

@@ -238,6 +238,10 @@ class PlanCache:
         self._plans.move_to_end(key)
         return found
 
+    def find(self, key: str) -> TransferPlan | None:
+        """The plan computed under ``key``, while the cache holds it (no use: what ``get`` keeps is unchanged)."""
+        return self._plans.get(key)
+
 
 def regions_to(items: Sequence[Region]) -> list[list[Any]]:
     """Regions as JSON rows (what crosses vLLM's ``collective_rpc`` and the trainer ranks' control group)."""

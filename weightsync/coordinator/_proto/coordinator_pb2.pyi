@@ -720,6 +720,24 @@ class ReplicaRegions(_message.Message):
     held: bool
     def __init__(self, replica_id: _Optional[str] = ..., gathered: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ..., copied: _Optional[_Iterable[_Union[RegionLink, _Mapping]]] = ..., held: _Optional[bool] = ...) -> None: ...
 
+class PlanRegionsRequest(_message.Message):
+    __slots__ = ("lease_id", "plan_key", "replica_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    plan_key: str
+    replica_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., plan_key: _Optional[str] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class PlanRegionsChunk(_message.Message):
+    __slots__ = ("regions", "total")
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[TransferRegion]
+    total: int
+    def __init__(self, regions: _Optional[_Iterable[_Union[TransferRegion, _Mapping]]] = ..., total: _Optional[int] = ...) -> None: ...
+
 class RegionLink(_message.Message):
     __slots__ = ("rank", "worker")
     RANK_FIELD_NUMBER: _ClassVar[int]
