@@ -27,7 +27,7 @@ from weightsync.coordinator import faults, limits, serde, server
 from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.client import CoordinatorClient
 from weightsync.coordinator.models import Assignment, Capabilities, ChannelPlan, EventKind, OpenedVersion, summarize
-from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
+from weightsync.sharding.shards import REPLICATE, Mesh, Placement, TrainerLayout
 from weightsync.tensors import TensorTable
 from weightsync.vocabulary import Channel
 
@@ -118,22 +118,31 @@ def test_parts_past_a_messages_room_are_read_in_chunks_by_each_end(monkeypatch: 
     layout = TrainerLayout(table, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (0,)) for _ in table))
     config = server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0, max_message_bytes=limit)
     coordinator = server.CoordinatorServer(config).start()
-    chunks: list[list[int]] = []  # per part read, each chunk's size
-    chunked = serde.chunked_regions
+    chunks: list[list[int]] = []  # per part decoded, each chunk's size
+    encoded: list[int] = []  # per part the coordinator encoded, its regions
+    chunked, chunking = serde.chunked_regions, serde.region_chunks
 
-    def counted(answer: Any, field: str) -> Any:
+    def decoded(answer: Any, field: str) -> Any:
         sizes: list[int] = []
         chunks.append(sizes)
-        return chunked((sizes.append(c.ByteSize()) or c for c in answer), field)
+        return chunked([sizes.append(c.ByteSize()) or c for c in answer], field)
 
-    monkeypatch.setattr(serde, "chunked_regions", counted)
+    def encoding(regions: Any, nbytes: int) -> Any:
+        encoded.append(len(regions))
+        return chunking(regions, nbytes)
+
+    monkeypatch.setattr(serde, "chunked_regions", decoded)
+    monkeypatch.setattr(serde, "region_chunks", encoding)
+    engine = random_replica(random.Random(3), table, 2)
     try:
-        opened, assigned = _first_assigned(coordinator, layout, random_replica(random.Random(3), table, 2))
-        assert assigned == opened.plans[0]  # both ends read the part in full
+        opened, assigned = _first_assigned(coordinator, layout, engine, replicas=2)
+        assert assigned == list(opened.plans)  # every end read the parts in full
         planned = coordinator.core._state.job("job").transfer_plans.find(opened.plans[0].transfer.key)  # type: ignore[union-attr]
-        assert planned is not None and opened.plans[0].regions_part() == planned.replica("r")
-        # each end read it (the trainer, the replica), in more than one chunk, each within the limit
-        assert len(chunks) == 2 and all(len(c) > 1 and max(c) <= limit for c in chunks), chunks
+        assert planned is not None and [p.regions_part() for p in opened.plans] == list(planned.replicas)
+        # each replica read its part and the trainer every replica's, in more than one chunk within the limit; the
+        # two replicas' parts are the same regions (one engine layout): encoded once, decoded once by the trainer
+        assert len(chunks) == 3 and all(len(c) > 1 and max(c) <= limit for c in chunks), chunks
+        assert encoded == [len(planned.replicas[0].regions)]
     finally:
         coordinator.stop(0.5)
 
@@ -149,43 +158,53 @@ def test_layouts_of_the_length_real_models_have_register_and_are_planned(
     table = TensorTable.build(
         [[(f"layers.{i}.w{j}", "bfloat16", (ranks * 2, 8)) for j in range(4)] for i in range(limits.MAX_ITEMS)]
     )
-    layout = TrainerLayout(
-        table, ranks, (Mesh((ranks,), tuple(range(ranks))),), tuple(Placement(0, (0,)) for _ in table)
+    # FSDP2 over every rank, and (as experts cut from a fused expert parameter are) tensors each held whole by one
+    # rank: a mesh of one per holder
+    meshes = (Mesh((ranks,), tuple(range(ranks))), *(Mesh((1,), (r,)) for r in range(ranks)))
+    placed = tuple(
+        Placement(0, (0,)) if t % 2 else Placement(1 + t // 2 % ranks, (REPLICATE,)) for t in range(len(table))
     )
+    layout = TrainerLayout(table, ranks, meshes, placed)
     engine = random_replica(random.Random(5), table, 2)
     assert len(table) > limits.MAX_ITEMS and len(layout.meshes[0].ranks) > limits.MAX_ITEMS
+    assert len({p.mesh for p in layout.placements}) > limits.MAX_ITEMS
     assert all(len(w.params) > limits.MAX_ITEMS and len(w.fills) > limits.MAX_ITEMS for w in engine.workers)
     opened, assigned = _first_assigned(coordinator, layout, engine)
     part = opened.plans[0].regions_part()
-    assert assigned == opened.plans[0] and part is not None, opened.plans[0].reason
+    assert assigned == list(opened.plans) and part is not None, opened.plans[0].reason
     assert {r.rank for r in part.regions} == set(range(ranks)) and {r.worker for r in part.regions} == {0, 1}
 
 
 def _first_assigned(
-    coordinator: server.CoordinatorServer, layout: TrainerLayout, engine: Any
-) -> tuple[OpenedVersion, ChannelPlan | None]:
-    """A trainer with ``layout`` and a watching replica "r" with ``engine`` registered over gRPC: the first version
-    planned for the replica, and the plan its ASSIGN carried."""
+    coordinator: server.CoordinatorServer, layout: TrainerLayout, engine: Any, replicas: int = 1
+) -> tuple[OpenedVersion, list[ChannelPlan | None]]:
+    """A trainer with ``layout`` and ``replicas`` watching replicas ("r", "r1", ...) with ``engine`` registered over
+    gRPC: the first version planned for every replica, and the plan each one's ASSIGN carried, in the version's
+    order."""
     trainer = CoordinatorClient(coordinator.target, insecure=True, timeout_s=30)
-    replica = CoordinatorClient(coordinator.target, insecure=True, timeout_s=30)
+    ends = [CoordinatorClient(coordinator.target, insecure=True, timeout_s=30) for _ in range(replicas)]
     events: queue.Queue[Assignment] = queue.Queue()
     try:
         trainer.register_trainer(
             "job", "t", CPU, offers=[Offer(Channel.CPU, Endpoint("127.0.0.1", 29999))], layout=layout
         )
-        replica.register_replica("job", "r", CPU, layout=engine)
-        threading.Thread(target=lambda: [events.put(e) for e in replica.watch()], daemon=True).start()
-        for step in range(1, 50):  # the replica is planned once its stream is up: the first opens may come before
+        for i, end in enumerate(ends):
+            end.register_replica("job", f"r{i or ''}", CPU, layout=engine)
+            threading.Thread(target=lambda end=end: [events.put(e) for e in end.watch()], daemon=True).start()
+        for step in range(1, 50):  # a replica is planned once its stream is up: the first opens may come before
             opened = trainer.open_version(step, summarize(layout.table, True))
-            if opened.plans:
+            if len(opened.plans) == replicas:
                 break
             time.sleep(0.1)
-        while (e := events.get(timeout=30)).version != opened.version:
-            pass
-        return opened, e.plan
+        assigned: dict[str, ChannelPlan | None] = {}
+        while len(assigned) < replicas:
+            e = events.get(timeout=30)
+            if e.version == opened.version and e.plan is not None:
+                assigned[e.plan.replica_id] = e.plan
+        return opened, [assigned[p.replica_id] for p in opened.plans]
     finally:
-        trainer.close()
-        replica.close()
+        for c in (trainer, *ends):
+            c.close()
 
 
 def test_a_replica_reads_only_its_own_part(coordinator: server.CoordinatorServer) -> None:

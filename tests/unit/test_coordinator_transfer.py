@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
+from typing import Any
 
 import pytest
 
@@ -31,6 +33,7 @@ from weightsync.coordinator.models import (
     summarize,
 )
 from weightsync.coordinator.store import MemoryStore
+from weightsync.sharding import plans as sharding_plans
 from weightsync.sharding.plans import Region
 from weightsync.sharding.shards import Mesh, Placement, TrainerLayout
 from weightsync.tensors import DIGEST_PREFIX, TensorTable
@@ -495,3 +498,37 @@ def test_a_part_past_the_messages_room_is_left_out_and_read_in_chunks() -> None:
         core.plan_regions(replicas["r-none"], plan.transfer.key, "r-sharded")
     with pytest.raises(faults.NotFound, match="has no replica 'r-gone'"):
         core.plan_regions(lease, plan.transfer.key, "r-gone")
+
+
+def test_a_new_plan_is_computed_off_the_coordinators_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning a big model takes seconds (Qwen3-235B to 8 replicas); the coordinator's other calls, the leases'
+    renewals above all, go on meanwhile. The computation is held at a gate here (a stand-in for its length) while
+    another thread renews a lease and reads the job; the open then completes with the plan, cached once."""
+    core, lease, replicas = _fleet_with_replicas()
+    computing, go = threading.Event(), threading.Event()
+    real = sharding_plans.plan
+
+    def slow(*args: Any) -> Any:
+        computing.set()
+        assert go.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(sharding_plans, "plan", slow)
+    opened: list[Any] = []
+    opener = threading.Thread(
+        target=lambda: opened.append(core.open_version(lease, "job", "t1", 1, summarize(TABLE, True)))
+    )
+    opener.start()
+    assert computing.wait(30)
+    others: list[Any] = []
+    side = threading.Thread(target=lambda: others.extend([core.renew(replicas["r-sharded"]), core.get_job("job")]))
+    side.start()
+    side.join(10)
+    assert len(others) == 2, "a call waited for the plan's computation"
+    go.set()
+    opener.join(30)
+    (version,) = opened
+    assert next(p for p in version.plans if p.replica_id == "r-sharded").transfer.replica("r-sharded").regions  # type: ignore[union-attr]
+    assert core._state.job("job").transfer_plans.computed == 1
+    core.open_version(lease, "job", "t1", 2, summarize(TABLE, True))
+    assert core._state.job("job").transfer_plans.computed == 1  # the next version finds it

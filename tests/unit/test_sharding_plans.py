@@ -65,6 +65,29 @@ def test_replicated_pieces_spread_over_their_holders() -> None:
     assert result.bytes_sent() == {0: 256, 1: 256, 2: 256, 3: 256}
 
 
+def test_replicas_of_one_engine_layout_are_cut_once_where_no_rank_has_a_choice() -> None:
+    """With every piece on one rank (FSDP2) the replicas of one engine layout get the same regions (the plan cuts
+    them once per tensor); where pieces are replicated, they still spread over the holders."""
+    rng = random.Random(7)
+    table = random_table(rng, 6)
+    engine = random_replica(rng, table, 2)
+    members = [
+        Member("a", engine),
+        Member("b", random_replica(rng, table, 3)),
+        Member("c", engine),
+        Member("d", engine),
+    ]
+    fsdp = _fsdp(table, 3)
+    result = plan(fsdp, members)
+    execute(fsdp, members, result)
+    assert result.replica("a").regions == result.replica("c").regions == result.replica("d").regions
+    replicated = TrainerLayout(table, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (REPLICATE,)) for _ in table))
+    spread = plan(replicated, members)
+    execute(replicated, members, spread)
+    assert spread.replica("a").regions != spread.replica("c").regions
+    assert set(spread.bytes_sent()) == {0, 1}
+
+
 def test_a_replica_that_cannot_take_regions_is_planned_gathered_with_the_reason() -> None:
     table = TensorTable.build([[("w", "bfloat16", (8, 4))]])
     trainer = _fsdp(table, 2)

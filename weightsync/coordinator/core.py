@@ -58,8 +58,12 @@ from weightsync.coordinator.models import (
 )
 from weightsync.coordinator.state import CoreState
 from weightsync.coordinator.store import MemoryStore, VersionStore
+from weightsync.sharding import plans as sharding_plans
 from weightsync.sharding.plans import Region
 from weightsync.vocabulary import VersionState
+
+_PLAN_TRIES = 3
+"""Opens of one version that compute their new plan off the lock before one computes it under the lock."""
 
 
 class Coordinator:
@@ -164,6 +168,20 @@ class Coordinator:
         table: TableSummary,
         offers: Sequence[Offer] = (),
     ) -> OpenedVersion:
+        """A new transfer plan (a layout or the membership changed) is computed off the lock, so the other calls,
+        renewals above all, go on meanwhile (Qwen3-235B to 8 replicas: seconds); opened again with it, the
+        membership may have changed in between: a few tries, then the plan is computed under the lock."""
+        for _ in range(_PLAN_TRIES):
+            with self._cond:
+                try:
+                    return versions.open_version(
+                        self._state, lease_id, job_name, incarnation, step, table, offers, compute_plan=False
+                    )
+                except sharding_plans.Unplanned as e:
+                    needed = e
+            computed = sharding_plans.plan(needed.trainer, needed.members)
+            with self._cond:
+                self._state.job(job_name).transfer_plans.put(computed)
         with self._cond:
             return versions.open_version(self._state, lease_id, job_name, incarnation, step, table, offers)
 

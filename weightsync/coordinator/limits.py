@@ -50,6 +50,7 @@ COUNT_LIMITS: dict[str, int] = {
     "tensors": MAX_TENSORS,
     "placements": MAX_TENSORS,
     "group_starts": MAX_TENSORS,
+    "meshes": MAX_TENSORS,  # one per distinct holder set: each expert a fused expert parameter's shard holds whole
     "ranks": MAX_RANKS,  # a device mesh's ranks
     "workers": MAX_RANKS,
     "params": MAX_TENSORS,

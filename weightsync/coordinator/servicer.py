@@ -14,6 +14,7 @@ import functools
 import logging
 import queue
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from weightsync.coordinator._proto import coordinator_pb2 as pb
 from weightsync.coordinator.core import Coordinator
 from weightsync.coordinator.models import JobPolicy, Role, WaitFor
 from weightsync.errors import PermanentError, RetryableError
+from weightsync.sharding.plans import Region
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +41,8 @@ spreads a large fleet's re-opens out. Short windows also bound how long a stream
 silently cut by a middlebox goes unnoticed. In the 256-replica soak the
 coordinator's memory rose once, at the first round of re-opens, and then stayed
 flat; a 50 s window puts that round inside the first minute."""
+ENCODED_PARTS = 4
+"""Parts ``GetPlanRegions`` keeps encoded (Qwen3-235B's: ~13 MB each)."""
 
 
 def _status(error: BaseException) -> grpc.StatusCode:
@@ -90,6 +94,10 @@ class Servicer:
         self.core = core
         self.max_message_bytes = max_message_bytes
         """What one answer may hold: a list that would exceed it is cut (``ListVersionsResponse.truncated``)."""
+        self._lock = threading.Lock()
+        self._encoded: list[tuple[tuple[Region, ...], list[pb.PlanRegionsChunk]]] = []
+        """The parts ``GetPlanRegions`` encoded last, newest first, by the plan's own regions (identical replicas
+        share them: ``sharding.plans.plan``): the trainer and every replica read the same part."""
 
     def implementations(self) -> dict[str, Callable[[Any, grpc.ServicerContext], Any]]:
         return {
@@ -246,7 +254,13 @@ class Servicer:
         lease_id = _nonempty(request.lease_id, "lease_id", "register first")
         key = _nonempty(request.plan_key, "plan_key", "send the key of the part whose regions were left out")
         regions = self.core.plan_regions(lease_id, key, request.replica_id)
-        yield from serde.region_chunks(regions, self._room().left)
+        with self._lock:
+            chunks = next((c for r, c in self._encoded if r is regions), None)
+        if chunks is None:  # seconds of host time for Qwen3-235B's part: once per part, its replicas' and rank 0's
+            chunks = list(serde.region_chunks(regions, self._room().left))
+            with self._lock:
+                self._encoded = [(regions, chunks), *self._encoded[: ENCODED_PARTS - 1]]
+        yield from chunks
 
     def _room(self) -> serde.Room:
         """One answer's room for plan regions: half the message limit (the rest of a message is small)."""

@@ -94,7 +94,10 @@ def open_version(
     step: int,
     table: TableSummary,
     offers: Sequence[Offer],
+    compute_plan: bool = True,
 ) -> OpenedVersion:
+    """``compute_plan``: a transfer plan the job's cache lacks is computed here; else ``sharding.plans.Unplanned``
+    is raised before anything changed (the core computes it off its lock and opens again)."""
     job = state.job(job_name)
     trainer = state.member(lease_id, Role.TRAINER)
     if trainer.job != job_name:
@@ -140,10 +143,10 @@ def open_version(
     # not hold them back); those the plan then sends none are negotiated again with the rest
     apart = _may_take_regions(job, trainer, table)
     plans, unplanned, groups = negotiate(apart)
-    planned = _transfer(job, trainer, table, plans)
+    planned = _transfer(job, trainer, table, plans, compute_plan)
     if planned is not None and planned.sharded != apart:
         plans, unplanned, groups = negotiate(planned.sharded)
-        planned = _transfer(job, trainer, table, plans)
+        planned = _transfer(job, trainer, table, plans, compute_plan)
     job.groups = groups
     plans = planned.parts(plans) if planned is not None else plans
     rec = VersionRecord(
@@ -226,7 +229,9 @@ class _Planned:
         return dataclasses.replace(part, replicas=(dataclasses.replace(rp, copied=copied),)) if copied else part
 
 
-def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan]) -> _Planned | None:
+def _transfer(
+    job: Job, trainer: Member, table: TableSummary, plans: list[ChannelPlan], compute: bool = True
+) -> _Planned | None:
     """The version's transfer plan, when the trainer registered a layout of this table: each replica its regions,
     or why it takes the gathered path (its channel carries no regions, or not to its GPUs; it registered no
     layout; its layout was recorded against another table), each trainer rank its own. From the job's cache: the
@@ -253,7 +258,7 @@ def _transfer(job: Job, trainer: Member, table: TableSummary, plans: list[Channe
     caps = {p.replica_id: job.members[p.replica_id].capabilities for p in plans}
     workers = {r: c.gpu_uuids for r, c in caps.items()}
     peers = {r: () if rules.no_copies(trainer.capabilities, c) else c.peer_gpu_uuids for r, c in caps.items()}
-    whole = job.transfer_plans.get(layout, members)
+    whole = job.transfer_plans.get(layout, members, compute)
     return _Planned(layout, tuple(members), whole, trainer.capabilities.rank_gpu_uuids, workers, peers)
 
 
