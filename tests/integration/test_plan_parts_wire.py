@@ -41,9 +41,26 @@ ENGINE = random_replica(random.Random(3), TABLE, 2)
 CPU = Capabilities(host="n", channels=(Channel.CPU,))
 
 
+LIMIT = 16 << 10
+"""A lowered message limit (``--max-message-bytes``, which the coordinator's operator sets), so that a small plan's
+part is past a message's room: ``WIDE``'s from 2 ranks to a TP=2 replica."""
+WIDE = TensorTable.build([[(f"t{i}", "bfloat16", (64, 6)) for i in range(100)]])
+WIDE_TRAINER = TrainerLayout(WIDE, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (0,)) for _ in WIDE))
+
+
 @pytest.fixture
 def coordinator() -> Iterator[server.CoordinatorServer]:
-    s = server.CoordinatorServer(server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0)).start()
+    yield from _serving(server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0))
+
+
+@pytest.fixture
+def small_coordinator() -> Iterator[server.CoordinatorServer]:
+    config = server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0, max_message_bytes=LIMIT)
+    yield from _serving(config)
+
+
+def _serving(config: server.ServerConfig) -> Iterator[server.CoordinatorServer]:
+    s = server.CoordinatorServer(config).start()
     try:
         yield s
     finally:
@@ -108,16 +125,13 @@ def test_regions_cross_once_per_plan_key_and_each_end_fills_them_back_in(
         replica.close()
 
 
-def test_parts_past_a_messages_room_are_read_in_chunks_by_each_end(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parts_past_a_messages_room_are_read_in_chunks_by_each_end(
+    small_coordinator: server.CoordinatorServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A part whose regions would take more than half the coordinator's message limit is left out of the message
     (Qwen3-235B's is 12.7 MB a replica, rank 0's answer every replica's); each end reads it with GetPlanRegions, in
     chunks within the limit, and gets the plan the coordinator computed. The limit is lowered here so a small plan
     engages it (``--max-message-bytes``, which the coordinator's operator sets)."""
-    limit = 16 << 10
-    table = TensorTable.build([[(f"t{i}", "bfloat16", (64, 6)) for i in range(100)]])
-    layout = TrainerLayout(table, 2, (Mesh((2,), (0, 1)),), tuple(Placement(0, (0,)) for _ in table))
-    config = server.ServerConfig(insecure=True, port=0, lease_ttl_s=30.0, metrics_port=0, max_message_bytes=limit)
-    coordinator = server.CoordinatorServer(config).start()
     chunks: list[list[int]] = []  # per part decoded, each chunk's size
     encoded: list[int] = []  # per part the coordinator encoded, its regions
     chunked, chunking = serde.chunked_regions, serde.region_chunks
@@ -133,18 +147,54 @@ def test_parts_past_a_messages_room_are_read_in_chunks_by_each_end(monkeypatch: 
 
     monkeypatch.setattr(serde, "chunked_regions", decoded)
     monkeypatch.setattr(serde, "region_chunks", encoding)
-    engine = random_replica(random.Random(3), table, 2)
+    engine = random_replica(random.Random(3), WIDE, 2)
+    opened, assigned = _first_assigned(small_coordinator, WIDE_TRAINER, engine, replicas=2)
+    assert assigned == list(opened.plans)  # every end read the parts in full
+    planned = small_coordinator.core._state.job("job").transfer_plans.find(opened.plans[0].transfer.key)  # type: ignore[union-attr]
+    assert planned is not None and [p.regions_part() for p in opened.plans] == list(planned.replicas)
+    # each replica read its part and the trainer every replica's, in more than one chunk within the limit; the two
+    # replicas' parts are the same regions (one engine layout): encoded once, decoded once by the trainer
+    assert len(chunks) == 3 and all(len(c) > 1 and max(c) <= LIMIT for c in chunks), chunks
+    assert encoded == [len(planned.replicas[0].regions)]
+
+
+def test_a_replica_that_cannot_read_its_part_opens_its_stream_again_and_gets_the_version(
+    small_coordinator: server.CoordinatorServer,
+) -> None:
+    """Its first read of the part fails (a stand-in for a coordinator that lost the plan between the event and the
+    read: it keeps plans in memory, and a restart loses them); the agent's stream does not end: it is opened again,
+    the coordinator replays the version's assignment, and the part is read then."""
+    trainer = CoordinatorClient(small_coordinator.target, insecure=True, timeout_s=10)
+    replica = CoordinatorClient(small_coordinator.target, insecure=True, timeout_s=10)
+    failed: list[str] = []
+    read = replica._watched_parts.fetch
+    assert read is not None
+
+    def once(key: str, replica_id: str) -> Any:
+        if not failed:
+            failed.append(key)
+            raise faults.NotFound(f"job 'job' holds no plan {key[:19]}... any more (a stand-in)")
+        return read(key, replica_id)
+
+    replica._watched_parts.fetch = once
+    events: queue.Queue[Assignment] = queue.Queue()
     try:
-        opened, assigned = _first_assigned(coordinator, layout, engine, replicas=2)
-        assert assigned == list(opened.plans)  # every end read the parts in full
-        planned = coordinator.core._state.job("job").transfer_plans.find(opened.plans[0].transfer.key)  # type: ignore[union-attr]
-        assert planned is not None and [p.regions_part() for p in opened.plans] == list(planned.replicas)
-        # each replica read its part and the trainer every replica's, in more than one chunk within the limit; the
-        # two replicas' parts are the same regions (one engine layout): encoded once, decoded once by the trainer
-        assert len(chunks) == 3 and all(len(c) > 1 and max(c) <= limit for c in chunks), chunks
-        assert encoded == [len(planned.replicas[0].regions)]
+        trainer.register_trainer(
+            "job", "t", CPU, offers=[Offer(Channel.CPU, Endpoint("127.0.0.1", 29999))], layout=WIDE_TRAINER
+        )
+        replica.register_replica("job", "r", CPU, layout=random_replica(random.Random(3), WIDE, 2))
+        threading.Thread(target=lambda: [events.put(e) for e in replica.watch()], daemon=True).start()
+        for step in range(1, 50):
+            opened = trainer.open_version(step, summarize(WIDE, True))
+            if opened.plans:
+                break
+            time.sleep(0.1)
+        while (e := events.get(timeout=30)).version != opened.version:
+            pass
+        assert failed == [opened.plans[0].transfer.key] and e.plan == opened.plans[0]  # type: ignore[union-attr]
     finally:
-        coordinator.stop(0.5)
+        trainer.close()
+        replica.close()
 
 
 def test_layouts_of_the_length_real_models_have_register_and_are_planned(

@@ -399,8 +399,18 @@ class CoordinatorClient:
                 self._active.append(call)
             try:
                 for event in call:
+                    try:
+                        assignment = serde.event(event, self._watched_parts)
+                    except WeightsyncError as e:
+                        # its plan part could not be read (GetPlanRegions: the coordinator lost the plan, or is
+                        # away): a new stream replays the version's assignment, and its part is read again then
+                        log.warning("version %d's assignment: %s; the stream is opened again", event.version, e)
+                        call.cancel()
+                        time.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+                        break
                     delay = 0.05
-                    yield serde.event(event, self._watched_parts)
+                    yield assignment
             except grpc.RpcError as e:
                 code = e.code()
                 if self._closed.is_set():
