@@ -13,6 +13,7 @@ replica (the CPU backend's prepacked experts included), and both replicas genera
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -23,6 +24,11 @@ from tests.integration.test_sharded_publish import (
     assert_the_versions_after_the_first_move_as_regions,
     running,
 )
+from weightsync_trainer import tiny_models
+
+DEEP_MOE = replace(tiny_models.PRESETS["tiny-qwen2-moe"], num_layers=6)
+"""The tiny Qwen2-MoE with 6 layers: its layouts list more than an ordinary request list may hold (158 tensors, a
+TP=2 worker's 68 parameters), as every real model's do."""
 
 pytestmark = [
     pytest.mark.integration,
@@ -32,7 +38,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    with running(tmp_path_factory.mktemp("sharded-moe"), support.tiny_model("tiny-qwen2-moe"), (2, 2)) as f:
+    with running(tmp_path_factory.mktemp("sharded-moe"), support.tiny_model(DEEP_MOE), (2, 2)) as f:
         yield f
 
 
