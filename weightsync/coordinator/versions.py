@@ -545,9 +545,10 @@ def plan_regions(state: CoreState, lease_id: str, plan_key: str, replica_id: str
             f"job {member.job!r} holds no plan {plan_key[:19]}... any more (its layouts or membership changed since): "
             "the next version carries the new plan"
         )
-    if replica_id not in {r.replica_id for r in found.replicas}:
+    part = next((r for r in found.replicas if r.replica_id == replica_id), None)
+    if part is None:
         raise faults.NotFound(f"plan {plan_key[:19]}... of job {member.job!r} has no replica {replica_id!r}")
-    return found.replica(replica_id).regions
+    return part.regions
 
 
 def report_lost(state: CoreState, lease_id: str, version: int, lost: Mapping[str, str]) -> None:
